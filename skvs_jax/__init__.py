@@ -1,0 +1,25 @@
+"""skvs_jax: a speculation-aware KV-cache scheduler in JAX.
+
+Glossary of dimension names, used in every annotation and docstring of the project:
+
+  B    sequence slots (rows of a block table), or sequences in a batch
+  N    physical KV blocks in the pool (block 0 is the null block)
+  S    block size, tokens per block
+  M    max blocks per sequence (columns of a block table)
+  P    capacity of the speculative pool
+  T    tokens in one engine step
+  Q    query tokens per sequence in one attention call (1 for decode, K + 1 for verification)
+  K    draft length (max draft tokens per sequence between commits)
+  Hq   query heads;  Hkv  key/value heads;  D  head dim
+  L    layers;  V  vocabulary size
+
+State is data (pytrees of fixed-shape arrays); capacities and switches are static config
+(`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`.
+"""
+
+from skvs_jax import allocator, config
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["allocator", "config", "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__"]
