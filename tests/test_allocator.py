@@ -1,0 +1,272 @@
+"""The JAX allocator against the plain-Python oracle, its invariants, and its boundary checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as hs
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from skvs_jax import allocator, testing
+from skvs_jax.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.oracle import OracleAllocator
+
+i32 = jnp.int32
+CFG = CacheConfig(num_blocks=16, block_size=4, max_seqs=3, max_blocks_per_seq=5)
+SPEC = SpecConfig(draft_len=4, generation_threshold=2)
+
+
+def vec(*xs):
+    return jnp.asarray(xs, i32)
+
+
+# --------------------------------------------------------------------------------------- stateful
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random interleavings of every transition, applied to the JAX allocator and the oracle in lockstep."""
+
+    @initialize(cfg=testing.cache_configs(), spec=testing.spec_configs())
+    def setup(self, cfg, spec):
+        self.cfg, self.spec = cfg, spec
+        self.st, self.oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+        self.step = 0
+
+    def _do(self, op):
+        self.step += 1
+        self.st = testing.apply(op, self.st, self.oracle, self.cfg, self.spec, generation=self.step)
+
+    @rule(data=hs.data())
+    def operation(self, data):
+        self._do(data.draw(testing.operations(self.cfg, self.spec)))
+
+    @rule(data=hs.data())
+    def engine_step(self, data):
+        """The order an engine uses: decode slot, drafts, commit with a random accept count, reclaim."""
+        b, k = self.cfg.max_seqs, self.spec.draft_len
+        order = tuple(data.draw(hs.permutations(range(b))))
+        self._do(testing.Allocate((1,) * b, order))
+        self._do(testing.AllocateSpeculative((k,) * b, order))
+        self._do(testing.Commit(tuple(data.draw(hs.lists(hs.integers(0, k + 1), min_size=b, max_size=b)))))
+        self._do(testing.Reclaim(self.spec.generation_threshold))
+
+    @precondition(lambda self: hasattr(self, "st"))
+    @invariant()
+    def agrees_and_holds(self):
+        testing.check_invariants(self.st, self.cfg, self.spec)
+        testing.assert_matches_oracle(self.st, self.oracle)
+
+    def teardown(self):
+        if hasattr(self, "st"):
+            self._do(testing.Free((True,) * self.cfg.max_seqs))
+            testing.assert_matches_oracle(self.st, self.oracle)
+            testing.assert_no_leak(self.st, self.cfg)
+
+
+TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+@given(cfg=testing.cache_configs(), spec=testing.spec_configs(), data=hs.data())
+def test_random_sequences_match_oracle_and_do_not_leak(cfg, spec, data):
+    ops = data.draw(testing.operation_sequences(cfg, spec, max_size=25))
+    testing.run_sequence(ops, cfg, spec)
+
+
+# --------------------------------------------------------------------------------------- examples
+
+
+def test_init_puts_every_usable_block_on_the_free_stack():
+    st = allocator.init(CFG)
+    testing.check_invariants(st, CFG, SPEC)
+    assert int(st.blocks.free_top) == CFG.num_blocks - 1
+    assert int(st.blocks.free_stack[st.blocks.free_top - 1]) == 1  # block 1 is handed out first
+
+
+def test_allocate_is_all_or_nothing_in_priority_order():
+    cfg = CacheConfig(num_blocks=6, block_size=4, max_seqs=3, max_blocks_per_seq=5)  # 5 usable blocks
+    st = allocator.init(cfg)
+    # Slot 2 first (2 blocks), then slot 0 (4 blocks: does not fit), then slot 1 (1 block: not served either).
+    st, res = allocator.allocate(st, vec(13, 4, 8), vec(2, 0, 1), cfg=cfg, spec=SPEC)
+    np.testing.assert_array_equal(res.ok, [False, False, True])
+    np.testing.assert_array_equal(st.seqs.num_blocks, [0, 0, 2])
+    assert int(st.counters.alloc_failures) == 2
+    np.testing.assert_array_equal(st.seqs.block_table[2, :2], [1, 2])
+
+
+def test_request_that_needs_no_block_succeeds_after_a_failure():
+    cfg = CacheConfig(num_blocks=3, block_size=4, max_seqs=2, max_blocks_per_seq=2)
+    st = allocator.init(cfg)
+    st, _ = allocator.allocate(st, vec(1, 0), cfg=cfg, spec=SPEC)
+    st, _ = allocator.commit(st, vec(1, 0), cfg=cfg, spec=SPEC)
+    st, res = allocator.allocate(st, vec(1, 8), vec(1, 0), cfg=cfg, spec=SPEC)  # slot 1 asks 2 blocks, 1 left
+    np.testing.assert_array_equal(res.ok, [True, False])
+
+
+def test_speculative_blocks_come_from_the_pool_first_and_rejected_ones_return_at_once():
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, vec(4, 0, 0), cfg=CFG, spec=SPEC)  # one full block
+    st, _ = allocator.commit(st, vec(4, 0, 0), cfg=CFG, spec=SPEC)
+    st, _ = allocator.allocate_speculative(st, vec(4, 0, 0), 1, cfg=CFG, spec=SPEC)
+    spec_block = int(st.seqs.block_table[0, 1])
+    assert int(st.blocks.state[spec_block]) == SPECULATIVE and int(st.blocks.generation[spec_block]) == 1
+    st, res = allocator.commit(st, vec(0, 0, 0), cfg=CFG, spec=SPEC)  # all drafts rejected
+    assert int(res.released) == 1 and int(st.blocks.state[spec_block]) == STALE
+    assert int(st.blocks.pool_top) == 1 and int(st.counters.spec_blocks_wasted) == 1
+    st, _ = allocator.allocate_speculative(st, vec(4, 0, 0), 2, cfg=CFG, spec=SPEC)
+    assert int(st.seqs.block_table[0, 1]) == spec_block and int(st.counters.spec_pool_hits) == 1
+    st, _ = allocator.commit(st, vec(2, 0, 0), cfg=CFG, spec=SPEC)  # two drafts accepted
+    assert int(st.blocks.state[spec_block]) == VALIDATED and int(st.seqs.num_committed[0]) == 6
+
+
+def test_lazy_release_keeps_rejected_blocks_until_the_sequence_ends():
+    lazy = SpecConfig(draft_len=4, release="lazy", use_spec_pool=False)
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, vec(4, 0, 0), cfg=CFG, spec=lazy)
+    st, _ = allocator.commit(st, vec(4, 0, 0), cfg=CFG, spec=lazy)
+    st, _ = allocator.allocate_speculative(st, vec(4, 0, 0), 1, cfg=CFG, spec=lazy)
+    st, res = allocator.commit(st, vec(0, 0, 0), cfg=CFG, spec=lazy)
+    held = int(st.seqs.block_table[0, 1])
+    assert int(res.released) == 0 and int(st.seqs.num_blocks[0]) == 2 and int(st.blocks.state[held]) == STALE
+    st, _ = allocator.allocate(st, vec(1, 0, 0), cfg=CFG, spec=lazy)  # reuses the held block in place
+    assert int(st.seqs.block_table[0, 1]) == held and int(st.blocks.state[held]) == RESERVED
+    st, n = allocator.free(st, jnp.array([True, False, False]), cfg=CFG, spec=lazy)
+    assert int(n) == 2
+    testing.assert_no_leak(st, CFG)
+
+
+def test_reclaim_returns_only_expired_pool_blocks():
+    st = allocator.init(CFG)
+    for gen, counts in [(1, vec(4, 4, 0)), (5, vec(0, 0, 4))]:  # the second takes one block from the pool
+        st, _ = allocator.allocate_speculative(st, counts, gen, cfg=CFG, spec=SPEC)
+        st, _ = allocator.commit(st, vec(0, 0, 0), cfg=CFG, spec=SPEC)
+    assert int(st.blocks.pool_top) == 2 and int(st.counters.spec_pool_hits) == 1
+    st, n = allocator.reclaim_expired(st, 6, 2)  # 6 - 1 > 2 expires; 6 - 5 does not
+    assert int(n) == 1 and int(st.blocks.pool_top) == 1
+    testing.check_invariants(st, CFG, SPEC)
+
+
+def test_fork_shares_blocks_and_copy_on_write_protects_the_partial_block():
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, vec(6, 0, 0), cfg=CFG, spec=SPEC)  # blocks 1 (full) and 2 (2 of 4 tokens)
+    st, _ = allocator.commit(st, vec(6, 0, 0), cfg=CFG, spec=SPEC)
+    st, ok = allocator.fork(st, vec(-1, 0, -1), cfg=CFG)
+    assert bool(ok[1])
+    np.testing.assert_array_equal(st.seqs.block_table[1, :2], [1, 2])
+    np.testing.assert_array_equal(st.blocks.ref_count[1:3], [2, 2])
+    st, res = allocator.allocate(st, vec(0, 1, 0), cfg=CFG, spec=SPEC)  # child appends into shared block 2
+    assert int(res.cow_src[1]) == 2 and int(res.cow_dst[1]) not in (0, 1, 2)
+    assert int(st.blocks.ref_count[2]) == 1 and int(st.seqs.block_table[1, 1]) == int(res.cow_dst[1])
+    st, res = allocator.allocate(st, vec(1, 0, 0), cfg=CFG, spec=SPEC)  # parent now owns block 2 alone
+    assert int(res.cow_src[0]) == NULL_BLOCK
+    testing.check_invariants(st, CFG, SPEC)
+
+
+def test_cached_blocks_become_evictable_and_are_evicted_lru():
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, vec(8, 4, 0), cfg=CFG, spec=SPEC)
+    st, _ = allocator.commit(st, vec(8, 4, 0), cfg=CFG, spec=SPEC)
+    st = allocator.set_cached(st, vec(1, 2, 3), jnp.array([True, True, True]))
+    st, n = allocator.free(st, jnp.array([False, True, False]), cfg=CFG, spec=SPEC)  # block 3 first
+    st, n = allocator.free(st, jnp.array([True, False, False]), cfg=CFG, spec=SPEC)
+    assert int(n) == 2 and int(st.blocks.free_top) == CFG.num_blocks - 1 - 3
+    # A prefix hit revives a cached block without copying.
+    ids = jnp.zeros((3, 5), i32).at[2, 0].set(1)
+    st, ok = allocator.share(st, ids, vec(0, 0, 4), cfg=CFG)
+    assert bool(ok[2]) and int(st.blocks.ref_count[1]) == 1
+    st, evicted = allocator.evict_lru(st, 2, max_evict=4)
+    np.testing.assert_array_equal(evicted, [3, 2, 0, 0])  # block 3 was released first; block 1 is in use
+    testing.check_invariants(st, CFG, SPEC)
+
+
+def test_traced_bad_values_become_flags_not_exceptions():
+    @jax.jit
+    def step(st, counts, accepted):
+        st, res = allocator.allocate(st, counts, cfg=CFG, spec=SPEC)
+        st, com = allocator.commit(st, accepted, cfg=CFG, spec=SPEC)
+        return st, res.ok, com.ok
+
+    st, ok, com_ok = step(allocator.init(CFG), vec(-1, 3, 10_000), vec(0, 5, 0))
+    np.testing.assert_array_equal(ok, [False, True, False])
+    np.testing.assert_array_equal(com_ok, [True, False, True])  # 5 > 3 pending: clipped and flagged
+    assert int(st.seqs.num_committed[1]) == 3 and int(st.counters.alloc_failures) == 2
+
+
+def test_vmap_over_independent_pools():
+    states = jax.vmap(lambda _: allocator.init(CFG))(jnp.arange(4))
+    counts = jnp.asarray([[4, 0, 0], [8, 0, 0], [0, 4, 4], [60, 0, 0]], i32)
+    states, res = jax.vmap(lambda s, c: allocator.allocate(s, c, cfg=CFG, spec=SPEC))(states, counts)
+    np.testing.assert_array_equal(res.ok[:, 0], [True, True, True, False])
+    np.testing.assert_array_equal(states.seqs.num_blocks.sum(axis=1), [1, 2, 2, 0])
+
+
+# ---------------------------------------------------------------------------------- boundary errors
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda st: allocator.allocate(st, vec(-1, 0, 0), cfg=CFG), "num_tokens"),
+        (lambda st: allocator.allocate(st, vec(1, 0), cfg=CFG), "num_tokens"),
+        (lambda st: allocator.allocate(st, vec(1, 0, 0), vec(0, 0, 1), cfg=CFG), "order"),
+        (lambda st: allocator.allocate_speculative(st, vec(5, 0, 0), 0, cfg=CFG, spec=SPEC), "num_drafts"),
+        (lambda st: allocator.commit(st, vec(1, 0, 0), cfg=CFG), "num_accepted"),
+        (lambda st: allocator.fork(st, vec(3, -1, -1), cfg=CFG), "parent"),
+        (lambda st: allocator.share(st, jnp.full((3, 5), 99, i32), vec(4, 0, 0), cfg=CFG), "block_ids"),
+        (lambda st: allocator.reclaim_expired(st, 3, -1), "threshold"),
+        (lambda st: allocator.evict_lru(st, 5, max_evict=4), "num_blocks"),
+        (lambda st: allocator.allocate(st, vec(1, 0, 0), cfg=CacheConfig(32, 4, 3, 5)), "st.blocks.state"),
+    ],
+)
+def test_bad_values_raise_value_error_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(allocator.init(CFG))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda st: allocator.allocate(st, jnp.zeros(3, jnp.float32), cfg=CFG), "num_tokens"),
+        (lambda st: allocator.free(st, vec(1, 0, 0), cfg=CFG), "seq_mask"),
+        (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), 1.5, cfg=CFG), "generation"),
+        (lambda st: allocator.allocate(st, [1, 0, 0], cfg=CFG), "num_tokens"),
+    ],
+)
+def test_bad_types_raise_type_error_naming_the_argument(call, match):
+    with pytest.raises(TypeError, match=match):
+        call(allocator.init(CFG))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_blocks=1, block_size=4, max_seqs=1, max_blocks_per_seq=1), "num_blocks"),
+        (dict(num_blocks=8, block_size=0, max_seqs=1, max_blocks_per_seq=1), "block_size"),
+        (dict(num_blocks=8, block_size=4, max_seqs=1, max_blocks_per_seq=8), "max_blocks_per_seq"),
+        (dict(num_blocks=8, block_size=4, max_seqs=-1, max_blocks_per_seq=2), "max_seqs"),
+    ],
+)
+def test_cache_config_that_cannot_fit_is_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CacheConfig(**kwargs)
+
+
+def test_spec_config_validation():
+    with pytest.raises(ValueError, match="max_spec_ratio"):
+        SpecConfig(max_spec_ratio=1.5)
+    with pytest.raises(ValueError, match="release"):
+        SpecConfig(release="eager")
+    with pytest.raises(TypeError, match="draft_len"):
+        SpecConfig(draft_len=2.0)
+    assert hash(SpecConfig()) == hash(SpecConfig()) and hash(CFG) == hash(CacheConfig(16, 4, 3, 5))
+
+
+def test_state_names_cover_every_state():
+    assert [allocator.STATE_NAMES[s] for s in (FREE, RESERVED, SPECULATIVE, VALIDATED, STALE)] == [
+        "FREE",
+        "RESERVED",
+        "SPECULATIVE",
+        "VALIDATED",
+        "STALE",
+    ]
