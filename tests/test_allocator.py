@@ -52,6 +52,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._do(testing.Commit(tuple(data.draw(hs.lists(hs.integers(0, k + 1), min_size=b, max_size=b)))))
         self._do(testing.Reclaim(self.spec.generation_threshold))
 
+    @rule(data=hs.data())
+    def fork_then_both_append(self, data):
+        """Parent and child write into their shared partial block in the same call: both must copy it, and
+        the original is released exactly once."""
+        b = self.cfg.max_seqs
+        parent = data.draw(hs.integers(0, b - 1))
+        parent_of = tuple(parent if slot != parent else -1 for slot in range(b))
+        self._do(testing.Free(tuple(slot != parent for slot in range(b))))
+        self._do(testing.Fork(parent_of))
+        self._do(testing.Allocate((1,) * b, tuple(range(b))))
+
     @precondition(lambda self: hasattr(self, "st"))
     @invariant()
     def agrees_and_holds(self):
@@ -161,6 +172,21 @@ def test_fork_shares_blocks_and_copy_on_write_protects_the_partial_block():
     st, res = allocator.allocate(st, vec(1, 0, 0), cfg=CFG, spec=SPEC)  # parent now owns block 2 alone
     assert int(res.cow_src[0]) == NULL_BLOCK
     testing.check_invariants(st, CFG, SPEC)
+
+
+def test_parent_and_child_appending_together_both_copy_and_release_the_original_once():
+    st, oracle = allocator.init(CFG), OracleAllocator(CFG, SPEC)
+    for op in [
+        testing.Allocate((6, 0, 0), (0, 1, 2)),
+        testing.Commit((6, 0, 0)),
+        testing.Fork((-1, 0, 0)),  # two children share blocks 1 and 2 (2 of 4 tokens) with the parent
+        testing.Allocate((1, 1, 1), (2, 0, 1)),
+    ]:
+        st = testing.apply(op, st, oracle, CFG, SPEC)
+        testing.check_invariants(st, CFG, SPEC)
+        testing.assert_matches_oracle(st, oracle)
+    assert int(st.counters.cow_copies) == 3 and int(st.blocks.state[2]) == FREE
+    assert int(st.blocks.free_stack[st.blocks.free_top - 1]) == 2
 
 
 def test_cached_blocks_become_evictable_and_are_evicted_lru():
