@@ -327,11 +327,16 @@ def _grow(
         free_top=blocks.free_top - free_taken,
         pool_top=blocks.pool_top - taken_pool,
     )
-    # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0.
-    released = (old_cow_blk < n) & (ref_count[jnp.clip(old_cow_blk, 0, n - 1)] == 0)
-    last_holder = jnp.full((n,), -1, i32).at[old_cow_blk].max(b_idx, mode="drop")
-    released &= last_holder[jnp.clip(old_cow_blk, 0, n - 1)] == b_idx
-    blocks, _ = _release(blocks, old_cow_blk, released, use_pool)
+
+    def release_copied(blocks: BlockPool) -> BlockPool:
+        # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0.
+        released = (old_cow_blk < n) & (blocks.ref_count[jnp.clip(old_cow_blk, 0, n - 1)] == 0)
+        last_holder = jnp.full((n,), -1, i32).at[old_cow_blk].max(b_idx, mode="drop")
+        released &= last_holder[jnp.clip(old_cow_blk, 0, n - 1)] == b_idx
+        return _release(blocks, old_cow_blk, released, use_pool)[0]
+
+    # Copies are rare; skip the O(N) bookkeeping when there is none.
+    blocks = jax.lax.cond(jnp.any(old_cow_blk < n), release_copied, lambda blocks: blocks, blocks)
 
     grant = ok & requested
     seqs = seqs.replace(
@@ -418,35 +423,38 @@ def accepted_lengths(accept_mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept_mask.astype(i32), axis=-1), axis=-1, dtype=i32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _commit(
-    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
+def _settle(
+    cfg: CacheConfig, spec: SpecConfig, st: AllocatorState, num_accepted: jax.Array, window: int
 ) -> tuple[AllocatorState, CommitResult]:
+    """Commit over the [B, window] table columns starting at each sequence's first non-full committed block.
+
+    Correct whenever every sequence's span num_blocks - num_committed // S fits in `window`.
+    """
     s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
     blocks, seqs = st.blocks, st.seqs
+    b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)[:, None]
     pending = seqs.num_allocated - seqs.num_committed
-    num_accepted = num_accepted.astype(i32)
     ok = (num_accepted >= 0) & (num_accepted <= pending)
     committed = seqs.num_committed + jnp.clip(num_accepted, 0, pending)
     keep = _cdiv(committed, s)
 
-    col = jnp.arange(m, dtype=i32)[None, :]
-    table = seqs.block_table
+    col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
     in_table = col < seqs.num_blocks[:, None]
-    validate = in_table & (col >= (seqs.num_committed // s)[:, None]) & (col < keep[:, None])
+    ids = jnp.where(in_table, seqs.block_table[b_idx, jnp.clip(col, 0, m - 1)], n)
+    validate = in_table & (col < keep[:, None])
     rejected = in_table & (col >= keep[:, None])
-    old_state = blocks.state[table]
-    wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
+    wasted = jnp.sum(rejected & (blocks.state[jnp.clip(ids, 0, n - 1)] == SPECULATIVE), dtype=i32)
 
-    state = blocks.state.at[jnp.where(validate, table, n)].set(VALIDATED, mode="drop")
-    state = state.at[jnp.where(rejected, table, n)].set(STALE, mode="drop")
+    state = blocks.state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
+    state = state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
     blocks = blocks.replace(state=state)
+    table = seqs.block_table
     if spec.release == "immediate":
         # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0.
-        ref_count = blocks.ref_count.at[jnp.where(rejected, table, n)].add(-1, mode="drop")
+        ref_count = blocks.ref_count.at[jnp.where(rejected, ids, n)].add(-1, mode="drop")
         blocks = blocks.replace(ref_count=ref_count)
-        blocks, released = _release(blocks, table.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
-        table = jnp.where(rejected, NULL_BLOCK, table)
+        blocks, released = _release(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
+        table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
         num_blocks = jnp.minimum(seqs.num_blocks, keep)
     else:
         released = jnp.zeros((), i32)
@@ -461,6 +469,20 @@ def _commit(
     )
     counters = st.counters.replace(spec_blocks_wasted=st.counters.spec_blocks_wasted + wasted)
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), CommitResult(ok=ok, released=released)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
+def _commit(
+    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
+) -> tuple[AllocatorState, CommitResult]:
+    num_accepted = num_accepted.astype(i32)
+    full = functools.partial(_settle, cfg, spec, window=cfg.max_blocks_per_seq)
+    if window is None or window >= cfg.max_blocks_per_seq:
+        return full(st, num_accepted)
+    # The narrow program touches B * window entries instead of B * M; the full one covers any span.
+    span = st.seqs.num_blocks - st.seqs.num_committed // cfg.block_size
+    narrow = functools.partial(_settle, cfg, spec, window=window)
+    return jax.lax.cond(jnp.all(span <= window), narrow, full, st, num_accepted)
 
 
 # ---------------------------------------------------------------------------------------------- free
@@ -558,15 +580,19 @@ def _reclaim_expired(
     ids = blocks.pool_stack
     live = k < blocks.pool_top
     expired = live & (jnp.asarray(current_generation, i32) - blocks.generation[ids] > threshold)
-    kept = live & ~expired
-    pool_stack, pool_top = _push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept)
-    free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, expired)
-    n = blocks.state.shape[0]
-    state = blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop")
     count = jnp.sum(expired, dtype=i32)
-    blocks = blocks.replace(
-        state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
-    )
+
+    def compact(blocks: BlockPool) -> BlockPool:
+        kept = live & ~expired
+        pool_stack, pool_top = _push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept)
+        free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, expired)
+        n = blocks.state.shape[0]
+        state = blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop")
+        return blocks.replace(
+            state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
+        )
+
+    blocks = jax.lax.cond(count > 0, compact, lambda blocks: blocks, blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
     return st.replace(blocks=blocks, counters=counters), count
 
@@ -685,7 +711,12 @@ def allocate_speculative(
 
 
 def commit(
-    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
+    st: AllocatorState,
+    num_accepted: jax.Array,
+    *,
+    cfg: CacheConfig,
+    spec: SpecConfig = SpecConfig(),
+    window: int | None = None,
 ) -> tuple[AllocatorState, CommitResult]:
     """Settle every pending slot: the first num_accepted[B] become committed, the rest are rolled back.
 
@@ -695,7 +726,8 @@ def commit(
     and reuses them for its next tokens. Each SPECULATIVE block among them counts in spec_blocks_wasted.
     Traced counts outside [0, pending] are clipped and flagged (ok=False). Afterwards num_allocated ==
     num_committed and num_drafts == 0 for every sequence. Use `accepted_lengths` to turn an accept mask
-    into counts.
+    into counts. `window` (static) is a hint: when every sequence's pending span fits in that many
+    table columns (decode steps), a program touching only B * window entries runs; otherwise the full one.
     """
     check_state(st, cfg)
     checks.array("num_accepted", num_accepted, (cfg.max_seqs,), "i")
@@ -705,7 +737,7 @@ def commit(
         if (acc < 0).any() or (acc > pending).any():
             b = int(np.nonzero((acc < 0) | (acc > pending))[0][0])
             raise ValueError(f"num_accepted[{b}] = {acc[b]} is outside [0, pending = {pending[b]}]")
-    return _commit(st, num_accepted, cfg=cfg, spec=spec)
+    return _commit(st, num_accepted, cfg=cfg, spec=spec, window=window)
 
 
 def free(

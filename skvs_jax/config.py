@@ -31,7 +31,9 @@ class CacheConfig:
       max_seqs: B, sequence slots (rows of the block table).
       max_blocks_per_seq: M, columns of the block table; a sequence holds at most M * S tokens.
       spec_pool_capacity: P, most blocks the speculative pool may hold; released draft blocks beyond it go
-        straight to the free stack. 0 means "max_seqs * max_blocks_per_seq" capped at N - 1.
+        straight to the free stack. 0 means 4 * max_seqs (capped at N - 1): a decode step with K <= 2 * S
+        releases at most 3 blocks per sequence, so the pool can hold a step's rejects with room to spare,
+        while `reclaim_expired` stays O(P) instead of O(N).
     """
 
     num_blocks: int
@@ -68,7 +70,7 @@ class CacheConfig:
         """P, the resolved capacity of the speculative pool (>= 1)."""
         if self.spec_pool_capacity:
             return min(self.spec_pool_capacity, self.usable_blocks)
-        return max(1, min(self.max_seqs * self.max_blocks_per_seq, self.usable_blocks))
+        return max(1, min(4 * self.max_seqs, self.usable_blocks))
 
     def blocks_for(self, num_tokens: int) -> int:
         """ceil(num_tokens / S): blocks needed to hold num_tokens tokens."""

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -83,6 +83,31 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 def test_random_sequences_match_oracle_and_do_not_leak(cfg, spec, data):
     ops = data.draw(testing.operation_sequences(cfg, spec, max_size=25))
     testing.run_sequence(ops, cfg, spec)
+
+
+@settings(max_examples=12)  # each (config, window) pair compiles its own programs
+@given(cfg=testing.cache_configs(), spec=testing.spec_configs(), window=hs.sampled_from([1, 2]), data=hs.data())
+def test_window_hints_never_change_results(cfg, spec, window, data):
+    """A narrow window is only a faster program: allocate refuses wider requests, commit falls back."""
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+    for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
+        st = testing.apply(op, st, oracle, cfg, spec, generation=step)
+    accept = jnp.asarray(data.draw(hs.lists(hs.integers(0, 3), min_size=cfg.max_seqs, max_size=cfg.max_seqs)), i32)
+    accept = jnp.minimum(accept, st.seqs.num_allocated - st.seqs.num_committed)
+    wide = allocator.commit(st, accept, cfg=cfg, spec=spec)
+    narrow = allocator.commit(st, accept, cfg=cfg, spec=spec, window=window)
+    jax.tree.map(np.testing.assert_array_equal, wide, narrow)
+    counts = jnp.asarray(data.draw(hs.lists(hs.integers(0, 9), min_size=cfg.max_seqs, max_size=cfg.max_seqs)), i32)
+    st_w, res_w = allocator.allocate(wide[0], counts, cfg=cfg, spec=spec)
+    st_n, res_n = allocator.allocate(wide[0], counts, cfg=cfg, spec=spec, window=window)
+    fits = np.asarray(-(-(wide[0].seqs.num_allocated + counts) // cfg.block_size)) - np.asarray(
+        wide[0].seqs.num_allocated // cfg.block_size
+    ) <= window
+    # Where the request fits the window and nothing before it was refused for width, both agree.
+    if fits.all():
+        jax.tree.map(np.testing.assert_array_equal, (st_w, res_w), (st_n, res_n))
+    else:
+        assert not np.asarray(res_n.ok)[~fits & (np.asarray(counts) > 0)].any()
 
 
 # --------------------------------------------------------------------------------------- examples
