@@ -1,1 +1,44 @@
-"""Pallas kernels for paged attention and speculative block-state updates, each with a pure-jnp reference."""
+"""Pallas kernels for paged attention and speculative block-state updates, each with a pure-jnp reference.
+
+Every op takes `impl="auto" | "pallas" | "xla" | "reference"` and `interpret=` (None = interpret the Pallas
+kernel when not on a GPU). "auto" is the compiled Pallas kernel on GPU and the fastest XLA path elsewhere.
+Contracts, tolerances and figures: docs/kernels.md.
+"""
+
+from pallas_kernels._common import (
+    BLOCK_STATE_DTYPE,
+    FREE,
+    RESERVED,
+    SPECULATIVE,
+    STALE,
+    VALIDATED,
+    dequantize_kv,
+    quantize_kv,
+)
+from pallas_kernels.block_states import (
+    invalidate_drafts,
+    invalidate_drafts_reference,
+    update_block_states,
+    update_block_states_reference,
+)
+from pallas_kernels.attention import paged_attention, paged_attention_reference
+from pallas_kernels.kv_write import write_kv, write_kv_reference
+
+__all__ = [
+    "BLOCK_STATE_DTYPE",
+    "FREE",
+    "RESERVED",
+    "SPECULATIVE",
+    "STALE",
+    "VALIDATED",
+    "dequantize_kv",
+    "invalidate_drafts",
+    "invalidate_drafts_reference",
+    "paged_attention",
+    "paged_attention_reference",
+    "quantize_kv",
+    "update_block_states",
+    "update_block_states_reference",
+    "write_kv",
+    "write_kv_reference",
+]

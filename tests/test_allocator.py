@@ -86,7 +86,12 @@ def test_random_sequences_match_oracle_and_do_not_leak(cfg, spec, data):
 
 
 @settings(max_examples=12)  # each (config, window) pair compiles its own programs
-@given(cfg=testing.cache_configs(), spec=testing.spec_configs(), window=hs.sampled_from([1, 2]), data=hs.data())
+@given(
+    cfg=hs.just(testing.SMALL_CONFIGS[0]),
+    spec=hs.sampled_from(testing.SPEC_CONFIGS[:2]),
+    window=hs.sampled_from([1, 2]),
+    data=hs.data(),
+)
 def test_window_hints_never_change_results(cfg, spec, window, data):
     """A narrow window is only a faster program: allocate refuses wider requests, commit falls back."""
     st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
