@@ -1,0 +1,31 @@
+"""The `skvs` command line: version, help, and the allocator micro-benchmark at a tiny size."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from skvs_jax import __version__, cli
+
+
+def test_version_and_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0 and __version__ in capsys.readouterr().out
+    assert cli.main([]) == 0
+    assert "micro" in capsys.readouterr().out
+
+
+def test_micro_allocator_small_run_prints_its_ratios(capsys):
+    argv = "micro allocator --seqs 8 --blocks 512 --max-blocks-per-seq 64 --steps 4 --steps-per-call 2"
+    assert cli.main(argv.split() + ["--dispatch-steps", "3"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "identical states" in "\n".join(lines)  # the run checks the batched allocator against the oracle
+    assert re.fullmatch(r"allocator speedup vs sequential jax search: [0-9.]+x", lines[-2])
+    assert re.fullmatch(r"allocator speedup vs python oracle: [0-9.]+x", lines[-1])
+
+
+def test_console_script_entry_point_is_installed():
+    out = subprocess.run([sys.executable, "-m", "skvs_jax.cli", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and __version__ in out.stdout
