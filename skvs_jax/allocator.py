@@ -273,8 +273,10 @@ def _grow(
         available = blocks.free_top + blocks.pool_top
     else:
         available = blocks.free_top
-    rank = _rank_of(order)
-    cum = jnp.cumsum(need[order], dtype=i32)[rank]  # inclusive prefix sum in priority order
+    if order is None:  # slot order: no permutation to apply
+        cum = jnp.cumsum(need, dtype=i32)
+    else:
+        cum = jnp.cumsum(need[order], dtype=i32)[_rank_of(order)]  # inclusive prefix sum in priority order
     ok = requested & ~bad & ((need == 0) | (cum <= available))
     offset = cum - need
 
@@ -307,7 +309,8 @@ def _grow(
     old_cow_blk = jnp.where(cow & ok & requested, partial_blk, n)
     table_col = jnp.where(take, col, m)
     block_table = seqs.block_table.at[b_idx[:, None], table_col].set(new_id, mode="drop")
-    held_id = seqs.block_table[b_idx[:, None], jnp.clip(col, 0, m - 1)]
+    # Held columns are not written above, so reading the new table avoids keeping the old one alive (a copy).
+    held_id = block_table[b_idx[:, None], jnp.clip(col, 0, m - 1)]
     fresh_state = SPECULATIVE if speculative else RESERVED
     touched = jnp.where(take, new_id, jnp.where(is_held, held_id, n))
     # A cow copy keeps the content (committed tokens) of its source: VALIDATED.
@@ -362,12 +365,6 @@ def _grow(
     return AllocatorState(blocks=blocks, seqs=seqs, counters=c), result
 
 
-def _default_order(st: AllocatorState, order):
-    if order is None:
-        return jnp.arange(st.seqs.num_blocks.shape[0], dtype=i32)
-    return order
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
 def _allocate(
     st: AllocatorState,
@@ -382,7 +379,7 @@ def _allocate(
         cfg,
         st,
         num_tokens.astype(i32),
-        _default_order(st, order),
+        order,
         speculative=False,
         use_pool=spec.use_spec_pool,
         generation=jnp.zeros((), i32),
@@ -406,7 +403,7 @@ def _allocate_speculative(
         cfg,
         st,
         num_drafts.astype(i32),
-        _default_order(st, order),
+        order,
         speculative=True,
         use_pool=spec.use_spec_pool,
         generation=jnp.asarray(generation, i32),
