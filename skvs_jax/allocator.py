@@ -35,14 +35,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-import numpy as np
-
+# One definition of the block states, shared with the block-state kernels.
+from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
 from skvs_jax import checks
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
-FREE, RESERVED, SPECULATIVE, VALIDATED, STALE = 0, 1, 2, 3, 4
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
 
 i32 = jnp.int32
