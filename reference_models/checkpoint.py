@@ -1,0 +1,191 @@
+"""Load and save weights in the Hugging Face Llama and the Medusa checkpoint layouts (safetensors, no network).
+
+Llama: a directory with `config.json` and `model.safetensors`, or shards listed in `model.safetensors.index.json`
+(any `*.safetensors` in the directory otherwise). Names are HF's (`model.layers.0.self_attn.q_proj.weight`, ...);
+ours are the same without `model.`, except the embedding (`embed_tokens.embedding`). Our own weights are saved
+in this same layout, so `transformers.LlamaForCausalLM.from_pretrained` reads them too.
+
+Medusa: a directory with `config.json` (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`) and
+`medusa_lm_head.safetensors` holding `{i}.{j}.linear.weight|bias` (residual block j of head i) and
+`{i}.{num_layers}.weight` (its LM head), optionally prefixed `medusa_head.` (FasterDecoding/Medusa).
+
+Loading is strict: an unknown tensor, a missing one or a shape mismatch raises ValueError naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from reference_models.llama import Llama, LlamaConfig
+from reference_models.medusa import MedusaConfig, MedusaHeads
+
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+_IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
+
+
+def _params(module: nnx.Module) -> dict[str, nnx.Param]:
+    """Dotted parameter path (e.g. 'layers.0.mlp.up_proj.weight') -> the module's Param variable."""
+    return {".".join(map(str, p)): v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)}
+
+
+def param_dict(module: nnx.Module) -> dict[str, jax.Array]:
+    """Dotted parameter path -> array."""
+    return {name: var[...] for name, var in _params(module).items()}
+
+
+def assign_params(module: nnx.Module, tensors: dict[str, np.ndarray | jax.Array], source: str) -> None:
+    """Replace every parameter of `module` (in place) by `tensors[path]`, cast to the parameter's dtype.
+
+    Raises ValueError naming the tensor on an unknown name, a missing name or a shape mismatch; nothing is
+    modified then.
+    """
+    params = _params(module)
+    unknown = sorted(set(tensors) - set(params))
+    if unknown:
+        raise ValueError(f"{source}: unknown tensor(s) {unknown[:5]} (expected names like {sorted(params)[:3]})")
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise ValueError(f"{source}: missing tensor(s) {missing[:5]}")
+    for name, var in params.items():
+        if tuple(tensors[name].shape) != tuple(var.shape):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(var.shape)}"
+            )
+    for name, var in params.items():
+        var.set_value(jnp.asarray(tensors[name]).astype(var.dtype))
+
+
+def _read_safetensors(files: list[pathlib.Path]) -> dict[str, jax.Array]:
+    tensors: dict[str, jax.Array] = {}
+    for file in files:
+        with safe_open(str(file), framework="flax") as f:
+            for key in f.keys():
+                if key in tensors:
+                    raise ValueError(f"{file}: tensor {key!r} appears in more than one shard")
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def _llama_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    files = sorted(p for p in directory.glob("*.safetensors") if p.name != MEDUSA_WEIGHTS)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return files
+
+
+def _hf_to_ours(key: str) -> str:
+    if key == "model.embed_tokens.weight":
+        return "embed_tokens.embedding"
+    return key.removeprefix("model.")
+
+
+def _ours_to_hf(key: str) -> str:
+    if key == "embed_tokens.embedding":
+        return "model.embed_tokens.weight"
+    return key if key.startswith("lm_head.") else "model." + key
+
+
+def load_llama(directory: str | pathlib.Path) -> Llama:
+    """An HF Llama checkpoint directory (`config.json` + safetensors, sharded or not) -> `Llama` in fp32."""
+    directory = pathlib.Path(directory)
+    config = LlamaConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
+    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    raw = _read_safetensors(_llama_files(directory))
+    tensors = {_hf_to_ours(k): v for k, v in raw.items() if not _IGNORED_HF_KEYS.match(k)}
+    assign_params(model, tensors, source=str(directory))
+    return model
+
+
+def _save(tensors: dict[str, jax.Array], file: pathlib.Path) -> None:
+    save_file({k: np.asarray(v) for k, v in tensors.items()}, str(file), metadata={"format": "pt"})
+
+
+def save_llama(model: Llama, directory: str | pathlib.Path, max_shard_params: int | None = None) -> None:
+    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_params` is given)."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    tensors = {_ours_to_hf(k): v for k, v in param_dict(model).items()}
+    if max_shard_params is None:
+        _save(tensors, directory / "model.safetensors")
+        return
+    shards: list[dict[str, jax.Array]] = [{}]
+    for key in sorted(tensors):
+        if shards[-1] and sum(v.size for v in shards[-1].values()) + tensors[key].size > max_shard_params:
+            shards.append({})
+        shards[-1][key] = tensors[key]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _save(shard, directory / name)
+        weight_map.update({k: name for k in shard})
+    total = sum(4 * v.size for v in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+_MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+
+
+def load_medusa(directory: str | pathlib.Path) -> MedusaHeads:
+    """A Medusa checkpoint directory (`config.json` + `medusa_lm_head.safetensors`) -> `MedusaHeads` in fp32."""
+    directory = pathlib.Path(directory)
+    hf = json.loads((directory / "config.json").read_text())
+    num_heads, num_layers = int(hf["medusa_num_heads"]), int(hf.get("medusa_num_layers", 1))
+    raw = _read_safetensors([directory / MEDUSA_WEIGHTS])
+    tensors = {}
+    for key, value in raw.items():
+        match = _MEDUSA_KEY.match(key)
+        if match is None:
+            raise ValueError(f"{directory}: unknown tensor {key!r} in {MEDUSA_WEIGHTS}")
+        head, layer, kind = int(match[1]), int(match[2]), match[3]
+        if kind == "weight" and layer == num_layers:
+            tensors[f"heads.{head}.lm_head.weight"] = value
+        elif kind != "weight" and layer < num_layers:
+            tensors[f"heads.{head}.blocks.{layer}.{kind}"] = value
+        else:
+            raise ValueError(f"{directory}: unknown tensor {key!r} for medusa_num_layers={num_layers}")
+    lm_key = "heads.0.lm_head.weight"
+    if lm_key not in tensors:
+        raise ValueError(f"{directory}: missing tensor '0.{num_layers}.weight' (head 0's LM head)")
+    vocab, hidden = tensors[lm_key].shape
+    config = MedusaConfig(hidden_size=int(hidden), vocab_size=int(vocab), num_heads=num_heads, num_layers=num_layers)
+    heads = nnx.eval_shape(lambda: MedusaHeads(config))
+    assign_params(heads, tensors, source=str(directory))
+    return heads
+
+
+def save_medusa(heads: MedusaHeads, directory: str | pathlib.Path, base_model: str = "") -> None:
+    """Write `config.json` + `medusa_lm_head.safetensors` in the FasterDecoding/Medusa layout."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = heads.config
+    meta = {
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": cfg.num_layers,
+        "base_model_name_or_path": base_model,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+    }
+    (directory / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    tensors = {}
+    for key, value in param_dict(heads).items():
+        parts = key.split(".")  # heads.{i}.blocks.{j}.linear.{weight|bias} | heads.{i}.lm_head.weight
+        if parts[2] == "blocks":
+            tensors[f"{parts[1]}.{parts[3]}.linear.{parts[5]}"] = value
+        else:
+            tensors[f"{parts[1]}.{cfg.num_layers}.weight"] = value
+    _save(tensors, directory / MEDUSA_WEIGHTS)

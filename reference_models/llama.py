@@ -1,0 +1,417 @@
+"""A Llama decoder in Flax NNX, with three ways to run the same weights.
+
+* `forward_dense(tokens, positions, mask)`: the whole sequence at once, no cache. The reference.
+* `forward_paged(...)` with Q prompt tokens per sequence: **paged prefill** of a chunk into the paged KV cache.
+* `forward_paged(...)` with Q = 1 (decode) or Q = K + 1 / tree nodes (verification): **paged multi-query**
+  against the cache, causal (bottom-right aligned) or with a tree mask.
+
+The paged paths write this call's K/V with `pallas_kernels.write_kv`, then attend with
+`pallas_kernels.paged_attention` (see that package for the cache layout; block 0 is the null block).
+
+Conventions follow Hugging Face `LlamaForCausalLM` exactly, so that its checkpoints load by name: linear weights
+are stored `[out, in]`; RoPE uses the `rotate_half` layout (first and second halves of the head dim pair up),
+`rope_theta`, and optional "linear" or Llama-3 ("llama3") frequency scaling; RMSNorm computes in fp32.
+Parameter paths (`layers.0.self_attn.q_proj.weight`, ...) equal HF names without the `model.` prefix.
+
+Dimensions (see `skvs_jax`): B sequences, T tokens (dense), Q query tokens per sequence, N blocks, S block size,
+M blocks per sequence, Hq / Hkv heads, D head dim, L layers, V vocab, Dm model width, F MLP width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pallas_kernels import paged_attention, write_kv
+
+Array = jax.Array
+
+# --------------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling, as in HF `rope_parameters` / `rope_scaling`.
+
+    rope_type "linear": every inverse frequency is divided by `factor`.
+    rope_type "llama3": low frequencies (wavelength > original_max / low_freq_factor) are divided by `factor`,
+    high frequencies (wavelength < original_max / high_freq_factor) are kept, the band between is interpolated.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {self.rope_type!r} (supported: default, linear, llama3)")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static hyper-parameters (hashable; passed to jitted code as static)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ValueError("hidden_size must be a multiple of num_heads when head_dim is not given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_params(self) -> int:
+        d, f, hq, hkv, hd = self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim
+        layer = d * hd * (2 * hq + 2 * hkv) + 3 * d * f + 2 * d
+        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The `config.json` of an equivalent HF `LlamaForCausalLM` (transformers >= 5 layout)."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        if self.rope_scaling is not None:
+            rope.update(dataclasses.asdict(self.rope_scaling))
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": float(self.rope_theta),  # read by transformers < 5
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> LlamaConfig:
+        """Parse an HF Llama `config.json` (transformers 4 `rope_scaling` or 5 `rope_parameters` layout)."""
+        if hf.get("model_type", "llama") != "llama":
+            raise ValueError(f"not a Llama config: model_type={hf.get('model_type')!r}")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{flag}=True is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be silu, got {hf.get('hidden_act')!r}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+        scaling = None
+        if rope_type != "default":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in keys if k in rope})
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(config: LlamaConfig) -> np.ndarray:
+    """Inverse frequencies [D/2] float32, computed as HF does (fp32), with optional scaling."""
+    dim = config.head_dim
+    inv_freq = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, dim, 2).astype(np.float32) / dim))).astype(
+        np.float32
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    old = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(config: LlamaConfig, positions: Array) -> tuple[Array, Array]:
+    """positions [B, T] int32 -> (cos, sin), each [B, T, D] float32 (frequencies repeated twice, HF layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))[None, None, :]  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
+    """x [B, T, H, D], cos/sin [B, T, D] -> x rotated (HF `rotate_half` convention)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :].astype(x.dtype) + rotated * sin[:, :, None, :].astype(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- layers
+
+
+class Linear(nnx.Module):
+    """Bias-free linear layer; weight [out, in] as in PyTorch / HF."""
+
+    def __init__(self, in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs):
+        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32))
+
+    def __call__(self, x: Array) -> Array:  # [..., in] -> [..., out]
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:  # [..., Dm]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + jnp.float32(self.eps))
+        return jnp.broadcast_to(self.weight[...], normed.shape) * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
+        d, hd = config.hidden_size, config.head_dim
+        self.q_proj = Linear(d, config.num_heads * hd, std=std, rngs=rngs)
+        self.k_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs)
+        self.v_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * hd, d, std=std, rngs=rngs)
+        self.shape = (config.num_heads, config.num_kv_heads, hd)
+
+    def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
+        """x [B, T, Dm] -> q [B, T, Hq, D], k [B, T, Hkv, D] (both rotated), v [B, T, Hkv, D]."""
+        hq, hkv, hd = self.shape
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, hq, hd)
+        k = self.k_proj(x).reshape(b, t, hkv, hd)
+        v = self.v_proj(x).reshape(b, t, hkv, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(d, f, std=std, rngs=rngs)
+        self.up_proj = Linear(d, f, std=std, rngs=rngs)
+        self.down_proj = Linear(f, d, std=std, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:  # SwiGLU: [..., Dm] -> [..., Dm]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+AttendFn = Callable[[int, Array, Array, Array], Array]
+"""attend(layer, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]."""
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, std=std, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, std=std, rngs=rngs)
+
+    def __call__(self, x: Array, cos: Array, sin: Array, attend: Callable[[Array, Array, Array], Array]) -> Array:
+        b, t, _ = x.shape
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn.o_proj(attend(q, k, v).reshape(b, t, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def dense_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """q [B, T, Hq, D], k/v [B, T, Hkv, D], mask [B, T, T] bool (query, key) -> [B, T, Hq, D]. Grouped-query."""
+    b, t, hq, hd = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.asarray(-jnp.inf, scores.dtype))
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, hq, hd)
+
+
+# ----------------------------------------------------------------------------------------------- KV cache
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Paged KV cache, one page pool per layer. Block 0 is the null block (never written by a real token)."""
+
+    k: tuple[Array, ...]  # L x [N, S, Hkv, D]
+    v: tuple[Array, ...]  # L x [N, S, Hkv, D]
+
+    @classmethod
+    def zeros(cls, config: LlamaConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+def slot_mapping(
+    block_tables: Array, context_lens: Array, query_lens: Array, num_queries: int, block_size: int
+) -> Array:
+    """Cache slot of every query token, [B * Q] int32; -1 (dropped by `write_kv`) for padding rows.
+
+    Query j of sequence b lives at cache position p = context_lens[b] - query_lens[b] + j, i.e. at slot
+    block_tables[b, p // S] * S + p % S. Positions past the block table are dropped too.
+    """
+    j = jnp.arange(num_queries, dtype=jnp.int32)[None, :]  # [1, Q]
+    pos = (context_lens - query_lens)[:, None] + j  # [B, Q]
+    col = pos // block_size
+    valid = (j < query_lens[:, None]) & (pos >= 0) & (col < block_tables.shape[1])
+    block = jnp.take_along_axis(block_tables, jnp.clip(col, 0, block_tables.shape[1] - 1), axis=1)
+    slots = block * block_size + pos % block_size
+    return jnp.where(valid, slots, -1).reshape(-1).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------------- model
+
+
+def check_token_ids(tokens: Any, vocab_size: int) -> None:
+    """Raise ValueError if concrete token ids fall outside [0, vocab_size). Tracers are not checked."""
+    try:
+        arr = np.asarray(tokens)
+    except jax.errors.TracerArrayConversionError:  # inside a caller's jit: values unknown, nothing to check
+        return
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = arr[(arr < 0) | (arr >= vocab_size)]
+        raise ValueError(f"token ids must lie in [0, {vocab_size}); got {bad[:8].tolist()}")
+
+
+class Llama(nnx.Module):
+    """Llama decoder with an LM head (tied to the embedding when `config.tie_word_embeddings`)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, std: float = 0.02):
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nnx.Embed(config.vocab_size, d, embedding_init=nnx.initializers.normal(std), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, std=std, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(d, config.vocab_size, std=std, rngs=rngs)
+
+    def lm_head_weight(self) -> Array:
+        """[V, Dm]: the output projection (the embedding when tied)."""
+        return self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.weight[...]
+
+    def logits(self, hidden: Array) -> Array:
+        """hidden [..., Dm] (after the final norm) -> logits [..., V]."""
+        return jnp.einsum("...d,vd->...v", hidden, self.lm_head_weight())
+
+    def _trunk(self, tokens: Array, positions: Array, attend: AttendFn) -> tuple[Array, Array]:
+        check_token_ids(tokens, self.config.vocab_size)
+        cos, sin = rope_cos_sin(self.config, positions)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+        hidden = self.norm(x)
+        return self.logits(hidden), hidden
+
+    def forward_dense(
+        self, tokens: Array, positions: Array | None = None, mask: Array | None = None
+    ) -> tuple[Array, Array]:
+        """The reference: tokens [B, T] -> (logits [B, T, V], hidden [B, T, Dm] after the final norm).
+
+        positions [B, T] int32 default to 0..T-1; mask [B, T, T] bool (query, key) defaults to causal.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if mask is None:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
+        return self._trunk(tokens, positions, lambda _, q, k, v: dense_attention(q, k, v, mask))
+
+    def forward_paged(
+        self,
+        tokens: Array,
+        positions: Array,
+        cache: KVCache,
+        block_tables: Array,
+        context_lens: Array,
+        query_lens: Array | None = None,
+        tree_mask: Array | None = None,
+        *,
+        impl: str = "auto",
+    ) -> tuple[Array, Array, KVCache]:
+        """Paged prefill (a prompt chunk) or multi-query decode / verification.
+
+        tokens, positions [B, Q] int32 (RoPE positions: per tree node prefix_len + depth with a tree);
+        block_tables [B, M]; context_lens [B]: tokens in the cache *including* these Q (query j is stored at
+        cache position context_lens - query_lens + j); query_lens [B] or None (all Q real; padding rows are not
+        written and give undefined logits); tree_mask [B, Q, Q] bool or None (causal); impl selects the
+        kernels' implementation ("auto", "pallas", "xla", "reference").
+        Returns (logits [B, Q, V], hidden [B, Q, Dm], new cache).
+        """
+        b, q_len = tokens.shape
+        qlens = jnp.full((b,), q_len, jnp.int32) if query_lens is None else query_lens
+        slots = slot_mapping(block_tables, context_lens, qlens, q_len, cache.block_size)
+        new_k, new_v = list(cache.k), list(cache.v)
+
+        def attend(i: int, q: Array, k: Array, v: Array) -> Array:
+            hkv, hd = k.shape[2], k.shape[3]
+            new_k[i], new_v[i] = write_kv(
+                new_k[i], new_v[i], k.reshape(b * q_len, hkv, hd), v.reshape(b * q_len, hkv, hd), slots, impl=impl
+            )
+            return paged_attention(
+                q, new_k[i], new_v[i], block_tables, context_lens, query_lens=query_lens, tree_mask=tree_mask,
+                impl=impl,
+            )
+
+        logits, hidden = self._trunk(tokens, positions, attend)
+        return logits, hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
