@@ -438,9 +438,14 @@ def _settle(
     col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
     in_table = col < seqs.num_blocks[:, None]
     ids = jnp.where(in_table, seqs.block_table[b_idx, jnp.clip(col, 0, m - 1)], n)
+    # The masks below are made to depend on the values just gathered (ids, old_state): without that data
+    # dependence XLA cannot order the gathers before the in-place scatters and copies the table and the
+    # state array on every call.
+    old_state = blocks.state[jnp.clip(ids, 0, n - 1)]
+    in_table &= (ids != NULL_BLOCK) & (old_state != FREE)
     validate = in_table & (col < keep[:, None])
     rejected = in_table & (col >= keep[:, None])
-    wasted = jnp.sum(rejected & (blocks.state[jnp.clip(ids, 0, n - 1)] == SPECULATIVE), dtype=i32)
+    wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
 
     state = blocks.state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
     state = state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
