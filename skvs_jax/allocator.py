@@ -420,27 +420,29 @@ def accepted_lengths(accept_mask: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(accept_mask.astype(i32), axis=-1), axis=-1, dtype=i32)
 
 
-def _settle(
-    cfg: CacheConfig, spec: SpecConfig, st: AllocatorState, num_accepted: jax.Array, window: int
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
+def _commit(
+    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
 ) -> tuple[AllocatorState, CommitResult]:
-    """Commit over the [B, window] table columns starting at each sequence's first non-full committed block.
-
-    Correct whenever every sequence's span num_blocks - num_committed // S fits in `window`.
-    """
+    # Works on the [B, W] table columns from each sequence's first non-full committed block; a sequence
+    # whose span (num_blocks - num_committed // S) exceeds W is left untouched and flagged. W = M always fits.
     s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
+    window = min(window or m, m)
     blocks, seqs = st.blocks, st.seqs
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)[:, None]
+    num_accepted = num_accepted.astype(i32)
+    fits = seqs.num_blocks - seqs.num_committed // s <= window
     pending = seqs.num_allocated - seqs.num_committed
-    ok = (num_accepted >= 0) & (num_accepted <= pending)
-    committed = seqs.num_committed + jnp.clip(num_accepted, 0, pending)
+    ok = fits & (num_accepted >= 0) & (num_accepted <= pending)
+    committed = jnp.where(fits, seqs.num_committed + jnp.clip(num_accepted, 0, pending), seqs.num_committed)
     keep = _cdiv(committed, s)
 
     col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
-    in_table = col < seqs.num_blocks[:, None]
+    in_table = (col < seqs.num_blocks[:, None]) & fits[:, None]
     ids = jnp.where(in_table, seqs.block_table[b_idx, jnp.clip(col, 0, m - 1)], n)
     # The masks below are made to depend on the values just gathered (ids, old_state): without that data
     # dependence XLA cannot order the gathers before the in-place scatters and copies the table and the
-    # state array on every call.
+    # state array on every call. For live entries both conditions hold by invariant.
     old_state = blocks.state[jnp.clip(ids, 0, n - 1)]
     in_table &= (ids != NULL_BLOCK) & (old_state != FREE)
     validate = in_table & (col < keep[:, None])
@@ -457,7 +459,7 @@ def _settle(
         blocks = blocks.replace(ref_count=ref_count)
         blocks, released = _release(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
         table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
-        num_blocks = jnp.minimum(seqs.num_blocks, keep)
+        num_blocks = jnp.where(fits, jnp.minimum(seqs.num_blocks, keep), seqs.num_blocks)
     else:
         released = jnp.zeros((), i32)
         num_blocks = seqs.num_blocks
@@ -466,25 +468,11 @@ def _settle(
         block_table=table,
         num_blocks=num_blocks,
         num_committed=committed,
-        num_allocated=committed,
-        num_drafts=jnp.zeros_like(seqs.num_drafts),
+        num_allocated=jnp.where(fits, committed, seqs.num_allocated),
+        num_drafts=jnp.where(fits, 0, seqs.num_drafts),
     )
     counters = st.counters.replace(spec_blocks_wasted=st.counters.spec_blocks_wasted + wasted)
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), CommitResult(ok=ok, released=released)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
-def _commit(
-    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
-) -> tuple[AllocatorState, CommitResult]:
-    num_accepted = num_accepted.astype(i32)
-    full = functools.partial(_settle, cfg, spec, window=cfg.max_blocks_per_seq)
-    if window is None or window >= cfg.max_blocks_per_seq:
-        return full(st, num_accepted)
-    # The narrow program touches B * window entries instead of B * M; the full one covers any span.
-    span = st.seqs.num_blocks - st.seqs.num_committed // cfg.block_size
-    narrow = functools.partial(_settle, cfg, spec, window=window)
-    return jax.lax.cond(jnp.all(span <= window), narrow, full, st, num_accepted)
 
 
 # ---------------------------------------------------------------------------------------------- free
@@ -728,8 +716,10 @@ def commit(
     and reuses them for its next tokens. Each SPECULATIVE block among them counts in spec_blocks_wasted.
     Traced counts outside [0, pending] are clipped and flagged (ok=False). Afterwards num_allocated ==
     num_committed and num_drafts == 0 for every sequence. Use `accepted_lengths` to turn an accept mask
-    into counts. `window` (static) is a hint: when every sequence's pending span fits in that many
-    table columns (decode steps), a program touching only B * window entries runs; otherwise the full one.
+    into counts. `window` (static, default M) bounds the table columns examined per sequence, from its
+    first non-full committed block: a decode step with windowed allocations needs ceil((1 + K) / S) + 1.
+    A sequence whose span (num_blocks - num_committed // S) exceeds it is left untouched with ok=False
+    (commit it again with a wider window); with the default every sequence fits.
     """
     check_state(st, cfg)
     checks.array("num_accepted", num_accepted, (cfg.max_seqs,), "i")

@@ -150,15 +150,19 @@ class OracleAllocator:
     def allocate_speculative(self, num_drafts, generation, order=None, *, window=None):
         return self.allocate(num_drafts, order, speculative=True, generation=generation, window=window)
 
-    def commit(self, num_accepted):
+    def commit(self, num_accepted, window=None):
         s = self.cfg.block_size
+        window = min(window or self.cfg.max_blocks_per_seq, self.cfg.max_blocks_per_seq)
         ok, released = [], 0
         for b in range(self.cfg.max_seqs):
+            table = self.tables[b]
+            if len(table) - self.committed[b] // s > window:  # outside the window: untouched, flagged
+                ok.append(False)
+                continue
             pending = self.allocated[b] - self.committed[b]
             acc = int(num_accepted[b])
             ok.append(0 <= acc <= pending)
             acc = min(max(acc, 0), pending)
-            table = self.tables[b]
             old_committed = self.committed[b]
             self.committed[b] = self.allocated[b] = old_committed + acc
             self.drafts[b] = 0

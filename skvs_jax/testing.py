@@ -153,6 +153,7 @@ class AllocateSpeculative:
 @dataclasses.dataclass(frozen=True)
 class Commit:
     accept: tuple[int, ...]  # accept min(accept, pending) per slot
+    window: int | None = None  # table columns examined per sequence (None = all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,8 +225,8 @@ def apply(
     elif isinstance(op, Commit):
         pending = [a - c for a, c in zip(oracle.allocated, oracle.committed)]
         accept = tuple(min(a, p) for a, p in zip(op.accept, pending))
-        st, res = allocator.commit(st, jnp.asarray(accept, i32), cfg=cfg, spec=spec)
-        ok, released = oracle.commit(accept)
+        st, res = allocator.commit(st, jnp.asarray(accept, i32), cfg=cfg, spec=spec, window=op.window)
+        ok, released = oracle.commit(accept, op.window)
         _same("commit ok", res.ok, ok)
         assert int(res.released) == released, "commit released counts differ"
     elif isinstance(op, Free):
@@ -324,7 +325,7 @@ def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[Operatio
     return hs.one_of(
         hs.builds(Allocate, vec(tokens), order),
         hs.builds(AllocateSpeculative, vec(hs.integers(0, spec.draft_len)), order),
-        hs.builds(Commit, vec(hs.integers(0, spec.draft_len + 2))),
+        hs.builds(Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
         hs.builds(Free, vec(hs.booleans())),
         hs.builds(Fork, vec(hs.integers(-1, b - 1))),
         hs.builds(SharePrefix, slots, vec(hs.booleans())),

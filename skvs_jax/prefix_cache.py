@@ -1,0 +1,509 @@
+"""The spec-aware prefix cache: an index from block-aligned token prefixes to physical KV blocks.
+
+Only *full blocks of validated tokens* are ever indexed (`insert_after_validation`), so a draft token can never
+reach a shared block. `lookup` returns the longest cached block-aligned prefix of each prompt, shrunk by the
+article's **speculative barrier**: with `spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio *
+spec_window / S))` blocks are given up, and `spec_boundary` (the token index where speculation may start, beyond
+which nothing is shared) is returned with the hit. The module is an index, not an owner: hits feed
+`allocator.share`, newly indexed blocks must be pinned with `allocator.set_cached`, cached ref-0 blocks are
+evicted by `allocator.evict_lru`, and the ids it returns go to `remove`.
+
+Keys. Block j of a sequence has the chain hash h_j = A * h_{j-1} + digest(tokens of block j) (mod 2^32, h_{-1} = 0),
+in two independent 32-bit lanes (64 bits). `digest` sums a murmur3 finaliser of (token, position) over the
+block, so it is order-sensitive and nonlinear; because the chain step is affine, every h_j of a row comes from one
+`cumsum` (h_j = A^j * sum_{i<=j} digest_i * A^-i) instead of a sequential scan. The stored key is one more
+finaliser of h_j, masked to `hash_bits` bits per lane (32 in production; tests use 2 to force collisions).
+
+Collisions can never return wrong content. The table holds at most one live entry per key, and each entry
+stores its block's S token ids and its *parent*, the block id of the entry for the prefix one block shorter (0 =
+root). A lookup accepts block j only if the unique entry with key h_j holds exactly the request's tokens for
+block j and its parent is the block it accepted for j - 1; by induction the accepted chain holds exactly the
+request's prefix. A colliding insert (same key, other content) is refused and counted. `remove` also removes
+every descendant of a removed entry (their parent block id may be reused for other content), so the live
+entries always form a forest whose parents are live; it returns the descendants so the caller can unpin them.
+
+Table: C = num_buckets * W slots, set-associative (bucket = key mod num_buckets, W ways). Chosen over open
+addressing with unbounded probing because every lookup is one gather of a fixed [W] window (no probe loop, no
+early exit), removal just clears a slot (no tombstones, since a lookup always scans the whole bucket), and a
+batch of inserts into one bucket gets its ways in one shot (rank among same-bucket inserts -> rank-th free way),
+with no rounds of conflict resolution. The price is that a bucket can overflow before the table is full; an
+insert that finds no free way is dropped and counted (`dropped_full`), which costs a future hit, never
+correctness. The default capacity is twice the usable blocks (load <= 0.5).
+
+A prompt always keeps at least one token to compute: a hit covers at most (length - 1) // S blocks, so a prompt
+that is entirely cached in whole blocks recomputes its last block (vLLM v1 caps the hit at length - 1 tokens the
+same way; sharing S - 1 tokens of the last block would instead need a copy-on-write of a cached block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from skvs_jax import checks
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+
+i32, u32 = jnp.int32, jnp.uint32
+ROOT = NULL_BLOCK  # parent of a first block; block 0 is never indexed, so it cannot be confused with one
+BROKEN = -1  # a chain that stopped: nothing after it can be accepted or inserted
+
+# Per-lane constants (odd multipliers; A must be odd to be invertible mod 2^32).
+_TOKEN_MUL = (0x9E3779B1, 0x85EBCA77)
+_POS_MUL = (0xC2B2AE3D, 0x27D4EB2F)
+_CHAIN_MUL = (0x01000193, 0x5BD1E995)
+_FINAL_XOR = (0x165667B1, 0xD3A2646C)
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheConfig:
+    """Static geometry of the prefix cache (hashable: a static argument of the jitted transitions).
+
+    Attributes:
+      num_blocks: N, the allocator's physical blocks (including the null block 0): block ids lie in [1, N).
+      block_size: S, tokens per block.
+      max_blocks_per_seq: M, width of the block tables it reads and of the hits it returns.
+      capacity: C, table slots; a multiple of `ways`.
+      ways: W, slots per bucket (entries whose keys map to the same bucket).
+      hash_bits: bits kept per 32-bit key lane. 32 in production; small values are for tests that need
+        collisions (they are refused, never returned as hits).
+    """
+
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    capacity: int
+    ways: int = 8
+    hash_bits: int = 32
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("num_blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1), ("capacity", 1),
+                              ("ways", 1), ("hash_bits", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < minimum:
+                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        if self.capacity % self.ways:
+            raise ValueError(f"capacity ({self.capacity}) must be a multiple of ways ({self.ways})")
+        if self.hash_bits > 32:
+            raise ValueError(f"hash_bits must be <= 32, got {self.hash_bits}")
+
+    @classmethod
+    def for_cache(cls, cfg: CacheConfig, capacity: int | None = None, ways: int = 8, hash_bits: int = 32):
+        """The prefix cache for an allocator geometry; capacity defaults to 2 * usable blocks (load <= 0.5)."""
+        if capacity is None:
+            capacity = -(-2 * cfg.usable_blocks // ways) * ways
+        return cls(cfg.num_blocks, cfg.block_size, cfg.max_blocks_per_seq, capacity, ways, hash_bits)
+
+    @property
+    def num_buckets(self) -> int:
+        return self.capacity // self.ways
+
+
+# ------------------------------------------------------------------------------------------------ state
+
+
+@struct.dataclass
+class PrefixCounters:
+    """Cumulative int32 scalars: what inserts and removals did (failures are data, never exceptions)."""
+
+    inserted: jax.Array  # entries added
+    collisions: jax.Array  # inserts refused: their key is taken by (or shared in the call with) other content
+    dropped_full: jax.Array  # inserts refused: no free way in their bucket
+    rejected: jax.Array  # inserts refused: the block id is invalid or already indexed under another prefix
+    removed: jax.Array  # entries removed (requested and descendants)
+
+
+@struct.dataclass
+class PrefixCache:
+    """The table. A slot is live iff block > 0; live entries form a forest through `parent`.
+
+    key:           uint32[C, 2]  chain hash of the prefix ending with this block (two lanes)
+    block:         int32[C]      physical block id; 0 = empty slot
+    parent:        int32[C]      block id of the entry one block shorter; ROOT (0) for a first block
+    tokens:        int32[C, S]   the block's token ids (every hit is checked against them)
+    slot_of_block: int32[N]      slot indexing each block, -1 if none (a block is indexed at most once)
+    """
+
+    key: jax.Array
+    block: jax.Array
+    parent: jax.Array
+    tokens: jax.Array
+    slot_of_block: jax.Array
+    counters: PrefixCounters
+
+
+@struct.dataclass
+class LookupResult:
+    """Per sequence b (int32):
+
+    num_matched:   [B]     cached full blocks of the prompt before the barrier (for hit-rate metrics)
+    num_blocks:    [B]     blocks to share after the barrier
+    num_tokens:    [B]     num_blocks * S: pass to `allocator.share` with block_ids
+    block_ids:     [B, M]  the shared blocks, NULL_BLOCK past num_blocks
+    spec_boundary: [B]     token index where speculation may start; nothing at or after it is shared
+    """
+
+    num_matched: jax.Array
+    num_blocks: jax.Array
+    num_tokens: jax.Array
+    block_ids: jax.Array
+    spec_boundary: jax.Array
+
+
+@struct.dataclass
+class InsertResult:
+    """block_ids: int32[B, M] blocks newly indexed (NULL_BLOCK elsewhere): pin them with `allocator.set_cached`.
+    num_inserted: int32[B]; collisions, dropped_full, rejected: int32[] refusals in this call."""
+
+    block_ids: jax.Array
+    num_inserted: jax.Array
+    collisions: jax.Array
+    dropped_full: jax.Array
+    rejected: jax.Array
+
+
+@struct.dataclass
+class RemoveResult:
+    """num_removed: int32[] entries removed; descendants: int32[C] ids of entries removed because an ancestor
+    was (NULL_BLOCK-padded): they are still pinned, so unpin them with `allocator.set_cached(..., False)`."""
+
+    num_removed: jax.Array
+    descendants: jax.Array
+
+
+def init(cfg: PrefixCacheConfig) -> PrefixCache:
+    """An empty table."""
+    c, s = cfg.capacity, cfg.block_size
+    zero = jnp.zeros((), i32)
+    return PrefixCache(
+        key=jnp.zeros((c, 2), u32),
+        block=jnp.zeros((c,), i32),
+        parent=jnp.zeros((c,), i32),
+        tokens=jnp.zeros((c, s), i32),
+        slot_of_block=jnp.full((cfg.num_blocks,), -1, i32),
+        counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- hash
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """murmur3's finaliser: a bijection of uint32 with full avalanche."""
+    x = x ^ (x >> 16)
+    x = x * u32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * u32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
+    """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block."""
+    _, j, s = blocks.shape
+    t = jax.lax.bitcast_convert_type(blocks, u32)[..., None]  # [B, J, S, 1]
+    pos = jnp.arange(1, s + 1, dtype=u32)[None, None, :, None]  # [1, 1, S, 1]
+    tok_mul = jnp.asarray(_TOKEN_MUL, u32)[None, None, None, :]  # [1, 1, 1, 2]
+    pos_mul = jnp.asarray(_POS_MUL, u32)[None, None, None, :]
+    digest = jnp.sum(_fmix32(t * tok_mul + pos * pos_mul), axis=2, dtype=u32)  # [B, J, 2]
+    # h_j = A^j * sum_{i<=j} digest_i * A^-i (mod 2^32): the affine chain h_j = A h_{j-1} + digest_j by cumsum.
+    powers = np.array([[pow(a, i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32)[None]  # [1, J, 2]
+    inverse = np.array([[pow(a, -i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32)[None]
+    chain = jnp.asarray(powers) * jnp.cumsum(digest * jnp.asarray(inverse), axis=1, dtype=u32)
+    key = _fmix32(chain ^ jnp.asarray(_FINAL_XOR, u32)[None, None, :])
+    return key & u32((1 << hash_bits) - 1)
+
+
+def _bucket(key: jax.Array, cfg: PrefixCacheConfig) -> jax.Array:
+    """uint32[..., 2] -> int32[...] bucket index (lane 0 addresses, both lanes are compared)."""
+    return (key[..., 0] % u32(cfg.num_buckets)).astype(i32)
+
+
+def _split_blocks(tokens: jax.Array, cfg: PrefixCacheConfig) -> jax.Array:
+    """int32[B, L] -> int32[B, J, S], J = min(L // S, M): the full blocks a block table can hold."""
+    s = cfg.block_size
+    j = min(tokens.shape[1] // s, cfg.max_blocks_per_seq)
+    return tokens[:, : j * s].reshape(tokens.shape[0], j, s)
+
+
+def _pad_cols(x: jax.Array, m: int) -> jax.Array:
+    """[B, J] -> [B, M] padded with NULL_BLOCK."""
+    return jnp.pad(x, ((0, 0), (0, m - x.shape[1])), constant_values=NULL_BLOCK)
+
+
+# ----------------------------------------------------------------------------------------------- lookup
+
+
+def _longest_chain(cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """For int32[B, J, S] blocks: (matched int32[B] leading blocks found, ids int32[B, J] their block ids).
+
+    Every block position is probed in parallel; the parent test against the previous position's candidate
+    makes the accepted run a verified chain (see the module docstring).
+    """
+    b, j, _ = blocks.shape
+    key = _chain_keys(blocks, cfg.hash_bits)  # [B, J, 2]
+    slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, W]
+    same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
+    found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
+    slot = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[..., None], axis=-1)[..., 0]  # [B, J]
+    ids = jnp.where(found, cache.block[slot], BROKEN)
+    prev = jnp.concatenate([jnp.full((b, 1), ROOT, i32), ids[:, :-1]], axis=1)
+    valid = found & (cache.parent[slot] == prev) & jnp.all(cache.tokens[slot] == blocks, axis=-1)
+    matched = jnp.sum(jnp.cumprod(valid.astype(i32), axis=1), axis=1, dtype=i32)
+    return matched, ids
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _lookup(cache, tokens, lengths, spec_window, max_spec_ratio, *, cfg: PrefixCacheConfig) -> LookupResult:
+    s, m = cfg.block_size, cfg.max_blocks_per_seq
+    blocks = _split_blocks(tokens, cfg)
+    matched, ids = _longest_chain(cache, blocks, cfg)
+    # Keep >= 1 prompt token to compute: at most (length - 1) // S blocks.
+    matched = jnp.minimum(matched, jnp.maximum(lengths - 1, 0) // s)
+    # buffer = max(1, int(ratio * window / S)) = max(1, floor(ratio * window) // S); one float32 multiply, so the
+    # value is the same IEEE result in every implementation (the oracle computes it in numpy float32).
+    scaled = jnp.floor(max_spec_ratio * spec_window.astype(jnp.float32)).astype(i32)
+    buffer = jnp.where(spec_window > 0, jnp.maximum(1, scaled // s), 0)
+    shared = jnp.maximum(matched - buffer, 0)
+    col = jnp.arange(ids.shape[1], dtype=i32)[None, :]
+    block_ids = _pad_cols(jnp.where(col < shared[:, None], ids, NULL_BLOCK), m)
+    return LookupResult(
+        num_matched=matched, num_blocks=shared, num_tokens=shared * s, block_ids=block_ids,
+        spec_boundary=shared * s,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- insert
+
+
+def _insert_position(cfg: PrefixCacheConfig, carry, x):
+    """One block position j for every row at once: match, dedup, claim ways, write. Returns (carry, ids[B])."""
+    cache, prev = carry  # prev: int32[B] block holding the row's prefix through j - 1 (ROOT, or BROKEN)
+    key, toks, bid, want = x  # [B, 2] uint32, [B, S], [B], [B] bool
+    c, n, w = cfg.capacity, cfg.num_blocks, cfg.ways
+    rows = jnp.arange(bid.shape[0], dtype=i32)
+    want = want & (prev != BROKEN)
+
+    # 1. The prefix is already indexed (same key, same content): nothing to insert, follow the entry.
+    bucket = _bucket(key, cfg)
+    slots = bucket[:, None] * w + jnp.arange(w, dtype=i32)[None, :]  # [B, W]
+    live = cache.block[slots] > 0
+    same_key = live & jnp.all(cache.key[slots] == key[:, None, :], axis=-1)
+    exists = jnp.any(same_key, axis=-1)
+    old = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[:, None], axis=-1)[:, 0]
+    same_entry = jnp.all(cache.tokens[old] == toks, axis=-1) & (cache.parent[old] == prev)
+    known = want & exists & same_entry
+    clash = want & exists & ~same_entry
+
+    # 2. New keys: rows with equal keys form a group led by its lowest row; equal content = a duplicate of the
+    #    leader, other content = a collision (the leader wins).
+    new = want & ~exists
+    same_group = jnp.all(key[:, None, :] == key[None, :, :], axis=-1) & new[None, :]  # [B, B]
+    leader = jnp.argmax(same_group, axis=1).astype(i32)
+    is_leader = new & (leader == rows)
+    same_content = jnp.all(toks == toks[leader], axis=-1) & (prev == prev[leader])
+    duplicate = new & ~is_leader & same_content
+    clash |= new & ~is_leader & ~same_content
+
+    # 3. A leader's block must be a real block that no entry (old or earlier in this call) already indexes.
+    safe_bid = jnp.clip(bid, 0, n - 1)
+    earlier_same_bid = (bid[:, None] == bid[None, :]) & is_leader[None, :] & (rows[None, :] < rows[:, None])
+    bad_id = (bid < 1) | (bid >= n) | (cache.slot_of_block[safe_bid] >= 0) | jnp.any(earlier_same_bid, axis=1)
+    candidate = is_leader & ~bad_id
+
+    # 4. Ways: the r-th candidate of a bucket (in row order) takes the bucket's r-th free way, if any.
+    rank = jnp.sum((bucket[:, None] == bucket[None, :]) & candidate[None, :] & (rows[None, :] < rows[:, None]),
+                   axis=1, dtype=i32)
+    free = ~live
+    free_rank = jnp.cumsum(free, axis=1, dtype=i32) - 1
+    got = candidate & (rank < jnp.sum(free, axis=1, dtype=i32))
+    way = jnp.argmax(free & (free_rank == rank[:, None]), axis=1).astype(i32)
+    dst = jnp.where(got, bucket * w + way, c)  # c: dropped by the scatters
+    cache = cache.replace(
+        key=cache.key.at[dst].set(key, mode="drop"),
+        block=cache.block.at[dst].set(bid, mode="drop"),
+        parent=cache.parent.at[dst].set(prev, mode="drop"),
+        tokens=cache.tokens.at[dst].set(toks, mode="drop"),
+        slot_of_block=cache.slot_of_block.at[jnp.where(got, bid, n)].set(dst, mode="drop"),
+    )
+
+    leader_block = jnp.where(got, bid, BROKEN)
+    resolved = jnp.where(known, cache.block[old], jnp.where(duplicate, leader_block[leader], leader_block))
+    resolved = jnp.where(want, resolved, BROKEN)
+    ct = cache.counters
+    cache = cache.replace(counters=ct.replace(
+        inserted=ct.inserted + jnp.sum(got, dtype=i32),
+        collisions=ct.collisions + jnp.sum(clash, dtype=i32),
+        dropped_full=ct.dropped_full + jnp.sum(candidate & ~got, dtype=i32),
+        rejected=ct.rejected + jnp.sum(is_leader & bad_id, dtype=i32),
+    ))
+    return (cache, resolved), jnp.where(got, bid, NULL_BLOCK)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig):
+    s = cfg.block_size
+    blocks = _split_blocks(tokens, cfg)  # [B, J, S]
+    b, j, _ = blocks.shape
+    key = _chain_keys(blocks, cfg.hash_bits)
+    # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
+    want = jnp.arange(j, dtype=i32)[None, :] < (num_validated // s)[:, None]  # [B, J]
+    before = cache.counters
+    # A scan over block positions (J steps, each vectorised over rows): a block's parent is whatever its row's
+    # previous block resolved to, including a duplicate resolved to another row's block in the same call.
+    xs = (jnp.moveaxis(key, 1, 0), jnp.moveaxis(blocks, 1, 0), block_table[:, :j].T, want.T)
+    (cache, _), ids = jax.lax.scan(
+        functools.partial(_insert_position, cfg), (cache, jnp.full((b,), ROOT, i32)), xs
+    )
+    ids = ids.T  # [B, J]
+    after = cache.counters
+    result = InsertResult(
+        block_ids=_pad_cols(ids, cfg.max_blocks_per_seq),
+        num_inserted=jnp.sum(ids > 0, axis=1, dtype=i32),
+        collisions=after.collisions - before.collisions,
+        dropped_full=after.dropped_full - before.dropped_full,
+        rejected=after.rejected - before.rejected,
+    )
+    return cache, result
+
+
+# ----------------------------------------------------------------------------------------------- remove
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig):
+    n = cfg.num_blocks
+    live = cache.block > 0
+    requested = jnp.zeros((n,), bool).at[jnp.where(block_ids > 0, block_ids, n)].set(True, mode="drop")
+    gone = live & requested[cache.block]  # [C] slots to clear
+
+    # Close over descendants: a child goes when its parent does (depth <= M, so <= M rounds).
+    def grow(state):
+        gone, _ = state
+        gone_block = jnp.zeros((n,), bool).at[jnp.where(gone, cache.block, n)].set(True, mode="drop")
+        more = gone | (live & gone_block[cache.parent] & (cache.parent != ROOT))
+        return more, jnp.any(more != gone)
+
+    gone, _ = jax.lax.while_loop(lambda st: st[1], grow, grow((gone, jnp.ones((), bool))))
+    descendants = jnp.where(gone & ~requested[cache.block], cache.block, NULL_BLOCK)
+    slot_of_block = cache.slot_of_block.at[jnp.where(gone, cache.block, n)].set(-1, mode="drop")
+    num_removed = jnp.sum(gone, dtype=i32)
+    cache = cache.replace(
+        key=jnp.where(gone[:, None], u32(0), cache.key),
+        block=jnp.where(gone, NULL_BLOCK, cache.block),
+        parent=jnp.where(gone, ROOT, cache.parent),
+        tokens=jnp.where(gone[:, None], 0, cache.tokens),
+        slot_of_block=slot_of_block,
+        counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
+    )
+    return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
+
+
+# ------------------------------------------------------------------- public API (validated at the boundary)
+
+
+def check_cache(cache: PrefixCache, cfg: PrefixCacheConfig) -> None:
+    """Raise if the table's shapes do not match cfg (e.g. a table built for another config)."""
+    if not isinstance(cfg, PrefixCacheConfig):
+        raise TypeError(f"cfg must be a PrefixCacheConfig, got {type(cfg).__name__}")
+    if not isinstance(cache, PrefixCache):
+        raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
+    checks.array("cache.block", cache.block, (cfg.capacity,), "i")
+    checks.array("cache.tokens", cache.tokens, (cfg.capacity, cfg.block_size), "i")
+    checks.array("cache.slot_of_block", cache.slot_of_block, (cfg.num_blocks,), "i")
+
+
+def _check_tokens(tokens) -> tuple[int, int]:
+    if not hasattr(tokens, "shape") or len(tokens.shape) != 2:
+        raise ValueError(f"tokens must be a 2-D [B, L] array, got shape {getattr(tokens, 'shape', None)}")
+    checks.array("tokens", tokens, tokens.shape, "i")
+    if np.dtype(tokens.dtype) != np.int32:
+        raise TypeError(f"tokens must have dtype int32, got {tokens.dtype}")
+    return tokens.shape
+
+
+def lookup(
+    cache: PrefixCache,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    spec_window: jax.Array | int = 0,
+    *,
+    cfg: PrefixCacheConfig,
+    max_spec_ratio: float | jax.Array = SpecConfig().max_spec_ratio,
+) -> LookupResult:
+    """Longest cached block-aligned prefix of each prompt, minus the speculative barrier.
+
+    tokens: int32[B, L] prompts; lengths: int[B] in [0, L]; spec_window: int scalar or int[B] >= 0, the expected
+    draft length of each sequence (0 = no speculation, no barrier); max_spec_ratio: float scalar in [0, 1] (data,
+    so one program serves every value). Only the first min(L // S, M) blocks are considered, and at most
+    (length - 1) // S of them are returned (>= 1 token left to compute). The table is not modified.
+    """
+    check_cache(cache, cfg)
+    b, length = _check_tokens(tokens)
+    checks.array("lengths", lengths, (b,), "i")
+    checks.in_range("lengths", lengths, 0, length)
+    if not hasattr(spec_window, "shape"):
+        checks.scalar_int("spec_window", spec_window)
+        spec_window = jnp.asarray(spec_window, i32)
+    if spec_window.shape == ():
+        checks.scalar_int("spec_window", spec_window)
+        spec_window = jnp.broadcast_to(spec_window, (b,))
+    checks.array("spec_window", spec_window, (b,), "i")
+    checks.in_range("spec_window", spec_window, 0, 2**31 - 1)
+    if isinstance(max_spec_ratio, bool) or not (
+        isinstance(max_spec_ratio, (int, float)) or getattr(max_spec_ratio, "shape", None) == ()
+    ):
+        raise TypeError(f"max_spec_ratio must be a float scalar, got {type(max_spec_ratio).__name__}")
+    checks.in_range("max_spec_ratio", max_spec_ratio, 0, 1)
+    ratio = jnp.asarray(max_spec_ratio, jnp.float32)
+    return _lookup(cache, tokens, lengths.astype(i32), spec_window.astype(i32), ratio, cfg=cfg)
+
+
+def insert_after_validation(
+    cache: PrefixCache,
+    tokens: jax.Array,
+    num_validated: jax.Array,
+    block_table: jax.Array,
+    *,
+    cfg: PrefixCacheConfig,
+) -> tuple[PrefixCache, InsertResult]:
+    """Index every whole block of validated tokens that is not indexed yet.
+
+    tokens: int32[B, L]; num_validated: int[B] in [0, L], the committed (accepted) tokens of each row -- tokens
+    past it (drafts, padding) are never read into the index; block_table: int[B, M], the physical block of each
+    logical block. Block j of row b is a candidate iff (j + 1) * S <= num_validated[b] and j < min(L // S, M).
+    A candidate whose prefix is already indexed is skipped; identical new prefixes in one call are indexed
+    once (the lowest row's block); refusals (collision, full bucket, block id invalid or already indexed under
+    another prefix) are counted and end that row's chain. Returns the new table and the blocks newly indexed,
+    which the caller pins: `allocator.set_cached(st, ids.reshape(-1), ids.reshape(-1) > 0)`.
+    """
+    check_cache(cache, cfg)
+    b, length = _check_tokens(tokens)
+    checks.array("num_validated", num_validated, (b,), "i")
+    checks.in_range("num_validated", num_validated, 0, length)
+    checks.array("block_table", block_table, (b, cfg.max_blocks_per_seq), "i")
+    if checks.is_concrete(block_table) and checks.is_concrete(num_validated):
+        j = min(length // cfg.block_size, cfg.max_blocks_per_seq)
+        used = np.arange(cfg.max_blocks_per_seq)[None, :] < np.minimum(np.asarray(num_validated) // cfg.block_size,
+                                                                      j)[:, None]
+        checks.in_range("block_table", np.asarray(block_table)[used], 1, cfg.num_blocks - 1)
+    return _insert(cache, tokens, num_validated.astype(i32), block_table.astype(i32), cfg=cfg)
+
+
+def remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig) -> tuple[PrefixCache, RemoveResult]:
+    """Drop the entries of block_ids (int[X], e.g. `allocator.evict_lru`'s output; ids <= 0 and ids that are
+    not indexed are ignored) and of all their descendants, whose ids come back to be unpinned."""
+    check_cache(cache, cfg)
+    if not hasattr(block_ids, "shape") or len(block_ids.shape) != 1:
+        raise ValueError(f"block_ids must be a 1-D array, got shape {getattr(block_ids, 'shape', None)}")
+    checks.array("block_ids", block_ids, block_ids.shape, "i")
+    checks.in_range("block_ids", block_ids, 0, cfg.num_blocks - 1)
+    return _remove(cache, block_ids.astype(i32), cfg=cfg)
