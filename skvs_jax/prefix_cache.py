@@ -215,8 +215,8 @@ def _chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
     pos_mul = jnp.asarray(_POS_MUL, u32)[None, None, None, :]
     digest = jnp.sum(_fmix32(t * tok_mul + pos * pos_mul), axis=2, dtype=u32)  # [B, J, 2]
     # h_j = A^j * sum_{i<=j} digest_i * A^-i (mod 2^32): the affine chain h_j = A h_{j-1} + digest_j by cumsum.
-    powers = np.array([[pow(a, i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32)[None]  # [1, J, 2]
-    inverse = np.array([[pow(a, -i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32)[None]
+    powers = np.array([[pow(a, i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
+    inverse = np.array([[pow(a, -i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
     chain = jnp.asarray(powers) * jnp.cumsum(digest * jnp.asarray(inverse), axis=1, dtype=u32)
     key = _fmix32(chain ^ jnp.asarray(_FINAL_XOR, u32)[None, None, :])
     return key & u32((1 << hash_bits) - 1)
@@ -285,8 +285,12 @@ def _lookup(cache, tokens, lengths, spec_window, max_spec_ratio, *, cfg: PrefixC
 
 
 def _insert_position(cfg: PrefixCacheConfig, carry, x):
-    """One block position j for every row at once: match, dedup, claim ways, write. Returns (carry, ids[B])."""
-    cache, prev = carry  # prev: int32[B] block holding the row's prefix through j - 1 (ROOT, or BROKEN)
+    """One candidate block per row (row b's next block j_b): match, dedup, claim ways, write.
+
+    Returns ((cache, resolved), ids): resolved[b] is the block that now indexes row b's prefix through j_b (the
+    row's own, an older entry's, or a duplicate's leader's; BROKEN if refused), ids[b] the block newly indexed.
+    """
+    cache, prev = carry  # prev: int32[B] block indexing the row's prefix through j_b - 1 (ROOT, or BROKEN)
     key, toks, bid, want = x  # [B, 2] uint32, [B, S], [B], [B] bool
     c, n, w = cfg.capacity, cfg.num_blocks, cfg.ways
     rows = jnp.arange(bid.shape[0], dtype=i32)
@@ -324,7 +328,9 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
                    axis=1, dtype=i32)
     free = ~live
     free_rank = jnp.cumsum(free, axis=1, dtype=i32) - 1
-    got = candidate & (rank < jnp.sum(free, axis=1, dtype=i32))
+    # `& ~known` never changes `got` (a candidate's key is new), but it makes the scatters below depend on the
+    # token and parent gathers above, so XLA orders them first and updates the table in place, not a copy.
+    got = candidate & (rank < jnp.sum(free, axis=1, dtype=i32)) & ~known
     way = jnp.argmax(free & (free_rank == rank[:, None]), axis=1).astype(i32)
     dst = jnp.where(got, bucket * w + way, c)  # c: dropped by the scatters
     cache = cache.replace(
@@ -350,23 +356,39 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig):
-    s = cfg.block_size
+    s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)  # [B, J, S]
     b, j, _ = blocks.shape
+    rows = jnp.arange(b, dtype=i32)
     key = _chain_keys(blocks, cfg.hash_bits)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
-    want = jnp.arange(j, dtype=i32)[None, :] < (num_validated // s)[:, None]  # [B, J]
+    num_full = jnp.minimum(num_validated // s, j)
+    # Each row's already-indexed prefix (one parallel lookup) is skipped; the loop below walks the rest.
+    matched, found = _longest_chain(cache, blocks, cfg)
+    start = jnp.minimum(matched, num_full)
+
+    # Iteration k handles block start[b] + k of every row: a block's parent is what its row's previous block
+    # resolved to, possibly another row's block inserted in the same call, so block positions go in order.
+    # Rows holding the same new prefix have the same start, so they meet in the same iteration and dedup.
+    # The trip count is data: the most new blocks of any row (0-2 in a decode step, chunk / S in prefill).
+    def body(k, carry):
+        cache, prev, ids = carry
+        col = start + k
+        live = col < num_full
+        c = jnp.clip(col, 0, j - 1)
+        x = (key[rows, c], blocks[rows, c], block_table[rows, c], live)
+        (cache, prev), new_ids = _insert_position(cfg, (cache, prev), x)
+        return cache, prev, ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop")
+
     before = cache.counters
-    # A scan over block positions (J steps, each vectorised over rows): a block's parent is whatever its row's
-    # previous block resolved to, including a duplicate resolved to another row's block in the same call.
-    xs = (jnp.moveaxis(key, 1, 0), jnp.moveaxis(blocks, 1, 0), block_table[:, :j].T, want.T)
-    (cache, _), ids = jax.lax.scan(
-        functools.partial(_insert_position, cfg), (cache, jnp.full((b,), ROOT, i32)), xs
-    )
-    ids = ids.T  # [B, J]
+    ids = jnp.zeros((b, j), i32)
+    if j > 0:  # static: tokens shorter than a block hold no full block
+        prev = jnp.where(start > 0, found[rows, jnp.maximum(start - 1, 0)], ROOT)
+        steps = jnp.max(num_full - start, initial=0)
+        cache, _, ids = jax.lax.fori_loop(0, steps, body, (cache, prev, ids))
     after = cache.counters
     result = InsertResult(
-        block_ids=_pad_cols(ids, cfg.max_blocks_per_seq),
+        block_ids=_pad_cols(ids, m),
         num_inserted=jnp.sum(ids > 0, axis=1, dtype=i32),
         collisions=after.collisions - before.collisions,
         dropped_full=after.dropped_full - before.dropped_full,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ class TierConfig:
             raise ValueError("disk_dir must name a directory when disk_blocks > 0")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class SwapHandle:
     """Where a swapped-out sequence lives. slots: int64[X] tier slots of its blocks, in the given block order
     (empty when ok is False); serial identifies the swap, so a handle can be swapped in only once."""
@@ -101,7 +102,8 @@ class Tier:
             else:
                 if directory is None or not os.path.isdir(directory):
                     raise ValueError(f"directory must be an existing directory, got {directory!r}")
-                path = os.path.join(directory, f"kv_tier_{id(self):x}_{i}.bin")
+                fd, path = tempfile.mkstemp(suffix=f"_{i}.bin", prefix="kv_tier_", dir=directory)  # unique name
+                os.close(fd)
                 self.paths.append(path)
                 self.storage.append(np.memmap(path, np.uint8, mode="w+", shape=row))
 
@@ -132,16 +134,28 @@ def _bucket(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The same bits as an unsigned integer array. Blocks are moved as bits because XLA:CPU scatters bfloat16
+    through float32, which quiets NaN payloads; an integer move is exact on every backend."""
+    return jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
+
+
 @jax.jit
 def _gather(kv_pages: tuple, ids: jax.Array) -> tuple:
-    """ids: int32[X'] -> tuple of [X', ...] blocks."""
-    return tuple(pages[ids] for pages in kv_pages)
+    """ids: int32[X'] -> tuple of [X', ...] blocks, as unsigned-integer bits."""
+    return tuple(_bits(pages)[ids] for pages in kv_pages)
 
 
 @jax.jit
 def _scatter(kv_pages: tuple, ids: jax.Array, blocks: tuple) -> tuple:
-    """Write blocks[i] ([X', ...]) to block ids[i]; ids >= N are dropped (padding)."""
-    return tuple(pages.at[ids].set(new, mode="drop") for pages, new in zip(kv_pages, blocks))
+    """Write blocks[i] ([X', ...] bits) to block ids[i]; ids >= N are dropped (padding)."""
+    return tuple(
+        jax.lax.bitcast_convert_type(_bits(pages).at[ids].set(new, mode="drop"), pages.dtype)
+        for pages, new in zip(kv_pages, blocks)
+    )
 
 
 def _check_ids(name: str, ids, n: int) -> np.ndarray:
@@ -152,6 +166,8 @@ def _check_ids(name: str, ids, n: int) -> np.ndarray:
     ids = np.asarray(ids, np.int64)  # host orchestration: block ids are concrete
     if ids.size and (ids.min() < 1 or ids.max() >= n):
         raise ValueError(f"{name} must lie in [1, {n - 1}] (block 0 is the null block), got {ids.tolist()}")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"{name} must be distinct blocks, got {ids.tolist()}")
     return ids
 
 
@@ -212,7 +228,7 @@ def swap_in(kv_pages: tuple, handle: SwapHandle, dst_block_ids) -> tuple:
         for store, (shape, dtype) in zip(tier.storage, tier.layout):
             data = np.zeros((size, store.shape[1]), np.uint8)
             data[:x] = store[handle.slots]
-            blocks.append(jnp.asarray(data.view(dtype).reshape((size,) + shape)))
+            blocks.append(jnp.asarray(data.view(_UINT[dtype.itemsize]).reshape((size,) + shape)))
         kv_pages = _scatter(kv_pages, jnp.asarray(padded), tuple(blocks))
     tier.owner[handle.slots] = 0
     return kv_pages
