@@ -182,11 +182,19 @@ def _rank_of(order: jax.Array) -> jax.Array:
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=i32))
 
 
-def _push(stack: jax.Array, top: jax.Array, ids: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Push ids[mask] (flat [X]) onto a stack in their given order."""
-    pos = top + jnp.cumsum(mask, dtype=i32) - 1
-    stack = stack.at[jnp.where(mask, pos, stack.shape[0])].set(ids, mode="drop")
-    return stack, top + jnp.sum(mask, dtype=i32)
+def _push(stack, top, ids, mask, rank) -> tuple[jax.Array, jax.Array]:
+    """Push ids[mask] (flat [X]) onto a stack in their given order; rank = inclusive count of mask so far.
+
+    The caller computes the ranks, so that several pushes share one cumsum (on CPU each cumsum is several
+    reduce-window ops, the single largest cost of a step).
+    """
+    stack = stack.at[jnp.where(mask, top + rank - 1, stack.shape[0])].set(ids, mode="drop")
+    return stack, top + rank[-1]
+
+
+def _prefix_counts(*masks: jax.Array) -> jax.Array:
+    """Inclusive running counts of several [X] masks with one cumsum: int32[len(masks), X]."""
+    return jnp.cumsum(jnp.stack(masks), axis=1, dtype=i32)
 
 
 def _pop_two(first, first_top, second, second_top, index):
@@ -209,13 +217,17 @@ def _release(
     cached = released & blocks.cached[safe]
     state = blocks.state[safe]
     drafty = (state == SPECULATIVE) | (state == STALE)
-    to_pool = released & ~cached & drafty if use_pool else jnp.zeros_like(released)
+    uncached = released & ~cached
+    want_pool = uncached & drafty if use_pool else jnp.zeros_like(released)
     room = blocks.pool_stack.shape[0] - blocks.pool_top
-    to_pool = to_pool & (jnp.cumsum(to_pool, dtype=i32) <= room)
-    to_free = released & ~cached & ~to_pool
+    # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
+    want_rank, uncached_rank = _prefix_counts(want_pool, uncached)
+    to_pool = want_pool & (want_rank <= room)
+    pool_rank = jnp.minimum(want_rank, room)
+    to_free = uncached & ~to_pool
 
-    pool_stack, pool_top = _push(blocks.pool_stack, blocks.pool_top, ids, to_pool)
-    free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, to_free)
+    pool_stack, pool_top = _push(blocks.pool_stack, blocks.pool_top, ids, to_pool, pool_rank)
+    free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, to_free, uncached_rank - pool_rank)
     n = blocks.state.shape[0]
     new_state = jnp.where(to_pool, STALE, FREE).astype(jnp.int8)
     state_arr = blocks.state.at[jnp.where(to_pool | to_free, ids, n)].set(new_state, mode="drop")
@@ -574,8 +586,10 @@ def _reclaim_expired(
 
     def compact(blocks: BlockPool) -> BlockPool:
         kept = live & ~expired
-        pool_stack, pool_top = _push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept)
-        free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, expired)
+        expired_rank = jnp.cumsum(expired, dtype=i32)
+        kept_rank = jnp.minimum(k + 1, blocks.pool_top) - expired_rank
+        pool_stack, pool_top = _push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept, kept_rank)
+        free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, expired, expired_rank)
         n = blocks.state.shape[0]
         state = blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop")
         return blocks.replace(
@@ -618,7 +632,7 @@ def _evict_lru(
     ids = jnp.argsort(key, stable=True)[:max_evict].astype(i32)
     take = (jnp.arange(max_evict) < num_blocks) & evictable[ids]
     flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
-    free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, take)
+    free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, take, jnp.cumsum(take, dtype=i32))
     state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
     blocks = blocks.replace(
         cached=flags, state=state, free_stack=free_stack, free_top=free_top, clock=blocks.clock + 1
