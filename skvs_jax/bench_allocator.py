@@ -167,10 +167,10 @@ def run(args: argparse.Namespace) -> int:
 
     # 1. batched JAX allocator: warm-up call, then timed calls of `chunk` steps each.
     failures, times = 0, []
-    for c in range(calls + 1):
-        sl = slice(c * chunk, (c + 1) * chunk)
+    chunks = [(acc_dev[c * chunk : (c + 1) * chunk], gens[c * chunk : (c + 1) * chunk]) for c in range(calls + 1)]
+    for c, (acc_c, gens_c) in enumerate(chunks):
         t0 = time.perf_counter()
-        st, fails = steps_jit(st, acc_dev[sl], gens[sl])
+        st, fails = steps_jit(st, acc_c, gens_c)
         jax.block_until_ready(st)
         if c:
             times.append((time.perf_counter() - t0) / chunk)
@@ -180,9 +180,10 @@ def run(args: argparse.Namespace) -> int:
     first = (calls + 1) * chunk
     st, fails = step_jit(st, acc_dev[first], gens[first])
     times = []
-    for t in range(first + 1, total):
+    per_step = [(acc_dev[t], gens[t]) for t in range(first + 1, total)]  # sliced before timing
+    for acc_t, gen_t in per_step:
         t0 = time.perf_counter()
-        st, fails = step_jit(st, acc_dev[t], gens[t])
+        st, fails = step_jit(st, acc_t, gen_t)
         jax.block_until_ready(st)
         times.append(time.perf_counter() - t0)
         failures += int(fails)
@@ -211,8 +212,9 @@ def run(args: argparse.Namespace) -> int:
     seq_calls = max(2, calls // 4)
     times = []
     for c in range(seq_calls + 1):
+        acc_c = chunks[c][0]
         t0 = time.perf_counter()
-        pm = jax.block_until_ready(seq_jit(pm, acc_dev[c * chunk : (c + 1) * chunk]))
+        pm = jax.block_until_ready(seq_jit(pm, acc_c))
         if c:
             times.append((time.perf_counter() - t0) / chunk)
     seq_us = _median_us(times)
