@@ -16,6 +16,7 @@ length. Dimensions: B sequences, P prompt length, K drafts, V vocab, Dm width.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -145,13 +146,24 @@ def medusa_generate(
     prompts = check_prompts(model, prompts)
     if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
         raise ValueError("Medusa heads do not match the base model's hidden size / vocabulary")
-    b, p = prompts.shape
     k = heads.config.num_heads
+    return speculative_loop(model, heads, prompts, num_new, _medusa_step, lookahead=k, slots=k + 1,
+                            block_size=block_size)
+
+
+def speculative_loop(
+    model: Llama, heads: MedusaHeads, prompts: np.ndarray, num_new: int, step: Callable, *, lookahead: int,
+    slots: int, block_size: int,
+) -> tuple[np.ndarray, MedusaStats]:
+    """Prefill, then call `step` (one jitted propose-verify-commit, chain or tree) until every row has num_new
+    tokens. `lookahead` bounds the tokens one step may commit past the limit; `slots` the query slots a step
+    writes past the committed length. Shared by `medusa_generate` and `medusa_tree_generate`."""
+    b, p = prompts.shape
     limit = p + num_new
-    buf = limit + k + 1
+    buf = limit + lookahead + 1
     graphdef, state = nnx.split(model)
     heads_graphdef, heads_state = nnx.split(heads)
-    cache, tables = contiguous_layout(model, b, buf + k + 1, block_size)
+    cache, tables = contiguous_layout(model, b, buf + slots, block_size)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, hiddens, cache = paged_forward(graphdef, state, jnp.asarray(prompts), positions, cache, tables,
                                             jnp.full((b,), p, jnp.int32))
@@ -161,7 +173,7 @@ def medusa_generate(
     hidden = hiddens[:, -1]
     accepted_log, running_log = [], []
     while int(jnp.min(n)) < limit:
-        cache, tokens, n, hidden, accepted, running = _medusa_step(
+        cache, tokens, n, hidden, accepted, running = step(
             (graphdef, heads_graphdef), state, heads_state, cache, tokens, n, hidden, tables, jnp.int32(limit))
         accepted_log.append(np.asarray(accepted))
         running_log.append(np.asarray(running))

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from pallas_kernels import write_kv
 
-from reference_models.generate import MedusaStats, accepted_prefix_len, check_prompts, contiguous_layout, paged_forward
+from reference_models.generate import MedusaStats, accepted_prefix_len, check_prompts, speculative_loop
 from reference_models.llama import KVCache, Llama
 from reference_models.medusa import MedusaHeads
 
@@ -157,24 +157,10 @@ def medusa_tree_generate(
     depth = int(tree.depth.max())
     if depth > heads.config.num_heads:
         raise ValueError(f"tree depth {depth} exceeds the {heads.config.num_heads} Medusa heads")
-    b, p = prompts.shape
-    limit = p + num_new
-    buf = limit + depth + 1
-    graphdef, state = nnx.split(model)
-    heads_graphdef, heads_state = nnx.split(heads)
-    cache, tables = contiguous_layout(model, b, buf + tree.num_slots, block_size)
-    logits, hiddens, cache = paged_forward(graphdef, state, jnp.asarray(prompts),
-                                            jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p)), cache, tables,
-                                            jnp.full((b,), p, jnp.int32))
-    tokens = jnp.zeros((b, buf), jnp.int32).at[:, :p].set(jnp.asarray(prompts))
-    tokens = tokens.at[:, p].set(jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
-    n = jnp.full((b,), p + 1, jnp.int32)
-    hidden = hiddens[:, -1]
-    accepted_log, running_log = [], []
-    while int(jnp.min(n)) < limit:
-        cache, tokens, n, hidden, accepted, running = _tree_step(
-            (graphdef, heads_graphdef), tree, state, heads_state, cache, tokens, n, hidden, tables, jnp.int32(limit))
-        accepted_log.append(np.asarray(accepted))
-        running_log.append(np.asarray(running))
-    stats = MedusaStats(len(accepted_log), np.array(accepted_log).reshape(-1, b), np.array(running_log).reshape(-1, b))
-    return np.asarray(tokens[:, :limit]), stats
+    step = functools.partial(_tree_step_with, tree)
+    return speculative_loop(model, heads, prompts, num_new, step, lookahead=depth, slots=tree.num_slots,
+                            block_size=block_size)
+
+
+def _tree_step_with(tree: DraftTree, graphdefs, *args):
+    return _tree_step(graphdefs, tree, *args)

@@ -377,46 +377,24 @@ def _grow(
     return AllocatorState(blocks=blocks, seqs=seqs, counters=c), result
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative"))
 def _allocate(
     st: AllocatorState,
     num_tokens: jax.Array,
-    order: jax.Array | None = None,
+    generation: jax.Array,
+    order: jax.Array | None,
     *,
     cfg: CacheConfig,
-    spec: SpecConfig = SpecConfig(),
-    window: int | None = None,
+    spec: SpecConfig,
+    window: int | None,
+    speculative: bool,
 ) -> tuple[AllocatorState, AllocResult]:
     return _grow(
         cfg,
         st,
         num_tokens.astype(i32),
         order,
-        speculative=False,
-        use_pool=spec.use_spec_pool,
-        generation=jnp.zeros((), i32),
-        max_draft_len=spec.draft_len,
-        window=window or cfg.max_blocks_per_seq,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
-def _allocate_speculative(
-    st: AllocatorState,
-    num_drafts: jax.Array,
-    generation: jax.Array,
-    order: jax.Array | None = None,
-    *,
-    cfg: CacheConfig,
-    spec: SpecConfig = SpecConfig(),
-    window: int | None = None,
-) -> tuple[AllocatorState, AllocResult]:
-    return _grow(
-        cfg,
-        st,
-        num_drafts.astype(i32),
-        order,
-        speculative=True,
+        speculative=speculative,
         use_pool=spec.use_spec_pool,
         generation=jnp.asarray(generation, i32),
         max_draft_len=spec.draft_len,
@@ -685,7 +663,7 @@ def allocate(
     _check_counts("num_tokens", num_tokens, cfg)
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
-    return _allocate(st, num_tokens, order, cfg=cfg, spec=spec, window=window)
+    return _allocate(st, num_tokens, 0, order, cfg=cfg, spec=spec, window=window, speculative=False)
 
 
 def allocate_speculative(
@@ -711,7 +689,7 @@ def allocate_speculative(
     checks.scalar_int("generation", generation)
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
-    return _allocate_speculative(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window)
+    return _allocate(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
 
 
 def commit(
