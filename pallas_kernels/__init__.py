@@ -15,13 +15,13 @@ from pallas_kernels._common import (
     dequantize_kv,
     quantize_kv,
 )
+from pallas_kernels.attention import paged_attention, paged_attention_reference
 from pallas_kernels.block_states import (
     invalidate_drafts,
     invalidate_drafts_reference,
     update_block_states,
     update_block_states_reference,
 )
-from pallas_kernels.attention import paged_attention, paged_attention_reference
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 
 __all__ = [

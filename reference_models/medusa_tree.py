@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from pallas_kernels import write_kv
 
+from pallas_kernels import write_kv
 from reference_models.generate import MedusaStats, accepted_prefix_len, check_prompts, speculative_loop
 from reference_models.llama import KVCache, Llama
 from reference_models.medusa import MedusaHeads
