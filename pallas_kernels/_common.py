@@ -84,6 +84,14 @@ def check_dtype(name: str, x, allowed) -> None:
         raise TypeError(f"{name} must have dtype in ({names}), got {jnp.dtype(x.dtype).name}")
 
 
+def check_block_tables(block_tables, batch: int) -> None:
+    """block_tables must be int32 [B, M] with B = batch."""
+    check_ndim("block_tables", block_tables, 2, "[B, M]")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have shape [B, M] with B = {batch}, got {tuple(block_tables.shape)}")
+    check_dtype("block_tables", block_tables, (jnp.int32,))
+
+
 def concrete(x) -> np.ndarray | None:
     """The value of `x` as numpy if it is concrete (not traced), else None; used for eager value checks."""
     if x is None or isinstance(x, jax.core.Tracer):

@@ -317,10 +317,7 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
         raise ValueError(f"k_pages head dim {Dk} must equal q head dim {D}")
     if Hq % Hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the KV heads of k_pages ({Hkv})")
-    c.check_ndim("block_tables", block_tables, 2, "[B, M]")
-    if block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must have shape [B, M] with B = {B}, got {tuple(block_tables.shape)}")
-    c.check_dtype("block_tables", block_tables, (jnp.int32,))
+    c.check_block_tables(block_tables, B)
     c.check_shape("context_lens", context_lens, (B,), "[B]")
     c.check_dtype("context_lens", context_lens, (jnp.int32,))
     if query_lens is not None:

@@ -201,10 +201,7 @@ def invalidate_drafts(k_pages, v_pages, block_tables, draft_start, accept_mask, 
     c.check_ndim("accept_mask", accept_mask, 2, "[B, K]")
     c.check_dtype("accept_mask", accept_mask, (jnp.bool_,))
     B, K = accept_mask.shape
-    c.check_ndim("block_tables", block_tables, 2, "[B, M]")
-    if block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must have shape [B, M] with B = {B}, got {tuple(block_tables.shape)}")
-    c.check_dtype("block_tables", block_tables, (jnp.int32,))
+    c.check_block_tables(block_tables, B)
     c.check_shape("draft_start", draft_start, (B,), "[B]")
     c.check_dtype("draft_start", draft_start, (jnp.int32,))
     if draft_lens is not None:

@@ -38,10 +38,8 @@ def test_heads_predict_from_hidden_with_zero_init_as_identity():
     assert heads.draft(hidden[:, 0]).shape == (4, 3)
 
 
-@pytest.mark.parametrize("head_std", [0.0, 0.5])
-def test_medusa_chain_generation_equals_greedy(head_std):
-    """Random base model; heads either fresh (they copy the base LM head, so repetitive continuations get
-    accepted) or random (mostly rejected). Both must reproduce plain greedy decoding exactly."""
+def _model_heads_prompts(head_std):
+    """A random base model; heads fresh (copies of the base LM head) when head_std == 0, else random."""
     model = Llama(CONFIG, rngs=nnx.Rngs(3), std=0.3)
     heads = MedusaHeads(MedusaConfig(32, 32, num_heads=3), model.lm_head_weight())
     if head_std:
@@ -50,6 +48,14 @@ def test_medusa_chain_generation_equals_greedy(head_std):
         checkpoint.assign_params(heads, {name: head_std * jax.random.normal(key, value.shape, jnp.float32)
                                          for key, (name, value) in zip(keys, params.items())}, source="random")
     prompts = np.random.default_rng(2).integers(0, 32, (4, 7)).astype(np.int32)
+    return model, heads, prompts
+
+
+@pytest.mark.parametrize("head_std", [0.0, 0.5])
+def test_medusa_chain_generation_equals_greedy(head_std):
+    """Random base model; heads either fresh (they copy the base LM head, so repetitive continuations get
+    accepted) or random (mostly rejected). Both must reproduce plain greedy decoding exactly."""
+    model, heads, prompts = _model_heads_prompts(head_std)
     reference = greedy_reference(model, prompts, 30)
     np.testing.assert_array_equal(greedy_generate(model, prompts, 30, block_size=4), reference)
     tokens, stats = medusa_generate(model, heads, prompts, 30, block_size=4)
@@ -89,14 +95,7 @@ def test_draft_tree_structure():
 def test_medusa_tree_generation_equals_greedy(head_std):
     """Tree verification (tree mask, per-node RoPE positions, K/V moved from tree slots to sequence positions)
     reproduces plain greedy decoding exactly."""
-    model = Llama(CONFIG, rngs=nnx.Rngs(3), std=0.3)
-    heads = MedusaHeads(MedusaConfig(32, 32, num_heads=3), model.lm_head_weight())
-    if head_std:
-        params = checkpoint.param_dict(heads)
-        keys = jax.random.split(jax.random.key(1), len(params))
-        checkpoint.assign_params(heads, {name: head_std * jax.random.normal(key, value.shape, jnp.float32)
-                                         for key, (name, value) in zip(keys, params.items())}, source="random")
-    prompts = np.random.default_rng(2).integers(0, 32, (4, 7)).astype(np.int32)
+    model, heads, prompts = _model_heads_prompts(head_std)
     tokens, stats = medusa_tree_generate(model, heads, prompts, 30, TREE, block_size=4)
     np.testing.assert_array_equal(tokens, greedy_reference(model, prompts, 30))
     if head_std == 0.0:
