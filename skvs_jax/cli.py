@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
+        print(f"skvs_jax {skvs_jax.__version__}")
         parser.print_help()
         return 0
     if args.command == "micro" and args.target == "allocator":

@@ -14,7 +14,8 @@ def test_version_and_help(capsys):
         cli.main(["--version"])
     assert exc.value.code == 0 and __version__ in capsys.readouterr().out
     assert cli.main([]) == 0
-    assert "micro" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert __version__ in out and "micro" in out
 
 
 def test_micro_allocator_small_run_prints_its_ratios(capsys):
