@@ -1,0 +1,195 @@
+"""Scheduling policies: independent switches, numeric knobs, and the three presets the benchmarks compare.
+
+A policy is a set of independent choices so that every claim can be ablated one switch at a time. Switches
+that change the traced program (speculation on/off, release mode, pool on/off, barrier, insert mode,
+speculation during prefill, preemption mode, draft-length buckets) are static: `Policy` is frozen and hashable
+and goes to jitted functions as a static argument. Numeric knobs (draft length up to the static maximum,
+`max_spec_ratio`, generation threshold) are data: `Policy.knobs()` returns them as a pytree of scalars, so one
+compiled program can `vmap` over them (DESIGN.md, "Policies: switches and knobs").
+
+Presets (DESIGN.md):
+  vllm_default  no speculation, prefix caching, preemption by recompute.
+  naive_spec    K drafts every step in ordinary blocks held until the sequence ends (lazy release, no pool),
+                speculation also during prefill, no prefix barrier, blocks indexed as soon as they fill.
+  skvs          speculative block states and pool, immediate release of rejected-only blocks, generation
+                reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
+                speculative memory bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
+
+Which module reads which switch: the allocator reads `spec_config()` (release, pool, K, threshold); the prefix
+cache reads `prefix_barrier`, `insert` and `max_spec_ratio`; the scheduler (to come) reads the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import struct
+
+from skvs_jax.config import SpecConfig
+
+INSERT_MODES = ("validated", "on_fill")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@struct.dataclass
+class Knobs:
+    """The numeric part of a policy, as data (int32 / float32 scalars; batch them to vmap a sweep)."""
+
+    draft_len: jnp.ndarray  # drafts per step, <= Policy.draft_len (the static maximum K)
+    max_spec_ratio: jnp.ndarray  # share of free blocks speculation may take
+    generation_threshold: jnp.ndarray  # speculative-pool blocks older than this are reclaimed
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A scheduling policy. Every field is an independent switch or the static bound of a knob.
+
+    Attributes:
+      name: label for tables and plots.
+      speculation: propose and verify drafts at all.
+      draft_len: K, the static maximum number of drafts per sequence and step (0 without speculation).
+      adaptive_draft_len: choose each request's draft length from its acceptance histogram and memory
+        pressure (bounded by K); off = always K.
+      draft_buckets: draft lengths that get their own compiled program; requests are padded up to the next
+        bucket (the article's CUDA-graph pitfall). Must include K when speculating.
+      release: "immediate" (rejected-only blocks leave the sequence at commit) or "lazy" (held until it ends).
+      spec_pool: released draft blocks go to the speculative pool and are reused first.
+      generation_threshold: pool blocks older than this many steps return to the free stack.
+      prefix_cache: share equal prompt prefixes by reference.
+      prefix_barrier: shrink prefix hits by the article's speculative barrier.
+      insert: "validated" (only whole blocks of accepted tokens enter the index) or "on_fill" (a block is
+        indexed as soon as it is full, drafts included, as a naive integration does).
+      spec_in_prefill: speculate while a request still has prompt chunks to prefill.
+      max_spec_ratio: bound on the share of free blocks that speculative blocks may take, in [0, 1].
+      preemption: "recompute" (blocks released, request back to waiting) or "swap" (KV moved to a host tier).
+    """
+
+    name: str
+    speculation: bool
+    draft_len: int
+    adaptive_draft_len: bool
+    draft_buckets: tuple[int, ...]
+    release: str
+    spec_pool: bool
+    generation_threshold: int
+    prefix_cache: bool
+    prefix_barrier: bool
+    insert: str
+    spec_in_prefill: bool
+    max_spec_ratio: float
+    preemption: str
+
+    def __post_init__(self) -> None:
+        for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
+                      "spec_in_prefill"):
+            if not isinstance(getattr(self, field), bool):
+                raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("name must be a non-empty string")
+        if self.insert not in INSERT_MODES:
+            raise ValueError(f"insert must be one of {INSERT_MODES}, got {self.insert!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        # SpecConfig validates draft_len, generation_threshold, max_spec_ratio and release, naming the field.
+        self.spec_config()
+        if self.speculation and self.draft_len < 1:
+            raise ValueError(f"draft_len must be >= 1 when speculation is on, got {self.draft_len}")
+        if not self.speculation and (self.draft_len or self.draft_buckets or self.adaptive_draft_len):
+            raise ValueError("without speculation, draft_len must be 0, draft_buckets empty and "
+                             "adaptive_draft_len off")
+        if not isinstance(self.draft_buckets, tuple) or any(
+            isinstance(k, bool) or not isinstance(k, int) for k in self.draft_buckets
+        ):
+            raise TypeError(f"draft_buckets must be a tuple of ints, got {self.draft_buckets!r}")
+        if list(self.draft_buckets) != sorted(set(self.draft_buckets)):
+            raise ValueError(f"draft_buckets must be strictly increasing, got {self.draft_buckets}")
+        if self.draft_buckets and (self.draft_buckets[0] < 0 or self.draft_buckets[-1] != self.draft_len):
+            raise ValueError(f"draft_buckets must lie in [0, draft_len] and end at draft_len = {self.draft_len}, "
+                             f"got {self.draft_buckets}")
+        if self.prefix_barrier and not self.prefix_cache:
+            raise ValueError("prefix_barrier needs prefix_cache")
+
+    def spec_config(self) -> SpecConfig:
+        """What the allocator needs to know of this policy."""
+        return SpecConfig(
+            draft_len=self.draft_len,
+            generation_threshold=self.generation_threshold,
+            max_spec_ratio=self.max_spec_ratio,
+            release=self.release,
+            use_spec_pool=self.spec_pool,
+        )
+
+    def knobs(self) -> Knobs:
+        """The numeric knobs at their preset values, as data."""
+        return Knobs(
+            draft_len=jnp.asarray(self.draft_len, jnp.int32),
+            max_spec_ratio=jnp.asarray(self.max_spec_ratio, jnp.float32),
+            generation_threshold=jnp.asarray(self.generation_threshold, jnp.int32),
+        )
+
+    def replace(self, **changes) -> Policy:
+        return dataclasses.replace(self, **changes)
+
+
+def vllm_default(draft_len: int = 0) -> Policy:
+    """vLLM's default scheduling: no speculation, prefix caching, preemption by recompute."""
+    del draft_len  # accepted so that every preset has the same signature
+    return Policy(
+        name="vllm_default", speculation=False, draft_len=0, adaptive_draft_len=False, draft_buckets=(),
+        release="immediate", spec_pool=False, generation_threshold=0, prefix_cache=True, prefix_barrier=False,
+        insert="on_fill", spec_in_prefill=False, max_spec_ratio=1.0, preemption="recompute",
+    )
+
+
+def naive_spec(draft_len: int = 4) -> Policy:
+    """Speculation bolted on: K drafts every step in ordinary, lazily released blocks; no barrier."""
+    return Policy(
+        name="naive_spec", speculation=True, draft_len=draft_len, adaptive_draft_len=False,
+        draft_buckets=(draft_len,), release="lazy", spec_pool=False, generation_threshold=0, prefix_cache=True,
+        prefix_barrier=False, insert="on_fill", spec_in_prefill=True, max_spec_ratio=1.0, preemption="recompute",
+    )
+
+
+def skvs(draft_len: int = 4) -> Policy:
+    """The speculation-aware KV scheduler of the article (section 5), every switch on."""
+    return Policy(
+        name="skvs", speculation=True, draft_len=draft_len, adaptive_draft_len=True,
+        draft_buckets=tuple(sorted({0, draft_len // 2, draft_len})), release="immediate", spec_pool=True,
+        generation_threshold=8, prefix_cache=True, prefix_barrier=True, insert="validated",
+        spec_in_prefill=False, max_spec_ratio=0.3, preemption="recompute",
+    )
+
+
+PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs}
+
+
+def preset(name: str, draft_len: int = 4) -> Policy:
+    """A preset by name (`vllm_default`, `naive_spec`, `skvs`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name](draft_len)
+
+
+# Switches on which skvs and naive_spec differ, with naive's value: one ablation each.
+_ABLATABLE = ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",
+              "max_spec_ratio")
+
+
+def ablations(base: Policy | None = None) -> dict[str, Policy]:
+    """`base` (default skvs) with each of its speculation-aware switches turned back to naive_spec's value,
+    one at a time, named "<base> -<switch>". Switches that must change together stay consistent (turning
+    the pool off also turns the generation threshold off; dropping adaptive length keeps only bucket K)."""
+    base = base or skvs()
+    naive = naive_spec(base.draft_len)
+    out = {}
+    for field in _ABLATABLE:
+        if getattr(base, field) == getattr(naive, field):
+            continue
+        changes = {field: getattr(naive, field), "name": f"{base.name} -{field}"}
+        if field == "spec_pool":
+            changes["generation_threshold"] = naive.generation_threshold
+        if field == "adaptive_draft_len":
+            changes["draft_buckets"] = naive.draft_buckets
+        out[changes["name"]] = base.replace(**changes)
+    return out

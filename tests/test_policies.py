@@ -1,0 +1,91 @@
+"""Policies: presets match DESIGN.md, bad switches are refused, allocator-level switches change behaviour."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from skvs_jax import allocator, policies
+from skvs_jax.config import CacheConfig
+
+i32 = jnp.int32
+CFG = CacheConfig(num_blocks=16, block_size=4, max_seqs=2, max_blocks_per_seq=6)
+
+
+def test_presets_are_the_designed_switch_settings():
+    v, n, s = policies.vllm_default(), policies.naive_spec(4), policies.skvs(4)
+    assert not v.speculation and v.prefix_cache and v.preemption == "recompute"
+    assert n.speculation and n.draft_len == 4 and not n.adaptive_draft_len and n.release == "lazy"
+    assert not n.spec_pool and n.spec_in_prefill and not n.prefix_barrier and n.insert == "on_fill"
+    assert s.speculation and s.adaptive_draft_len and s.release == "immediate" and s.spec_pool
+    assert s.generation_threshold > 0 and s.prefix_barrier and s.insert == "validated"
+    assert not s.spec_in_prefill and s.max_spec_ratio == pytest.approx(0.3) and s.draft_buckets == (0, 2, 4)
+    assert policies.preset("skvs", 6).draft_buckets == (0, 3, 6)
+    assert len({hash(p) for p in (v, n, s)}) == 3 and hash(s) == hash(policies.skvs(4))
+
+
+def test_each_ablation_changes_one_switch_family():
+    base = policies.skvs(4)
+    abl = policies.ablations(base)
+    assert set(abl) == {f"skvs -{f}" for f in ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier",
+                                              "insert", "spec_in_prefill", "max_spec_ratio")}
+    for name, p in abl.items():
+        changed = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(base, f.name)}
+        switch = name.split(" -")[1]
+        assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets"}
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (dict(insert="eager"), ValueError, "insert"),
+        (dict(preemption="drop"), ValueError, "preemption"),
+        (dict(release="sometimes"), ValueError, "release"),
+        (dict(max_spec_ratio=1.5), ValueError, "max_spec_ratio"),
+        (dict(draft_len=-1), ValueError, "draft_len"),
+        (dict(draft_buckets=(0, 4, 2)), ValueError, "draft_buckets"),
+        (dict(draft_buckets=(0, 2)), ValueError, "draft_buckets"),
+        (dict(spec_pool=1), TypeError, "spec_pool"),
+        (dict(prefix_cache=False), ValueError, "prefix_barrier"),
+        (dict(speculation=False), ValueError, "without speculation"),
+    ],
+)
+def test_inconsistent_switches_are_refused(changes, error, match):
+    with pytest.raises(error, match=match):
+        policies.skvs(4).replace(**changes)
+
+
+def test_unknown_preset_name():
+    with pytest.raises(ValueError, match="unknown policy"):
+        policies.preset("fastest")
+
+
+def _reject_all_drafts(policy):
+    spec = policy.spec_config()
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, jnp.asarray([4, 4], i32), cfg=CFG, spec=spec)  # one full block each
+    st, _ = allocator.commit(st, jnp.asarray([4, 4], i32), cfg=CFG, spec=spec)
+    st, _ = allocator.allocate_speculative(st, jnp.asarray([4, 4], i32), 1, cfg=CFG, spec=spec)
+    st, _ = allocator.commit(st, jnp.asarray([0, 0], i32), cfg=CFG, spec=spec)
+    return st
+
+
+def test_release_and_pool_switches_reach_the_allocator():
+    skvs_st = _reject_all_drafts(policies.skvs(4))
+    np.testing.assert_array_equal(skvs_st.seqs.num_blocks, [1, 1])  # rejected-only blocks left at once...
+    assert int(skvs_st.blocks.pool_top) == 2  # ...into the speculative pool
+    naive_st = _reject_all_drafts(policies.naive_spec(4))
+    np.testing.assert_array_equal(naive_st.seqs.num_blocks, [2, 2])  # held until the sequences end
+    assert int(naive_st.blocks.pool_top) == 0
+    no_pool = _reject_all_drafts(policies.ablations()["skvs -spec_pool"])
+    assert int(no_pool.blocks.pool_top) == 0 and int(no_pool.blocks.free_top) == CFG.num_blocks - 3
+
+
+def test_knobs_are_data_one_program_serves_a_sweep():
+    st = _reject_all_drafts(policies.skvs(4))  # two pool blocks from generation 1
+    knobs = jax.tree.map(lambda *x: jnp.stack(x), *[policies.skvs(4).replace(generation_threshold=t).knobs()
+                                                     for t in (0, 2, 5)])
+    counts = jax.vmap(lambda k: allocator.reclaim_expired(st, 4, k.generation_threshold)[1])(knobs)
+    np.testing.assert_array_equal(counts, [2, 2, 0])  # 4 - 1 = 3 > 0 and > 2, not > 5
