@@ -92,6 +92,12 @@ def check_block_tables(block_tables, batch: int) -> None:
     check_dtype("block_tables", block_tables, (jnp.int32,))
 
 
+def check_int32_vector(name: str, x, batch: int) -> None:
+    """x must be int32 [B] with B = batch (per-sequence lengths and offsets)."""
+    check_shape(name, x, (batch,), "[B]")
+    check_dtype(name, x, (jnp.int32,))
+
+
 def concrete(x) -> np.ndarray | None:
     """The value of `x` as numpy if it is concrete (not traced), else None; used for eager value checks."""
     if x is None or isinstance(x, jax.core.Tracer):

@@ -318,11 +318,9 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
     if Hq % Hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the KV heads of k_pages ({Hkv})")
     c.check_block_tables(block_tables, B)
-    c.check_shape("context_lens", context_lens, (B,), "[B]")
-    c.check_dtype("context_lens", context_lens, (jnp.int32,))
+    c.check_int32_vector("context_lens", context_lens, B)
     if query_lens is not None:
-        c.check_shape("query_lens", query_lens, (B,), "[B]")
-        c.check_dtype("query_lens", query_lens, (jnp.int32,))
+        c.check_int32_vector("query_lens", query_lens, B)
     if tree_mask is not None:
         c.check_shape("tree_mask", tree_mask, (B, Q, Q), "[B, Q, Q]")
         c.check_dtype("tree_mask", tree_mask, (jnp.bool_,))

@@ -202,11 +202,9 @@ def invalidate_drafts(k_pages, v_pages, block_tables, draft_start, accept_mask, 
     c.check_dtype("accept_mask", accept_mask, (jnp.bool_,))
     B, K = accept_mask.shape
     c.check_block_tables(block_tables, B)
-    c.check_shape("draft_start", draft_start, (B,), "[B]")
-    c.check_dtype("draft_start", draft_start, (jnp.int32,))
+    c.check_int32_vector("draft_start", draft_start, B)
     if draft_lens is not None:
-        c.check_shape("draft_lens", draft_lens, (B,), "[B]")
-        c.check_dtype("draft_lens", draft_lens, (jnp.int32,))
+        c.check_int32_vector("draft_lens", draft_lens, B)
     bt = c.concrete(block_tables)
     if bt is not None and bt.size and (bt.min() < 0 or bt.max() >= N):
         raise ValueError(f"block_tables entries must lie in [0, {N}), got range [{bt.min()}, {bt.max()}]")
