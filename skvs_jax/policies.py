@@ -13,10 +13,10 @@ Presets (DESIGN.md):
                 speculation also during prefill, no prefix barrier, blocks indexed as soon as they fill.
   skvs          speculative block states and pool, immediate release of rejected-only blocks, generation
                 reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
-                speculative memory bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
+                opportunistic drafts bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
 
 Which module reads which switch: the allocator reads `spec_config()` (release, pool, K, threshold); the prefix
-cache reads `prefix_barrier`, `insert` and `max_spec_ratio`; the scheduler (to come) reads the rest.
+cache reads `prefix_barrier`, `insert` and `max_spec_ratio`; the scheduler reads the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +60,11 @@ class Policy:
       prefix_barrier: shrink prefix hits by the article's speculative barrier.
       insert: "validated" (only whole blocks of accepted tokens enter the index) or "on_fill" (a block is
         indexed as soon as it is full, drafts included, as a naive integration does).
-      spec_in_prefill: speculate while a request still has prompt chunks to prefill.
+      spec_in_prefill: reserve draft slots while a request still has prompt chunks to prefill (an engine that
+        gives every running sequence the same verification shape); they are rolled back unused.
+      drafts_preempt: draft slots are mandatory, like ordinary slots: when blocks run out the scheduler
+        preempts other sequences to make room for them (vLLM V0's lookahead slots). Off: drafts are
+        opportunistic, granted only from free memory within `max_spec_ratio`, never at another's expense.
       max_spec_ratio: bound on the share of free blocks that speculative blocks may take, in [0, 1].
       preemption: "recompute" (blocks released, request back to waiting) or "swap" (KV moved to a host tier).
     """
@@ -77,12 +81,13 @@ class Policy:
     prefix_barrier: bool
     insert: str
     spec_in_prefill: bool
+    drafts_preempt: bool
     max_spec_ratio: float
     preemption: str
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
-                      "spec_in_prefill"):
+                      "spec_in_prefill", "drafts_preempt"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
         if not isinstance(self.name, str) or not self.name:
@@ -138,7 +143,7 @@ def vllm_default(draft_len: int = 0) -> Policy:
     return Policy(
         name="vllm_default", speculation=False, draft_len=0, adaptive_draft_len=False, draft_buckets=(),
         release="immediate", spec_pool=False, generation_threshold=0, prefix_cache=True, prefix_barrier=False,
-        insert="on_fill", spec_in_prefill=False, max_spec_ratio=1.0, preemption="recompute",
+        insert="on_fill", spec_in_prefill=False, drafts_preempt=False, max_spec_ratio=1.0, preemption="recompute",
     )
 
 
@@ -147,7 +152,8 @@ def naive_spec(draft_len: int = 4) -> Policy:
     return Policy(
         name="naive_spec", speculation=True, draft_len=draft_len, adaptive_draft_len=False,
         draft_buckets=(draft_len,), release="lazy", spec_pool=False, generation_threshold=0, prefix_cache=True,
-        prefix_barrier=False, insert="on_fill", spec_in_prefill=True, max_spec_ratio=1.0, preemption="recompute",
+        prefix_barrier=False, insert="on_fill", spec_in_prefill=True, drafts_preempt=True, max_spec_ratio=1.0,
+        preemption="recompute",
     )
 
 
@@ -157,7 +163,7 @@ def skvs(draft_len: int = 4) -> Policy:
         name="skvs", speculation=True, draft_len=draft_len, adaptive_draft_len=True,
         draft_buckets=tuple(sorted({0, draft_len // 2, draft_len})), release="immediate", spec_pool=True,
         generation_threshold=8, prefix_cache=True, prefix_barrier=True, insert="validated",
-        spec_in_prefill=False, max_spec_ratio=0.3, preemption="recompute",
+        spec_in_prefill=False, drafts_preempt=False, max_spec_ratio=0.3, preemption="recompute",
     )
 
 
@@ -173,7 +179,7 @@ def preset(name: str, draft_len: int = 4) -> Policy:
 
 # Switches on which skvs and naive_spec differ, with naive's value: one ablation each.
 _ABLATABLE = ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",
-              "max_spec_ratio")
+              "drafts_preempt", "max_spec_ratio")
 
 
 def ablations(base: Policy | None = None) -> dict[str, Policy]:

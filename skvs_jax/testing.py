@@ -19,13 +19,12 @@ long, no room) are drawn on purpose, since refusing them correctly is part of th
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as hs
 
-from skvs_jax import allocator
+from skvs_jax import allocator, prefix_cache
 from skvs_jax.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED, AllocatorState
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.oracle import OracleAllocator
@@ -135,6 +134,27 @@ def assert_matches_oracle(st: AllocatorState, oracle: OracleAllocator) -> None:
     assert got == oracle.counters, f"counters differ: jax {got} vs oracle {oracle.counters}"
 
 
+def prefix_index_as_dict(cache, cfg) -> dict[tuple[int, ...], int]:
+    """Rebuild prefix -> block from the JAX table through the parent links, checking its invariants."""
+    block = np.asarray(cache.block)
+    live = block > 0
+    parent = dict(zip(block[live].tolist(), np.asarray(cache.parent)[live].tolist()))
+    tokens = dict(zip(block[live].tolist(), np.asarray(cache.tokens)[live].tolist()))
+    keys = [tuple(k) for k in np.asarray(cache.key)[live].tolist()]
+    assert len(set(keys)) == len(keys), "live keys must be unique"
+    slot_of_block = np.asarray(cache.slot_of_block)
+    assert (slot_of_block[block[live]] == np.flatnonzero(live)).all(), "slot_of_block must point at the entry"
+    assert (slot_of_block >= 0).sum() == live.sum(), "slot_of_block must hold exactly the live entries"
+
+    def prefix(blk, depth=0):
+        assert depth <= cfg.max_blocks_per_seq, "parent chains must be acyclic and at most M long"
+        p = parent[blk]
+        assert p == prefix_cache.ROOT or p in parent, f"entry {blk} has parent {p}, which is not live"
+        return (() if p == prefix_cache.ROOT else prefix(p, depth + 1)) + tuple(tokens[blk])
+
+    return {prefix(blk): blk for blk in parent}
+
+
 # ------------------------------------------------------------------------------------------ operations
 
 
@@ -188,7 +208,7 @@ class Reclaim:
     threshold: int
 
 
-Operation = Union[Allocate, AllocateSpeculative, Commit, Free, Fork, SharePrefix, SetCached, Evict, Reclaim]
+Operation = Allocate | AllocateSpeculative | Commit | Free | Fork | SharePrefix | SetCached | Evict | Reclaim
 MAX_EVICT = 4
 
 

@@ -19,6 +19,7 @@ def test_presets_are_the_designed_switch_settings():
     assert not v.speculation and v.prefix_cache and v.preemption == "recompute"
     assert n.speculation and n.draft_len == 4 and not n.adaptive_draft_len and n.release == "lazy"
     assert not n.spec_pool and n.spec_in_prefill and not n.prefix_barrier and n.insert == "on_fill"
+    assert n.drafts_preempt and not s.drafts_preempt and not v.drafts_preempt
     assert s.speculation and s.adaptive_draft_len and s.release == "immediate" and s.spec_pool
     assert s.generation_threshold > 0 and s.prefix_barrier and s.insert == "validated"
     assert not s.spec_in_prefill and s.max_spec_ratio == pytest.approx(0.3) and s.draft_buckets == (0, 2, 4)
@@ -30,7 +31,8 @@ def test_each_ablation_changes_one_switch_family():
     base = policies.skvs(4)
     abl = policies.ablations(base)
     assert set(abl) == {f"skvs -{f}" for f in ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier",
-                                              "insert", "spec_in_prefill", "max_spec_ratio")}
+                                              "insert", "spec_in_prefill", "drafts_preempt",
+                                              "max_spec_ratio")}
     for name, p in abl.items():
         changed = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(base, f.name)}
         switch = name.split(" -")[1]

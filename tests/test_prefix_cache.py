@@ -68,27 +68,6 @@ class OraclePrefixCache:
         return len(gone), descendants
 
 
-def table_as_dict(cache, cfg) -> dict[tuple[int, ...], int]:
-    """Rebuild prefix -> block from the JAX table through the parent links, checking its invariants."""
-    block = np.asarray(cache.block)
-    live = block > 0
-    parent = dict(zip(block[live].tolist(), np.asarray(cache.parent)[live].tolist()))
-    tokens = dict(zip(block[live].tolist(), np.asarray(cache.tokens)[live].tolist()))
-    keys = [tuple(k) for k in np.asarray(cache.key)[live].tolist()]
-    assert len(set(keys)) == len(keys), "live keys must be unique"
-    slot_of_block = np.asarray(cache.slot_of_block)
-    assert (slot_of_block[block[live]] == np.flatnonzero(live)).all(), "slot_of_block must point at the entry"
-    assert (slot_of_block >= 0).sum() == live.sum(), "slot_of_block must hold exactly the live entries"
-
-    def prefix(blk, depth=0):
-        assert depth <= cfg.max_blocks_per_seq, "parent chains must be acyclic and at most M long"
-        p = parent[blk]
-        assert p == pc.ROOT or p in parent, f"entry {blk} has parent {p}, which is not live"
-        return (() if p == pc.ROOT else prefix(p, depth + 1)) + tuple(tokens[blk])
-
-    return {prefix(blk): blk for blk in parent}
-
-
 # -------------------------------------------------------------------------------------------- workload
 
 rows_st = hs.lists(hs.lists(hs.integers(0, 1), min_size=L, max_size=L), min_size=B, max_size=B)
@@ -139,7 +118,7 @@ def run_workload(ops, cfg, check_exact):
                     assert int(res.collisions) == int(res.dropped_full) == int(res.rejected) == 0
                 else:
                     # Refused inserts leave the oracle ahead: resync it with what the table really holds.
-                    oracle.index = table_as_dict(cache, cfg)
+                    oracle.index = testing.prefix_index_as_dict(cache, cfg)
         if op[0] == "lookup":
             _, rows, lengths, windows, ratio = op
             res = pc.lookup(cache, jnp.asarray(rows, i32), jnp.asarray(lengths, i32), jnp.asarray(windows, i32),
@@ -165,9 +144,9 @@ def run_workload(ops, cfg, check_exact):
                 assert int(res.num_removed) == count
                 assert sorted(got[got > 0].tolist()) == descendants
         if check_exact:
-            assert table_as_dict(cache, cfg) == oracle.index
+            assert testing.prefix_index_as_dict(cache, cfg) == oracle.index
         else:
-            for prefix, blk in table_as_dict(cache, cfg).items():
+            for prefix, blk in testing.prefix_index_as_dict(cache, cfg).items():
                 assert truth[blk] == prefix, "an entry's stored chain differs from its block's content"
     return cache
 
@@ -230,7 +209,7 @@ def test_duplicate_prefixes_in_one_call_are_indexed_once_by_the_lowest_row():
     # Row 0 indexes blocks 0-1; row 1 extends it with blocks 2-3 (parent: row 0's block 1); row 2 shares
     # block 0 with row 0 and indexes its own blocks 1-2 under row 0's block 0.
     np.testing.assert_array_equal(res.block_ids[:, :4], [[1, 2, 0, 0], [0, 0, 9, 10], [0, 14, 15, 0], [0] * 4])
-    assert table_as_dict(cache, CFG)[tuple([1] * 8)] == 10
+    assert testing.prefix_index_as_dict(cache, CFG)[tuple([1] * 8)] == 10
 
 
 def test_remove_drops_descendants_and_their_ids_come_back():
@@ -242,7 +221,7 @@ def test_remove_drops_descendants_and_their_ids_come_back():
     assert int(res.num_removed) == 4
     got = np.asarray(res.descendants)
     assert sorted(got[got > 0].tolist()) == [4, 5, 6]
-    assert set(table_as_dict(cache, CFG).values()) == {1, 2}
+    assert set(testing.prefix_index_as_dict(cache, CFG).values()) == {1, 2}
 
 
 def test_prefix_cache_with_the_allocator():
@@ -266,7 +245,7 @@ def test_prefix_cache_with_the_allocator():
         testing.check_invariants(st, ccfg, spec)
         state, cached = np.asarray(st.blocks.state), np.asarray(st.blocks.cached)
         committed, table = np.asarray(st.seqs.num_committed), np.asarray(st.seqs.block_table)
-        for prefix, blk in table_as_dict(cache, pcfg).items():
+        for prefix, blk in testing.prefix_index_as_dict(cache, pcfg).items():
             assert state[blk] == allocator.VALIDATED and cached[blk], "indexed blocks are validated and pinned"
             holders = [b for b in range(2) if blk in table[b, : len(prefix) // 4]]
             for b in holders:  # every indexed token was committed by the sequences that hold it
@@ -311,7 +290,7 @@ def test_prefix_cache_with_the_allocator():
     cache, removed = pc.remove(cache, evicted, cfg=pcfg)
     assert int(removed.num_removed) == 3
     st = allocator.set_cached(st, removed.descendants, jnp.zeros(removed.descendants.shape, bool))
-    assert table_as_dict(cache, pcfg) == {}
+    assert testing.prefix_index_as_dict(cache, pcfg) == {}
     testing.check_invariants(st, ccfg, spec)
     testing.assert_no_leak(st, ccfg)
 

@@ -1,0 +1,346 @@
+"""The jitted scheduler against the plain-Python oracle, with a ground-truth KV shadow, under every switch."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as hs
+
+from skvs_jax import policies
+from skvs_jax import scheduler as sc
+from skvs_jax.config import CacheConfig
+from skvs_jax.scheduler_testing import Harness
+
+VOCAB = 3  # a tiny alphabet: prompts share prefixes often, so the prefix cache is busy
+
+
+def _cfg(policy, num_blocks=14, block_size=4, max_seqs=6, max_blocks=8, **kw):
+    cache = CacheConfig(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
+                        max_blocks_per_seq=max_blocks)
+    kw.setdefault("max_running", 5)
+    kw.setdefault("token_budget", 16)
+    kw.setdefault("prefix_capacity", 1024)  # no bucket ever overflows: the dict oracle can be exact
+    return sc.SchedulerConfig(cache=cache, policy=policy, **kw)
+
+
+SKVS, NAIVE, VLLM = policies.skvs(4), policies.naive_spec(4), policies.vllm_default()
+# Every switch and every victim rule appears in at least one config; memory is tight so preemption happens.
+CONFIGS = {
+    "vllm_default": _cfg(VLLM),
+    "naive_spec": _cfg(NAIVE),
+    "skvs": _cfg(SKVS),
+    "skvs-swap-least_progress": _cfg(SKVS.replace(preemption="swap", generation_threshold=1), swap_blocks=12,
+                                     victim="least_progress"),
+    "naive-swap-most_blocks": _cfg(NAIVE.replace(preemption="swap"), swap_blocks=6, victim="most_blocks",
+                                   block_size=2, num_blocks=16),
+    "skvs-lazy-nopool-nobarrier-onfill": _cfg(SKVS.replace(release="lazy", spec_pool=False, generation_threshold=0,
+                                                           prefix_barrier=False, insert="on_fill"), prefill_chunk=3),
+    "skvs-fixedK-prefillspec-preempt": _cfg(SKVS.replace(adaptive_draft_len=False, draft_buckets=(4,),
+                                                         spec_in_prefill=True, drafts_preempt=True,
+                                                         max_spec_ratio=1.0), admit_window=2),
+    "no-prefix-cache-K2": _cfg(policies.naive_spec(2).replace(prefix_cache=False, prefix_barrier=False),
+                               token_budget=6, max_running=6),
+}
+
+
+def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float) -> list:
+    """A random workload of `steps` steps: batches of requests (prompts often sharing a 'system prompt'), steps
+    with random, full or no acceptance, and aborts. Generated from a seed so that every example is long enough
+    to fill the memory (hypothesis's smallest examples would barely reach it)."""
+    rng = np.random.default_rng(seed)
+    length = cfg.max_len // 2
+    system = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0][:length]
+    ops = []
+    for _ in range(steps):
+        if rng.random() < add_p:
+            prompts, max_new, prio = [], [], []
+            for _ in range(int(rng.integers(1, 4))):
+                if rng.random() < 0.6:
+                    p = system[: int(rng.integers(1, len(system) + 1))] + list(rng.integers(0, VOCAB, rng.integers(5)))
+                else:
+                    p = list(rng.integers(0, VOCAB, rng.integers(1, length + 1)))
+                prompts.append([int(t) for t in p[:length]])
+                max_new.append(int(rng.integers(1, length + 1)))
+                prio.append(int(rng.integers(0, 3)))
+            ops.append(("add", prompts, max_new, prio))
+        if rng.random() < abort_p:
+            ops.append(("abort", int(rng.integers(2**31))))
+        ops.append(("step", int(rng.integers(2**31)), str(rng.choice(["random", "random", "all", "none"]))))
+    return ops
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=4)
+@given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]),
+       abort_p=hs.sampled_from([0.0, 0.05]))
+def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort_p):
+    cfg = CONFIGS[name]
+    h = Harness(cfg, vocab=VOCAB)
+    h.run(workload(cfg, seed, steps, add_p, abort_p))
+    event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
+
+
+def _drain(h: Harness, rng, max_steps: int) -> int:
+    for i in range(max_steps):
+        if not (np.asarray(h.st.seqs.status) != sc.EMPTY).any():
+            return i
+        h.step(rng)
+    return max_steps
+
+
+@pytest.mark.parametrize("name", ["vllm_default", "naive_spec", "skvs", "skvs-swap-least_progress"])
+def test_every_request_finishes_and_nothing_leaks_when_arrivals_stop(name):
+    """No starvation: with arrivals stopped, every admitted request finishes within a bound; then every block is
+    free, in the speculative pool, or cached (evictable)."""
+    cfg = CONFIGS[name]
+    h = Harness(cfg, vocab=VOCAB)
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        prompts = [list(rng.integers(0, VOCAB, rng.integers(1, cfg.max_len // 2))) for _ in range(3)]
+        h.add(prompts, [int(x) for x in rng.integers(1, cfg.max_len // 2, 3)])
+        for _ in range(3):
+            h.step(rng)
+    # Each request needs at most L steps alone; the slots run them at least one at a time.
+    bound = cfg.cache.max_seqs * cfg.max_len * 4
+    steps = _drain(h, rng, bound)
+    assert steps < bound, "requests starved"
+    alloc = h.st.alloc
+    assert (np.asarray(alloc.blocks.ref_count) == 0).all()
+    cached = int(np.asarray(alloc.blocks.cached & (alloc.blocks.ref_count == 0)).sum())
+    assert int(alloc.blocks.free_top) + int(alloc.blocks.pool_top) + cached == cfg.cache.usable_blocks
+
+
+def test_fcfs_within_a_priority_and_priorities_first():
+    """With room for one running sequence, requests run in (priority, arrival) order."""
+    cfg = _cfg(VLLM, max_running=1, token_budget=32)
+    h = Harness(cfg, vocab=VOCAB)
+    slots = h.add([[1, 1], [2, 2], [0, 1], [1, 2]], [2, 2, 2, 2], priority=[1, 0, 1, 0])
+    rng = np.random.default_rng(0)
+    finished_order = []
+    for _ in range(40):
+        before = np.asarray(h.st.seqs.status)
+        h.step(rng)
+        after = np.asarray(h.st.seqs.status)
+        finished_order += [s for s in slots if before[s] != sc.FINISHED and after[s] == sc.FINISHED]
+    assert finished_order == [slots[1], slots[3], slots[0], slots[2]]
+
+
+# ---------------------------------------------------------------------------------------- a long trace
+
+
+def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
+    """10,000 requests through `schedule`/`update` alone (random accept masks, no model): at the end every block
+    is free, pooled or cached, and the counters are consistent."""
+    policy = SKVS
+    cache = CacheConfig(num_blocks=256, block_size=4, max_seqs=64, max_blocks_per_seq=16)
+    cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=48, token_budget=256, prefill_chunk=32,
+                             admit_window=16)
+    rng = np.random.default_rng(0)
+    total, a = 10_000, 16
+    system = np.pad(rng.integers(0, 8, 24), (0, 16))
+    lens = rng.integers(4, 40, total).astype(np.int32)
+    prompts = np.where(np.arange(40)[None, :] < 24, system[None, :], rng.integers(0, 8, (total, 40)))
+    prompts = np.where(rng.random(total)[:, None] < 0.5, prompts, rng.integers(0, 8, (total, 40))).astype(np.int32)
+    max_new = rng.integers(1, 24, total).astype(np.int32)
+    knobs = policy.knobs()
+    k = policy.draft_len
+
+    @jax.jit
+    def step(st, key):
+        st, batch = sc._schedule(st, knobs, cfg=cfg)
+        k1, k2, k3 = jax.random.split(key, 3)
+        acc = jax.random.randint(k1, (cache.max_seqs,), 0, k + 1)
+        drafts = jax.random.randint(k2, (cache.max_seqs, k), 0, 8)
+        nxt = jax.random.randint(k3, (cache.max_seqs,), 0, 8)
+        st, _ = sc._update(st, batch, acc, nxt, drafts, jnp.zeros((cache.max_seqs,), bool), knobs, cfg=cfg)
+        return st, batch.alloc_ok
+
+    st = sc.init(cfg)
+    key = jax.random.key(0)
+    queued, steps = 0, 0
+    while queued < total or (np.asarray(st.seqs.status) != sc.EMPTY).any():
+        if queued < total:
+            rows = slice(queued, min(queued + a, total))
+            st, slots = sc.add(st, jnp.asarray(prompts[rows]), jnp.asarray(lens[rows]), jnp.asarray(max_new[rows]),
+                               cfg=cfg)
+            queued += int((np.asarray(slots) >= 0).sum())
+            # Requests that found no slot are re-offered from the first unplaced one.
+            placed = np.asarray(slots) >= 0
+            assert placed.tolist() == sorted(placed.tolist(), reverse=True)
+        for _ in range(4):
+            key, sub = jax.random.split(key)
+            st, ok = step(st, sub)
+            assert bool(ok)
+            steps += 1
+        assert steps < 200_000
+    c = st.counters
+    assert int(c.finished) == total and int(c.admitted) >= total
+    assert int(c.admitted) == total + int(c.preempt_recompute)
+    assert int(c.accepted) <= int(c.drafted)
+    assert int(c.output_tokens) == int(max_new.sum())
+    alloc = st.alloc
+    assert (np.asarray(alloc.blocks.ref_count) == 0).all()
+    assert (np.asarray(alloc.seqs.num_blocks) == 0).all()
+    cached = int(np.asarray(alloc.blocks.cached).sum())
+    assert int(alloc.blocks.free_top) + int(alloc.blocks.pool_top) + cached == cache.usable_blocks
+    assert int(c.cached_tokens) > 0, "the shared system prompt should have been hit"
+
+
+# --------------------------------------------------------------------------------------- the switches
+
+
+def _run(cfg, seed=3, steps=60, accept="random"):
+    h = Harness(cfg, vocab=VOCAB)
+    rng = np.random.default_rng(seed)
+    system = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0]
+    for i in range(steps):
+        if i % 3 == 0:
+            prompts = [system[: int(rng.integers(6, 12))] + list(rng.integers(0, VOCAB, 2)) for _ in range(2)]
+            h.add(prompts, [int(x) for x in rng.integers(4, 14, 2)])
+        h.step(rng, accept)
+    return h
+
+
+def test_speculation_switch_and_draft_length_knob():
+    off = _run(_cfg(VLLM))
+    on = _run(_cfg(NAIVE))
+    assert int(off.st.counters.drafted) == 0 and int(on.st.counters.drafted) > 0
+    short = Harness(_cfg(NAIVE), vocab=VOCAB, knobs=NAIVE.knobs().replace(draft_len=jnp.asarray(1, jnp.int32)))
+    rng = np.random.default_rng(0)
+    short.add([[1, 2, 1]], [8])
+    batches = [short.step(rng) for _ in range(6)]
+    assert max(int(np.asarray(b.num_drafts).max()) for b in batches) == 1
+
+
+def test_adaptive_draft_length_follows_acceptance():
+    """Rejecting every draft pulls the adaptive length down to the smallest bucket; the fixed one stays at K."""
+    for adaptive, want in ((True, 0), (False, 4)):
+        pol = SKVS if adaptive else SKVS.replace(adaptive_draft_len=False, draft_buckets=(4,))
+        h = Harness(_cfg(pol), vocab=VOCAB)
+        h.add([[1, 2, 1]], [28])
+        rng = np.random.default_rng(0)
+        drafts = [int(np.asarray(h.step(rng, "none").num_drafts)[0]) for _ in range(20)]
+        assert drafts[1] == 4 and drafts[-1] == want, drafts
+        if adaptive:
+            assert 2 in drafts, "it passes through the middle bucket"
+
+
+def test_release_and_pool_switches_change_what_rejected_drafts_hold():
+    lazy = _run(_cfg(SKVS.replace(release="lazy", spec_pool=False, generation_threshold=0)), accept="none")
+    now = _run(_cfg(SKVS), accept="none")
+    assert int(lazy.st.alloc.counters.spec_pool_hits) == 0 and int(now.st.alloc.counters.spec_pool_hits) > 0
+    stale_held = lambda h: int(np.asarray(h.st.alloc.blocks.state == sc.STALE).sum()) - int(h.st.alloc.blocks.pool_top)  # noqa: E731
+    assert stale_held(now) == 0
+
+
+def test_prefix_cache_barrier_and_insert_switches():
+    no_cache = _run(_cfg(NAIVE.replace(prefix_cache=False)))
+    assert int(no_cache.st.counters.cached_tokens) == 0 and not no_cache.oracle.index.index
+    barrier = _run(_cfg(SKVS))
+    no_barrier = _run(_cfg(SKVS.replace(prefix_barrier=False)))
+    assert 0 < int(barrier.st.counters.cached_tokens) < int(no_barrier.st.counters.cached_tokens)
+    on_fill = _run(_cfg(SKVS.replace(insert="on_fill")))
+    validated = _run(_cfg(SKVS))
+    # On fill, entries of blocks that then held rejected drafts are rolled back; validated inserts never are, so
+    # there every removal is an eviction's (the harness checks after each step that the index holds only
+    # validated content, for both modes).
+    assert int(on_fill.st.prefix.counters.removed) > int(on_fill.st.alloc.counters.evictions)
+    assert int(validated.st.prefix.counters.inserted) > 0
+
+
+def test_spec_in_prefill_reserves_slots_and_drafts_preempt_switch():
+    cfg = _cfg(NAIVE, prefill_chunk=2)
+    h = Harness(cfg, vocab=VOCAB)
+    h.add([[1, 2, 1, 2, 1, 2, 1]], [4])
+    b = h.step(np.random.default_rng(0))
+    assert int(np.asarray(b.num_reserved)[0]) == 4 and int(np.asarray(b.num_drafts)[0]) == 0
+    h2 = Harness(dataclasses.replace(cfg, policy=NAIVE.replace(spec_in_prefill=False)), vocab=VOCAB)
+    h2.add([[1, 2, 1, 2, 1, 2, 1]], [4])
+    assert int(np.asarray(h2.step(np.random.default_rng(0)).num_reserved)[0]) == 0
+    # Tight memory: mandatory drafts cause preemptions that opportunistic drafts never cause.
+    tight = dict(num_blocks=14, max_running=6, token_budget=40)
+    pre = _run(_cfg(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0), **tight), steps=50)
+    opp = _run(_cfg(SKVS.replace(max_spec_ratio=1.0), **tight), steps=50)
+    assert int(pre.st.counters.oom_steps) > int(opp.st.counters.oom_steps)
+
+
+def test_swap_and_recompute_preemption():
+    tight = dict(num_blocks=12, max_running=6, token_budget=40)
+    rec = _run(_cfg(NAIVE, **tight), steps=50)
+    swp = _run(_cfg(NAIVE.replace(preemption="swap"), swap_blocks=20, **tight), steps=50)
+    assert int(rec.st.counters.preempt_recompute) > 0 and int(rec.st.counters.preempt_swap) == 0
+    assert int(swp.st.counters.preempt_swap) > 0 and int(swp.st.counters.swap_ins) > 0
+
+
+def test_generation_reclaim_knob():
+    zero = Harness(_cfg(SKVS), vocab=VOCAB,
+                   knobs=SKVS.knobs().replace(generation_threshold=jnp.asarray(0, jnp.int32)))
+    rng = np.random.default_rng(3)
+    zero.add([[1, 2, 1], [2, 2]], [20, 20])
+    for _ in range(10):
+        zero.step(rng, "none")
+    assert int(zero.st.alloc.counters.spec_blocks_reclaimed) > 0
+
+
+def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
+    none = _run(_cfg(SKVS, num_blocks=16), accept="none", steps=40)
+    zero = Harness(_cfg(SKVS, num_blocks=16), vocab=VOCAB,
+                   knobs=SKVS.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))
+    rng = np.random.default_rng(3)
+    zero.add([[1, 2, 1, 2, 2]], [12])
+    batches = [zero.step(rng) for _ in range(8)]
+    # A ratio of 0 still lets drafts use the room left in blocks already held, never a new block.
+    assert int(zero.st.alloc.counters.spec_blocks_allocated) == 0
+    assert int(none.st.alloc.counters.spec_blocks_allocated) > 0
+    del batches
+
+
+# ------------------------------------------------------------------------------------------- boundary
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    cfg = CONFIGS["skvs"]
+    st = sc.init(cfg)
+    one = jnp.ones((1,), jnp.int32)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sc.add(st, jnp.ones((1, 4), jnp.int32), jnp.asarray([4], jnp.int32), jnp.asarray([0], jnp.int32), cfg=cfg)
+    with pytest.raises(ValueError, match="exceeds L"):
+        sc.add(st, jnp.ones((1, 20), jnp.int32), jnp.asarray([20], jnp.int32), jnp.asarray([20], jnp.int32),
+               cfg=cfg)
+    with pytest.raises(ValueError, match="prompts"):
+        sc.add(st, jnp.ones((4,), jnp.int32), one, one, cfg=cfg)
+    with pytest.raises(ValueError, match="knobs.draft_len"):
+        sc.schedule(st, SKVS.knobs().replace(draft_len=jnp.asarray(9, jnp.int32)), cfg=cfg)
+    with pytest.raises(ValueError, match="max_running"):
+        dataclasses.replace(cfg, max_running=99)
+    with pytest.raises(ValueError, match="victim"):
+        dataclasses.replace(cfg, victim="oldest")
+    with pytest.raises(TypeError, match="batch"):
+        sc.update(st, None, jnp.zeros((6,), jnp.int32), jnp.zeros((6,), jnp.int32), cfg=cfg)
+
+
+def test_a_custom_victim_rule_plugs_in():
+    def youngest_first(rank, computed, held):
+        return -computed
+
+    cfg = _cfg(NAIVE, num_blocks=12, max_running=6, token_budget=40, victim=youngest_first)
+    h = _run(cfg, steps=30)
+    assert int(h.st.counters.preempt_recompute) > 0
+
+
+def test_schedule_vmaps_over_knobs():
+    """Knobs are data: one compiled schedule serves a batch of draft lengths."""
+    cfg = CONFIGS["naive_spec"]
+    st = sc.init(cfg)
+    st, _ = sc.add(st, jnp.asarray([[1, 2, 1, 2]], jnp.int32), jnp.asarray([4], jnp.int32),
+                   jnp.asarray([8], jnp.int32), cfg=cfg)
+    knobs = jax.tree.map(lambda x: jnp.stack([x, x]), NAIVE.knobs())
+    knobs = knobs.replace(draft_len=jnp.asarray([1, 4], jnp.int32))
+    sts = jax.tree.map(lambda x: jnp.stack([x, x]), st)
+    out, batch = jax.vmap(lambda s, k: sc._schedule(s, k, cfg=cfg))(sts, knobs)
+    assert np.asarray(batch.num_reserved)[:, 0].tolist() == [1, 4]
+    assert np.asarray(batch.num_query)[:, 0].tolist() == [4, 4]
+    del out
