@@ -57,7 +57,7 @@ class SwapHandle:
     """Where a swapped-out sequence lives. slots: int64[X] tier slots of its blocks, in the given block order
     (empty when ok is False); serial identifies the swap, so a handle can be swapped in only once."""
 
-    tier: "Tier"
+    tier: Tier
     slots: np.ndarray
     ok: bool
     serial: int

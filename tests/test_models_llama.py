@@ -22,7 +22,7 @@ CONFIG = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_la
 GARBAGE = 1e4  # large and finite: NaN would leak through an additive mask even when the masking is right
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_and_fns(config: LlamaConfig = CONFIG):
     model = Llama(config, rngs=nnx.Rngs(0), std=0.3)
     graphdef, state = nnx.split(model)
