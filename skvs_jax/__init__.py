@@ -17,9 +17,10 @@ State is data (pytrees of fixed-shape arrays); capacities and switches are stati
 (`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`.
 """
 
-from skvs_jax import allocator, config, policies, prefix_cache, tiers
+from skvs_jax import allocator, config, metrics, policies, prefix_cache, scheduler, tiers, workloads
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["allocator", "config", "policies", "prefix_cache", "tiers", "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__"]
+__all__ = ["allocator", "config", "metrics", "policies", "prefix_cache", "scheduler", "tiers", "workloads",
+           "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__"]

@@ -1,0 +1,368 @@
+"""Benchmark metrics, computed exactly as DESIGN.md ("Metrics") defines them, from plain event logs.
+
+Users compare our numbers with vLLM, SGLang and TensorRT-LLM, so every metric is one formula over two logs that
+the engine (wall-clock seconds) and the simulator (simulated seconds) both fill; numpy only, no framework.
+
+Logs:
+  RequestRecord  one per finished or aborted request (times in seconds, token counts).
+  StepRecord     equal-length arrays, one entry per engine step; `StepLog` appends a step at a time and
+                 freezes into a StepRecord.
+
+Metrics returned by `summarize` (keys; times in seconds, rates as fractions in [0, 1]). "finished" means
+records with `aborted=False`; sums over steps run over every step of the StepRecord:
+  throughput               sum(num_output_tokens of finished) / wall_time                            [tok/s]
+                           wall_time = max(finish_time) - min(arrival_time) over all records unless passed;
+                           aborted requests' tokens are not counted (as vLLM's benchmark_serving does).
+  ttft_p50, ttft_p99       percentiles of first_token_time - arrival_time, finished with a first token
+  tpot_p50, tpot_p99       percentiles of (finish_time - first_token_time) / (num_output_tokens - 1),
+                           finished with >= 2 output tokens
+  e2e_p50, e2e_p99         percentiles of finish_time - arrival_time, finished
+  kv_hit_rate              sum(num_cached_prompt_tokens) / sum(num_admitted_prompt_tokens), all records
+  memory_utilisation       mean over steps of blocks_used / blocks_total
+  spec_token_waste         (sum(num_drafted) - sum(num_accepted)) / sum(num_drafted), over steps
+  spec_kv_waste            mean over steps of spec_waste_blocks / blocks_total
+  oom_rate                 steps with oom / steps
+  preemptions_per_request  sum(num_preemptions) / records
+  acceptance_rate          sum(num_accepted) / sum(num_drafted), over steps
+  mean_accepted_length     sum(num_accepted) / sum(num_verifications), over steps: accepted drafts per
+                           (sequence, step) verification, *excluding* the bonus token, so greedy decoding
+                           emits mean_accepted_length + 1 tokens per verification (Medusa's "acceleration")
+  scheduler_time_per_step  mean over steps of scheduler_time                                          [s]
+  scheduler_time_share     sum(scheduler_time) / sum(duration), over steps
+Context keys, not metrics: num_requests, num_aborted, num_steps, output_tokens, wall_time.
+
+Conventions:
+  - Percentiles are numpy's default "linear" method (Hyndman & Fan type 7), the one vLLM's benchmark_serving
+    uses via np.percentile: P50 of (1, 2, 3, 4) is 2.5, not a sample.
+  - Aborted requests are excluded from throughput and latency (their latency is undefined or truncated) but
+    count in hit rate and preemptions, which describe the cache and scheduler, not the client.
+  - KV hit rate counts *every admission*: a request re-admitted after preemption looks up its tokens again
+    (with recompute, its prompt plus the output so far), and those lookups enter numerator and denominator, so
+    a cache that keeps a preempted sequence's blocks gets credit for the prefill it saves.
+    `num_admitted_prompt_tokens` defaults to `num_prompt_tokens` (one admission).
+  - Any ratio with a zero denominator and any statistic of an empty set is NaN, never an exception; a log
+    that contradicts itself (arrays of different lengths, accepted > drafted) raises ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+# --------------------------------------------------------------------------------------------- request log
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestRecord:
+    """What happened to one request, finished or aborted.
+
+    Attributes:
+      request_id: the trace's request id.
+      arrival_time: when the request arrived [s].
+      first_token_time: when its first output token was produced [s]; NaN if none was.
+      finish_time: when it finished or was aborted [s].
+      num_prompt_tokens: prompt length.
+      num_output_tokens: output tokens produced (and kept).
+      num_cached_prompt_tokens: prompt tokens served from the prefix cache, summed over every admission.
+      num_admitted_prompt_tokens: tokens looked up in the prefix cache, summed over every admission (the
+        prompt, plus for a recompute re-admission the output so far); None means num_prompt_tokens (admitted
+        once); 0 for a request aborted before admission.
+      token_times: optional time of each output token [s] (len == num_output_tokens when given).
+      num_preemptions: times the request was preempted.
+      num_drafted, num_accepted: draft tokens proposed for / accepted into this request.
+      aborted: whether the request ended without finishing.
+    """
+
+    request_id: int
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int = 0
+    num_admitted_prompt_tokens: int | None = None
+    token_times: tuple[float, ...] = ()
+    num_preemptions: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_admitted_prompt_tokens is None:
+            object.__setattr__(self, "num_admitted_prompt_tokens", self.num_prompt_tokens)
+        object.__setattr__(self, "token_times", tuple(float(t) for t in self.token_times))
+        for name in ("num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens",
+                     "num_admitted_prompt_tokens", "num_preemptions", "num_drafted", "num_accepted"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)} (request {self.request_id})")
+        if self.num_cached_prompt_tokens > self.num_admitted_prompt_tokens:
+            raise ValueError(f"num_cached_prompt_tokens ({self.num_cached_prompt_tokens}) exceeds "
+                             f"num_admitted_prompt_tokens ({self.num_admitted_prompt_tokens}) "
+                             f"(request {self.request_id})")
+        if self.num_accepted > self.num_drafted:
+            raise ValueError(f"num_accepted ({self.num_accepted}) exceeds num_drafted ({self.num_drafted}) "
+                             f"(request {self.request_id})")
+        if self.token_times and len(self.token_times) != self.num_output_tokens:
+            raise ValueError(f"token_times has {len(self.token_times)} entries, num_output_tokens is "
+                             f"{self.num_output_tokens} (request {self.request_id})")
+        if self.finish_time < self.arrival_time:  # False when either is NaN
+            raise ValueError(f"finish_time ({self.finish_time}) precedes arrival_time ({self.arrival_time}) "
+                             f"(request {self.request_id})")
+
+
+# ------------------------------------------------------------------------------------------------ step log
+
+# field -> dtype; the first four are required, the rest default to zeros (e.g. a run without speculation).
+STEP_FIELDS: dict[str, type] = {
+    "start_time": np.float64,  # when the step began [s]
+    "duration": np.float64,  # step wall (or simulated) time [s]
+    # Non-free blocks after the step: every usable block off the free stack (held by sequences, in the
+    # speculative pool, or cached with ref_count 0). vLLM's KV-usage gauge instead counts the last as free.
+    "blocks_used": np.int64,
+    "blocks_total": np.int64,  # usable blocks of the pool (N - 1: the null block excluded), >= 1
+    "scheduler_time": np.float64,  # part of duration spent scheduling and allocating [s]
+    "spec_waste_blocks": np.int64,  # blocks holding only unvalidated or rejected drafts
+    "oom": np.bool_,  # some sequence could not get its blocks without preemption
+    "num_preempted": np.int64,  # sequences preempted in the step
+    "num_drafted": np.int64,  # draft tokens proposed, summed over the batch
+    "num_accepted": np.int64,  # draft tokens accepted, summed over the batch
+    "num_verifications": np.int64,  # sequences whose drafts were verified in the step
+    "num_output_tokens": np.int64,  # output tokens committed in the step
+}
+_REQUIRED_STEP_FIELDS = ("start_time", "duration", "blocks_used", "blocks_total")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class StepRecord:
+    """One entry per engine step, as read-only numpy arrays of equal length [steps] (see STEP_FIELDS)."""
+
+    start_time: np.ndarray
+    duration: np.ndarray
+    blocks_used: np.ndarray
+    blocks_total: np.ndarray
+    scheduler_time: np.ndarray | None = None
+    spec_waste_blocks: np.ndarray | None = None
+    oom: np.ndarray | None = None
+    num_preempted: np.ndarray | None = None
+    num_drafted: np.ndarray | None = None
+    num_accepted: np.ndarray | None = None
+    num_verifications: np.ndarray | None = None
+    num_output_tokens: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        steps = np.shape(self.start_time)[0] if np.ndim(self.start_time) == 1 else None
+        for name, dtype in STEP_FIELDS.items():
+            value = getattr(self, name)
+            object.__setattr__(self, name, _step_array(name, dtype, value, steps))
+        for name in STEP_FIELDS:
+            if name not in ("start_time", "oom") and np.any(getattr(self, name) < 0):
+                raise ValueError(f"{name} must be >= 0")
+        if np.any(self.blocks_total < 1):
+            raise ValueError("blocks_total must be >= 1")
+        for name, bound in (("blocks_used", "blocks_total"), ("spec_waste_blocks", "blocks_used"),
+                            ("num_accepted", "num_drafted"), ("scheduler_time", "duration")):
+            over = getattr(self, name) > getattr(self, bound)
+            if np.any(over):
+                raise ValueError(f"{name} exceeds {bound} at step {int(np.argmax(over))}")
+
+    def __len__(self) -> int:
+        return self.start_time.shape[0]
+
+    @classmethod
+    def empty(cls) -> StepRecord:
+        return StepLog().freeze()
+
+
+def _step_array(name: str, dtype: type, value: object, steps: int | None) -> np.ndarray:
+    """value as a read-only 1-D array of `dtype` with `steps` entries (zeros when an optional field is None)."""
+    if value is None:
+        if name in _REQUIRED_STEP_FIELDS:
+            raise ValueError(f"{name} is required")
+        value = np.zeros(steps or 0, dtype)
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {array.shape}")
+    if steps is not None and array.shape[0] != steps:
+        raise ValueError(f"{name} has {array.shape[0]} entries, start_time has {steps}")
+    integral = np.issubdtype(array.dtype, np.integer) or array.dtype == bool
+    if dtype is not np.float64 and array.size and not integral:  # no silent truncation of 2.5 blocks
+        raise TypeError(f"{name} must hold {'bools' if dtype is np.bool_ else 'integers'}, got {array.dtype}")
+    array = array.astype(dtype)  # a copy: the caller's buffer can't change the record afterwards
+    array.setflags(write=False)
+    return array
+
+
+class StepLog:
+    """Host-side builder: `append` one engine step at a time, then `freeze()` into a StepRecord."""
+
+    def __init__(self) -> None:
+        self._columns: dict[str, list] = {name: [] for name in STEP_FIELDS}
+
+    def append(self, *, start_time: float, duration: float, blocks_used: int, blocks_total: int,
+               scheduler_time: float = 0.0, spec_waste_blocks: int = 0, oom: bool = False, num_preempted: int = 0,
+               num_drafted: int = 0, num_accepted: int = 0, num_verifications: int = 0,
+               num_output_tokens: int = 0) -> None:
+        values = (start_time, duration, blocks_used, blocks_total, scheduler_time, spec_waste_blocks, oom,
+                  num_preempted, num_drafted, num_accepted, num_verifications, num_output_tokens)  # STEP_FIELDS order
+        for column, value in zip(self._columns.values(), values, strict=True):
+            column.append(value)
+
+    def __len__(self) -> int:
+        return len(self._columns["start_time"])
+
+    def freeze(self) -> StepRecord:
+        return StepRecord(**{name: np.asarray(values, dtype) for (name, values), dtype
+                             in zip(self._columns.items(), STEP_FIELDS.values())})
+
+
+# ------------------------------------------------------------------------------------------------- summary
+
+PERCENTILE_METHOD = "linear"
+
+# (key, table label, factor from the summary's unit to the table's), in table order.
+METRICS: tuple[tuple[str, str, float], ...] = (
+    ("throughput", "throughput (tok/s)", 1.0),
+    ("ttft_p50", "TTFT P50 (ms)", 1e3),
+    ("ttft_p99", "TTFT P99 (ms)", 1e3),
+    ("tpot_p50", "TPOT P50 (ms)", 1e3),
+    ("tpot_p99", "TPOT P99 (ms)", 1e3),
+    ("e2e_p50", "end-to-end P50 (ms)", 1e3),
+    ("e2e_p99", "end-to-end P99 (ms)", 1e3),
+    ("kv_hit_rate", "KV hit rate (%)", 100.0),
+    ("memory_utilisation", "memory utilisation (%)", 100.0),
+    ("spec_token_waste", "speculative token waste (%)", 100.0),
+    ("spec_kv_waste", "speculative KV waste (%)", 100.0),
+    ("oom_rate", "OOM rate (% of steps)", 100.0),
+    ("preemptions_per_request", "preemptions per request", 1.0),
+    ("acceptance_rate", "acceptance rate (%)", 100.0),
+    ("mean_accepted_length", "mean accepted length (tok/verification)", 1.0),
+    ("scheduler_time_per_step", "scheduler time per step (ms)", 1e3),
+    ("scheduler_time_share", "scheduler time share (%)", 100.0),
+)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return float(numerator) / float(denominator) if denominator > 0 else math.nan
+
+
+def _mean(values: np.ndarray) -> float:
+    return float(np.mean(values)) if values.size else math.nan
+
+
+def _percentile(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q, method=PERCENTILE_METHOD)) if values.size else math.nan
+
+
+def _request_columns(requests: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
+    names = ("arrival_time", "first_token_time", "finish_time", "num_output_tokens", "num_cached_prompt_tokens",
+             "num_admitted_prompt_tokens", "num_preemptions", "aborted")
+    return {name: np.array([getattr(r, name) for r in requests], dtype=bool if name == "aborted" else np.float64)
+            for name in names}
+
+
+def _wall_time(columns: dict[str, np.ndarray], wall_time: float | None) -> float:
+    if wall_time is not None:
+        if isinstance(wall_time, bool) or not isinstance(wall_time, numbers.Real):
+            raise TypeError(f"wall_time must be a real number, got {type(wall_time).__name__}")
+        if not (math.isfinite(wall_time) and wall_time > 0):
+            raise ValueError(f"wall_time must be a finite number > 0, got {wall_time!r}")
+        return float(wall_time)
+    finish, arrival = columns["finish_time"], columns["arrival_time"]
+    finish, arrival = finish[np.isfinite(finish)], arrival[np.isfinite(arrival)]
+    return float(finish.max() - arrival.min()) if finish.size and arrival.size else math.nan
+
+
+def _latency_metrics(c: dict[str, np.ndarray]) -> dict[str, float]:
+    done = ~c["aborted"]
+    first, finish, arrival = c["first_token_time"], c["finish_time"], c["arrival_time"]
+    outputs = c["num_output_tokens"]
+    ttft = (first - arrival)[done & np.isfinite(first)]
+    has_tpot = done & np.isfinite(first) & (outputs >= 2)
+    tpot = (finish - first)[has_tpot] / (outputs[has_tpot] - 1)
+    e2e = (finish - arrival)[done & np.isfinite(finish)]
+    return {f"{name}_p{q}": _percentile(values, q)
+            for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)}
+
+
+def _step_metrics(s: StepRecord) -> dict[str, float]:
+    drafted, accepted = s.num_drafted.sum(), s.num_accepted.sum()
+    return {
+        "memory_utilisation": _mean(s.blocks_used / s.blocks_total),
+        "spec_token_waste": _ratio(drafted - accepted, drafted),
+        "spec_kv_waste": _mean(s.spec_waste_blocks / s.blocks_total),
+        "oom_rate": _mean(s.oom.astype(np.float64)),
+        "acceptance_rate": _ratio(accepted, drafted),
+        "mean_accepted_length": _ratio(accepted, s.num_verifications.sum()),
+        "scheduler_time_per_step": _mean(s.scheduler_time),
+        "scheduler_time_share": _ratio(s.scheduler_time.sum(), s.duration.sum()),
+    }
+
+
+def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
+              wall_time: float | None = None) -> dict[str, float]:
+    """Every metric of the module docstring (keys of METRICS) plus context counts, as Python floats."""
+    requests = tuple(requests)
+    for i, r in enumerate(requests):
+        if not isinstance(r, RequestRecord):
+            raise TypeError(f"requests[{i}] must be a RequestRecord, got {type(r).__name__}")
+    if steps is None:
+        steps = StepRecord.empty()
+    elif not isinstance(steps, StepRecord):
+        raise TypeError(f"steps must be a StepRecord or None, got {type(steps).__name__}")
+    c = _request_columns(requests)
+    wall = _wall_time(c, wall_time)
+    done = ~c["aborted"]
+    output_tokens = float(c["num_output_tokens"][done].sum())
+    out = {"throughput": _ratio(output_tokens, wall)}  # NaN when the wall time is 0 or unknown
+    out |= _latency_metrics(c)
+    out["kv_hit_rate"] = _ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
+    out["preemptions_per_request"] = _ratio(c["num_preemptions"].sum(), len(requests))
+    out |= _step_metrics(steps)
+    out = {key: out[key] for key, _, _ in METRICS}  # table order
+    out |= {"num_requests": float(len(requests)), "num_aborted": float(c["aborted"].sum()),
+            "num_steps": float(len(steps)), "output_tokens": output_tokens, "wall_time": wall}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- table
+
+
+def _format_value(value: float) -> str:
+    if value is None or not math.isfinite(value):
+        return "n/a"
+    magnitude = abs(value)
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    if magnitude >= 10:
+        return f"{value:.1f}"
+    if magnitude >= 0.01 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.2e}"
+
+
+def format_table(results: Mapping[str, Mapping[str, float]],
+                 baseline_ratios: Sequence[tuple[str, str]] = (("skvs", "naive_spec"), ("skvs", "vllm_default"))
+                 ) -> str:
+    """A Markdown table: one row per metric (units in the label), one column per policy, in `results` order,
+    then a column "a / b" (the plain ratio of the two values, whichever direction is better) for each pair of
+    `baseline_ratios` whose policies are both present. Missing or NaN values print as "n/a"."""
+    if not results:
+        raise ValueError("results must hold at least one policy")
+    policies = list(results)
+    pairs = [(a, b) for a, b in baseline_ratios if a in results and b in results]
+    header = ["metric", *policies, *(f"{a} / {b}" for a, b in pairs)]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for key, label, factor in METRICS:
+        if not any(key in results[p] for p in policies):
+            continue
+        cells = [label]
+        cells += [_format_value(results[p][key] * factor) if key in results[p] else "n/a" for p in policies]
+        for a, b in pairs:
+            ratio = _ratio(results[a].get(key, math.nan), results[b].get(key, math.nan))
+            cells.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,380 @@
+"""Seeded synthetic request traces for the benchmarks: ShareGPT-like lengths, shared system prompts, multi-turn.
+
+Nothing is downloaded (DESIGN.md, "Benchmarks"): lengths come from distributions fitted to published summary
+statistics, and prompt text is taken from the *held-out* part of the tiny model's corpus
+(`reference_models.corpus`, never trained on), so Medusa acceptance on a trace behaves as on unseen text. The
+shipped model is byte-level (vocabulary 256): a token is one byte of ASCII text, an int in [0, 256).
+
+Kinds (`make(kind, ...)` dispatches by name):
+  sharegpt        independent requests with log-normal prompt and output lengths.
+  system_prompts  N shared system prompts with Zipf popularity, each followed by a per-request user suffix:
+                  the prefix-cache workload.
+  multi_turn      conversations; turn t's prompt is turn t-1's prompt + a previous answer + new user text, so
+                  later turns extend earlier ones exactly, token for token.
+
+Arrivals are Poisson at `rate` requests per second (exponential gaps, first arrival after one gap); `rate=None`
+or `inf` puts every arrival at t = 0 (the offline setting, as vLLM's benchmark_serving with its default
+request rate of inf). Every generator is a pure function of its arguments: it draws from
+`np.random.default_rng` children of `SeedSequence(seed)`, one independent stream per purpose (arrivals,
+lengths, text, choices), so e.g. changing `rate` leaves the prompts unchanged, and the global numpy RNG is never
+touched. `Trace.params` holds every argument, so `make(t.kind, seed=t.seed, **t.params) == t`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+VOCAB_SIZE = 256
+
+# Published means, in tokens (LLaMA tokenizer), from Kwon et al., "Efficient Memory Management for Large
+# Language Model Serving with PagedAttention" (vLLM), SOSP 2023, Fig. 11: ShareGPT mean input 161.31 and mean
+# output 337.99 tokens; Alpaca 19.31 and 58.45 (the paper's text: ShareGPT has 8.4x longer inputs and 5.8x
+# longer outputs than Alpaca, "with higher variance").
+SHAREGPT_MEAN_PROMPT_LEN = 161.31
+SHAREGPT_MEAN_OUTPUT_LEN = 337.99
+ALPACA_MEAN_PROMPT_LEN = 19.31
+ALPACA_MEAN_OUTPUT_LEN = 58.45
+# OUR CHOICE, not published numbers: the log-normal shape parameters. The paper shows right-skewed histograms
+# but gives no spread; sigma = 1.0 (coefficient of variation 1.31) for prompts, which range from one-line
+# questions to pasted documents, and 0.8 (CV 0.95) for answers. mu is then fixed by the published mean:
+# mu = ln(mean) - sigma^2 / 2, since E[exp(N(mu, sigma^2))] = exp(mu + sigma^2 / 2).
+SHAREGPT_PROMPT_SIGMA = 1.0
+SHAREGPT_OUTPUT_SIGMA = 0.8
+
+# Defaults sized for a CPU benchmark of the tiny model (1024 positions). One `scale` multiplies both lengths,
+# keeping the distribution's shape (input/output ratio, coefficient of variation) but not its absolute size:
+# 0.25 gives mean lengths of ~40 prompt and ~84 output tokens before capping (~68 after the output cap of 128).
+DEFAULT_SCALE = 0.25
+DEFAULT_MAX_PROMPT_LEN = 512
+DEFAULT_MAX_OUTPUT_LEN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of a trace.
+
+    Attributes:
+      request_id: position in arrival order, 0..n-1.
+      arrival_time: seconds since the start of the trace.
+      prompt: token ids (bytes of text), each in [0, VOCAB_SIZE).
+      max_new_tokens: output tokens to generate (the trace's output length).
+      priority: lower is more important (as in vLLM).
+      conversation_id: which conversation a multi-turn request belongs to; -1 for single requests.
+      turn: 0-based turn within its conversation.
+    """
+
+    request_id: int
+    arrival_time: float
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    priority: int = 0
+    conversation_id: int = -1
+    turn: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prompt, tuple):  # e.g. a list from JSON; generators already pass tuples of int
+            object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        if not self.prompt:
+            raise ValueError("prompt must hold at least one token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
+            raise ValueError(f"arrival_time must be finite and >= 0, got {self.arrival_time}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """A workload: requests sorted by arrival time, and what generated them (kind, seed, every argument)."""
+
+    requests: tuple[Request, ...]
+    seed: int
+    kind: str
+    params: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "requests", tuple(self.requests))
+        times = [r.arrival_time for r in self.requests]
+        if any(later < earlier for earlier, later in itertools.pairwise(times)):
+            raise ValueError("requests must be sorted by arrival_time")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_float(name: str, value: object, minimum: float, *, strict: bool) -> float:
+    """A finite real >= minimum (> minimum when strict)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{name} must be finite and {'>' if strict else '>='} {minimum}, got {value}")
+    return value
+
+
+def _check_rate(rate: object) -> float | None:
+    """None for "all at t = 0" (from None or inf), else a finite rate > 0."""
+    if rate is None or (isinstance(rate, numbers.Real) and not isinstance(rate, bool) and rate == math.inf):
+        return None
+    return _check_float("rate", rate, 0.0, strict=True)
+
+
+def _check_cap(name: str, value: object) -> int | None:
+    return None if value is None else _check_int(name, value, 1)
+
+
+# -------------------------------------------------------------------------------------------------- drawing
+
+
+@functools.cache
+def corpus_text() -> np.ndarray:
+    """The held-out bytes of the tiny model's corpus, [n] uint8, read-only."""
+    # Imported here rather than at the top: skvs_jax's core must not depend on reference_models (DESIGN.md,
+    # "Packages"); only trace generation reads its text.
+    from reference_models.corpus import train_heldout_split
+
+    text = np.array(train_heldout_split()[1], dtype=np.uint8)
+    text.setflags(write=False)
+    return text
+
+
+@functools.cache
+def _word_starts() -> np.ndarray:
+    """Positions of corpus_text() that begin a word, so prompts start like text rather than mid-word."""
+    text = corpus_text()
+    space = np.isin(text, np.frombuffer(b" \n\t", dtype=np.uint8))
+    starts = np.flatnonzero(~space & np.concatenate([[True], space[:-1]]))
+    starts.setflags(write=False)
+    return starts
+
+
+def _streams(seed: int, count: int) -> list[np.random.Generator]:
+    """Independent generators, one per purpose, so that one knob's draws never shift another's."""
+    return [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(count)]
+
+
+def _spans(rng: np.random.Generator, lengths: np.ndarray) -> list[tuple[int, ...]]:
+    """One span of corpus text per length, each starting at a random word start (wrapping at the end)."""
+    text, starts = corpus_text(), _word_starts()
+    begins = starts[rng.integers(starts.size, size=len(lengths))]
+    return [tuple(np.take(text, np.arange(b, b + n), mode="wrap").tolist()) for b, n in zip(begins, lengths)]
+
+
+def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, scale: float,
+                       cap: int | None) -> np.ndarray:
+    """[n] int64 lengths >= 1: round(scale * LogNormal with the given mean and sigma), then capped."""
+    mu = math.log(mean) - sigma**2 / 2  # keeps E[length] = mean for any sigma
+    lengths = np.maximum(1, np.rint(scale * rng.lognormal(mu, sigma, size=n))).astype(np.int64)
+    return lengths if cap is None else np.minimum(lengths, cap)
+
+
+def _arrivals(rng: np.random.Generator, n: int, rate: float | None) -> np.ndarray:
+    """[n] float64 Poisson arrival times (cumulated exponential gaps of mean 1 / rate); zeros if rate is None."""
+    return np.zeros(n) if rate is None else np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
+def _check_lengths(scale: object, max_prompt_len: object, max_output_len: object) -> tuple:
+    return (_check_float("scale", scale, 0.0, strict=True), _check_cap("max_prompt_len", max_prompt_len),
+            _check_cap("max_output_len", max_output_len))
+
+
+# ----------------------------------------------------------------------------------------------- generators
+
+
+def sharegpt(num_requests: int, *, seed: int, rate: float | None = None,
+             mean_prompt_len: float = SHAREGPT_MEAN_PROMPT_LEN, mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN,
+             prompt_sigma: float = SHAREGPT_PROMPT_SIGMA, output_sigma: float = SHAREGPT_OUTPUT_SIGMA,
+             scale: float = DEFAULT_SCALE, max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
+             max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
+    """Independent requests with ShareGPT-like prompt and output lengths.
+
+    Lengths are log-normal with the published means (Kwon et al., SOSP 2023, Fig. 11: ShareGPT 161.31 input /
+    337.99 output tokens; pass `ALPACA_MEAN_*` for Alpaca's 19.31 / 58.45) and sigmas of our choice (see
+    `SHAREGPT_PROMPT_SIGMA`); prompt and output lengths are drawn independently (also our choice). Each length
+    is `max(1, round(scale * x))`, then capped; `scale=1` with no caps (None) reproduces the published means.
+    Scaling keeps the distribution's shape (ratio of the means, spread relative to the mean), not its size.
+    """
+    num_requests = _check_int("num_requests", num_requests, 1)
+    seed = _check_int("seed", seed, 0)
+    rate = _check_rate(rate)
+    means = [_check_float(k, v, 0.0, strict=True)
+             for k, v in (("mean_prompt_len", mean_prompt_len), ("mean_output_len", mean_output_len))]
+    sigmas = [_check_float(k, v, 0.0, strict=False)
+              for k, v in (("prompt_sigma", prompt_sigma), ("output_sigma", output_sigma))]
+    scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
+    params = {"num_requests": num_requests, "rate": rate, "mean_prompt_len": means[0], "mean_output_len": means[1],
+              "prompt_sigma": sigmas[0], "output_sigma": sigmas[1], "scale": scale, "max_prompt_len": max_prompt_len,
+              "max_output_len": max_output_len}
+
+    arrival_rng, length_rng, text_rng = _streams(seed, 3)
+    prompt_lens = _lognormal_lengths(length_rng, num_requests, means[0], sigmas[0], scale, max_prompt_len)
+    output_lens = _lognormal_lengths(length_rng, num_requests, means[1], sigmas[1], scale, max_output_len)
+    prompts = _spans(text_rng, prompt_lens)
+    times = _arrivals(arrival_rng, num_requests, rate)
+    requests = [Request(i, t, p, o) for i, (t, p, o) in enumerate(zip(times.tolist(), prompts, output_lens.tolist()))]
+    return Trace(tuple(requests), seed, "sharegpt", params)
+
+
+def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, num_system_prompts: int = 8,
+                   system_prompt_len: int = 128, zipf_exponent: float = 1.1, scale: float = DEFAULT_SCALE,
+                   max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
+                   max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
+    """Requests sharing a few system prompts: the prefix-cache workload.
+
+    `num_system_prompts` fixed token sequences of `system_prompt_len` tokens (distinct spans of held-out text);
+    request i uses prompt k (0-based) with Zipf probability proportional to (k + 1) ** -zipf_exponent (0 gives
+    uniform popularity), followed by a user suffix whose length follows the ShareGPT prompt fit (scaled,
+    capped so that the whole prompt fits `max_prompt_len`); output lengths follow the ShareGPT output fit.
+    """
+    num_requests = _check_int("num_requests", num_requests, 1)
+    seed = _check_int("seed", seed, 0)
+    rate = _check_rate(rate)
+    num_system_prompts = _check_int("num_system_prompts", num_system_prompts, 1)
+    system_prompt_len = _check_int("system_prompt_len", system_prompt_len, 1)
+    zipf_exponent = _check_float("zipf_exponent", zipf_exponent, 0.0, strict=False)
+    scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
+    if max_prompt_len is not None and system_prompt_len >= max_prompt_len:
+        raise ValueError(f"system_prompt_len ({system_prompt_len}) must be < max_prompt_len ({max_prompt_len}) "
+                         "to leave room for a user suffix")
+    params = {"num_requests": num_requests, "rate": rate, "num_system_prompts": num_system_prompts,
+              "system_prompt_len": system_prompt_len, "zipf_exponent": zipf_exponent, "scale": scale,
+              "max_prompt_len": max_prompt_len, "max_output_len": max_output_len}
+
+    arrival_rng, length_rng, text_rng, choice_rng = _streams(seed, 4)
+    # Distinct start positions, so no two system prompts are the same text shifted by zero.
+    starts = _word_starts()
+    begins = text_rng.choice(starts.size, size=num_system_prompts, replace=starts.size < num_system_prompts)
+    text = corpus_text()
+    systems = [tuple(np.take(text, np.arange(starts[b], starts[b] + system_prompt_len), mode="wrap").tolist())
+               for b in begins]
+    popularity = np.arange(1, num_system_prompts + 1, dtype=np.float64) ** -zipf_exponent
+    which = choice_rng.choice(num_system_prompts, size=num_requests, p=popularity / popularity.sum())
+    suffix_cap = None if max_prompt_len is None else max_prompt_len - system_prompt_len
+    suffix_lens = _lognormal_lengths(length_rng, num_requests, SHAREGPT_MEAN_PROMPT_LEN, SHAREGPT_PROMPT_SIGMA,
+                                     scale, suffix_cap)
+    output_lens = _lognormal_lengths(length_rng, num_requests, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_OUTPUT_SIGMA,
+                                     scale, max_output_len)
+    suffixes = _spans(text_rng, suffix_lens)
+    times = _arrivals(arrival_rng, num_requests, rate)
+    requests = [Request(i, t, systems[k] + s, o)
+                for i, (t, k, s, o) in enumerate(zip(times.tolist(), which.tolist(), suffixes, output_lens.tolist()))]
+    return Trace(tuple(requests), seed, "system_prompts", params)
+
+
+def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_turns: float = 3.0,
+               max_turns: int = 8, think_time: float = 5.0, scale: float = DEFAULT_SCALE,
+               max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
+               max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
+    """Multi-turn conversations whose later prompts extend earlier ones exactly.
+
+    Conversations start as a Poisson process at `rate` *conversations* per second; each has
+    `min(max_turns, 1 + Poisson(mean_turns - 1))` turns. Turn 0's prompt is user text; turn t's prompt is turn
+    t-1's prompt + a previous answer (held-out text of turn t-1's `max_new_tokens` length, standing in for the
+    recorded answer of a chat log) + new user text. User-text and output lengths follow the ShareGPT fits
+    (scaled, capped). A conversation ends early when its next prompt would exceed `max_prompt_len`.
+    Turn t arrives an exponential think time (mean `think_time` seconds) after turn t-1's *arrival*: the trace
+    is open-loop, so a replay driver that wants closed-loop behaviour holds a turn until the previous turn of
+    its `conversation_id` has finished. Conversations are generated until `num_requests` requests exist.
+    """
+    num_requests = _check_int("num_requests", num_requests, 1)
+    seed = _check_int("seed", seed, 0)
+    rate = _check_rate(rate)
+    mean_turns = _check_float("mean_turns", mean_turns, 1.0, strict=False)
+    max_turns = _check_int("max_turns", max_turns, 1)
+    think_time = _check_float("think_time", think_time, 0.0, strict=False)
+    scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
+    params = {"num_requests": num_requests, "rate": rate, "mean_turns": mean_turns, "max_turns": max_turns,
+              "think_time": think_time, "scale": scale, "max_prompt_len": max_prompt_len,
+              "max_output_len": max_output_len}
+
+    arrival_rng, length_rng, text_rng, turn_rng = _streams(seed, 4)
+    made: list[tuple[float, int, int, tuple[int, ...], int]] = []  # (arrival, conversation, turn, prompt, output)
+    conversation, start = 0, 0.0
+    while len(made) < num_requests:
+        start = 0.0 if rate is None else start + arrival_rng.exponential(1.0 / rate)
+        turns = min(max_turns, 1 + int(turn_rng.poisson(mean_turns - 1)), num_requests - len(made))
+        user_lens = _lognormal_lengths(length_rng, turns, SHAREGPT_MEAN_PROMPT_LEN, SHAREGPT_PROMPT_SIGMA, scale,
+                                       max_prompt_len)
+        output_lens = _lognormal_lengths(length_rng, turns, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_OUTPUT_SIGMA,
+                                         scale, max_output_len).tolist()
+        gaps = arrival_rng.exponential(think_time, size=turns) if think_time > 0 else np.zeros(turns)
+        prompt: tuple[int, ...] = ()
+        when = start
+        for turn in range(turns):
+            answer = _spans(text_rng, [output_lens[turn - 1]])[0] if turn else ()
+            extended = prompt + answer + _spans(text_rng, [int(user_lens[turn])])[0]
+            if max_prompt_len is not None and len(extended) > max_prompt_len:
+                break
+            when = when + float(gaps[turn]) if turn else when
+            prompt = extended
+            made.append((when, conversation, turn, prompt, output_lens[turn]))
+        conversation += 1
+    made.sort(key=lambda m: (m[0], m[1], m[2]))  # arrival order; ties broken by conversation, then turn
+    requests = [Request(i, t, p, o, conversation_id=c, turn=k) for i, (t, c, k, p, o) in enumerate(made)]
+    return Trace(tuple(requests), seed, "multi_turn", params)
+
+
+GENERATORS: dict[str, Callable[..., Trace]] = {
+    "sharegpt": sharegpt,
+    "system_prompts": system_prompts,
+    "multi_turn": multi_turn,
+}
+
+
+def make(kind: str, num_requests: int, *, seed: int, **kwargs: Any) -> Trace:
+    """The trace of the named kind ("sharegpt", "system_prompts", "multi_turn"); kwargs go to its generator."""
+    if kind not in GENERATORS:
+        raise ValueError(f"kind must be one of {sorted(GENERATORS)}, got {kind!r}")
+    return GENERATORS[kind](num_requests, seed=seed, **kwargs)
+
+
+# -------------------------------------------------------------------------------------------------- JSONL I/O
+
+_FORMAT = "skvs_jax.trace"
+_VERSION = 1
+
+
+def save_jsonl(trace: Trace, path: str | os.PathLike) -> None:
+    """Writes a header line {format, version, seed, kind, params, num_requests}, then one request per line."""
+    header = {"format": _FORMAT, "version": _VERSION, "seed": trace.seed, "kind": trace.kind,
+              "params": trace.params, "num_requests": len(trace.requests)}
+    with open(path, "w", encoding="ascii") as f:
+        # allow_nan=False: strict JSON (rate=inf is stored as null); floats round-trip exactly via repr.
+        f.write(json.dumps(header, allow_nan=False) + "\n")
+        f.writelines(json.dumps(dataclasses.asdict(r), allow_nan=False, separators=(",", ":")) + "\n"
+                     for r in trace.requests)
+
+
+def load_jsonl(path: str | os.PathLike) -> Trace:
+    """Reads a trace written by `save_jsonl`; `load_jsonl(p) == trace` after `save_jsonl(trace, p)`."""
+    with open(path, encoding="ascii") as f:
+        lines = [line for line in f if line.strip()]
+    if not lines:
+        raise ValueError(f"{path}: empty file, expected a trace header")
+    header = json.loads(lines[0])
+    if not isinstance(header, dict) or header.get("format") != _FORMAT or header.get("version") != _VERSION:
+        raise ValueError(f"{path}: not a {_FORMAT} v{_VERSION} file (bad header)")
+    requests = [Request(**json.loads(line)) for line in lines[1:]]
+    if len(requests) != header["num_requests"]:
+        raise ValueError(f"{path}: header says {header['num_requests']} requests, found {len(requests)}")
+    return Trace(tuple(requests), header["seed"], header["kind"], header["params"])

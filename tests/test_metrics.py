@@ -1,0 +1,190 @@
+"""Metrics: hand-built logs whose answers are worked out by hand below, empty inputs, bad logs, the table."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from skvs_jax import metrics
+from skvs_jax.metrics import RequestRecord, StepLog, StepRecord
+
+NAN = math.nan
+
+
+def _requests() -> list[RequestRecord]:
+    """Three finished requests and one aborted before admission; the answers are in the tests."""
+    return [
+        # TTFT 0.1, TPOT (1.1 - 0.1) / 10 = 0.1, e2e 1.1; preempted once, re-admitted by hitting its own blocks.
+        RequestRecord(request_id=0, arrival_time=0.0, first_token_time=0.1, finish_time=1.1, num_prompt_tokens=100,
+                      num_output_tokens=11, num_cached_prompt_tokens=64, num_preemptions=1),
+        # TTFT 0.2, TPOT 2.0 / 4 = 0.5, e2e 2.2; preempted after 3 tokens and recomputed: admissions look up
+        # 50 + (50 + 3) = 103 tokens, of which 48 were cached on the second admission.
+        RequestRecord(request_id=1, arrival_time=0.5, first_token_time=0.7, finish_time=2.7, num_prompt_tokens=50,
+                      num_output_tokens=5, num_cached_prompt_tokens=48, num_admitted_prompt_tokens=103,
+                      num_preemptions=1, num_drafted=8, num_accepted=5),
+        # TTFT 0.4, one output token so no TPOT, e2e 0.4.
+        RequestRecord(request_id=2, arrival_time=1.0, first_token_time=1.4, finish_time=1.4, num_prompt_tokens=20,
+                      num_output_tokens=1, num_cached_prompt_tokens=16, token_times=(1.4,)),
+        # Aborted while waiting: no latency, no tokens, never admitted; it ends the run at t = 3.0.
+        RequestRecord(request_id=3, arrival_time=0.2, first_token_time=NAN, finish_time=3.0, num_prompt_tokens=10,
+                      num_output_tokens=0, num_admitted_prompt_tokens=0, aborted=True),
+    ]
+
+
+def _steps() -> StepRecord:
+    log = StepLog()
+    rows = [  # used, waste, oom, drafted, accepted, verifications, scheduler_time, duration
+        (2, 0, False, 0, 0, 0, 0.01, 0.1),
+        (5, 1, False, 8, 5, 2, 0.02, 0.2),
+        (10, 2, True, 8, 3, 2, 0.01, 0.1),
+        (3, 0, False, 4, 2, 1, 0.02, 0.1),
+    ]
+    t = 0.0
+    for used, waste, oom, drafted, accepted, verifications, sched, duration in rows:
+        log.append(start_time=t, duration=duration, blocks_used=used, blocks_total=10, scheduler_time=sched,
+                   spec_waste_blocks=waste, oom=oom, num_preempted=int(oom), num_drafted=drafted,
+                   num_accepted=accepted, num_verifications=verifications, num_output_tokens=1)
+        t += duration
+    assert len(log) == 4
+    return log.freeze()
+
+
+def test_latency_percentiles_by_hand():
+    m = metrics.summarize(_requests(), _steps())
+    # numpy "linear": the value at position q/100 * (n - 1) of the sorted sample, interpolated.
+    # TTFT (0.1, 0.2, 0.4): P50 at position 1 -> 0.2; P99 at 1.98 -> 0.2 + 0.98 * 0.2 = 0.396.
+    assert m["ttft_p50"] == pytest.approx(0.2) and m["ttft_p99"] == pytest.approx(0.396)
+    # TPOT (0.1, 0.5): P50 at 0.5 -> 0.3; P99 at 0.99 -> 0.1 + 0.99 * 0.4 = 0.496. Request 2 has 1 token.
+    assert m["tpot_p50"] == pytest.approx(0.3) and m["tpot_p99"] == pytest.approx(0.496)
+    # E2E (0.4, 1.1, 2.2): P50 1.1; P99 1.1 + 0.98 * 1.1 = 2.178. The aborted request is excluded.
+    assert m["e2e_p50"] == pytest.approx(1.1) and m["e2e_p99"] == pytest.approx(2.178)
+
+
+def test_throughput_hit_rate_and_preemptions_by_hand():
+    m = metrics.summarize(_requests(), _steps())
+    # Wall time = last finish (3.0, the aborted one) - first arrival (0.0); tokens of finished requests only.
+    assert m["wall_time"] == pytest.approx(3.0) and m["output_tokens"] == 17
+    assert m["throughput"] == pytest.approx(17 / 3.0)
+    assert metrics.summarize(_requests(), _steps(), wall_time=2.0)["throughput"] == pytest.approx(8.5)
+    # Every admission counts: (64 + 48 + 16 + 0) / (100 + 103 + 20 + 0).
+    assert m["kv_hit_rate"] == pytest.approx(128 / 223)
+    assert m["preemptions_per_request"] == pytest.approx(2 / 4)
+    assert (m["num_requests"], m["num_aborted"], m["num_steps"]) == (4, 1, 4)
+
+
+def test_step_metrics_by_hand():
+    m = metrics.summarize(_requests(), _steps())
+    assert m["memory_utilisation"] == pytest.approx(np.mean([0.2, 0.5, 1.0, 0.3]))  # 0.5
+    assert m["spec_kv_waste"] == pytest.approx(np.mean([0.0, 0.1, 0.2, 0.0]))  # 0.075
+    assert m["oom_rate"] == pytest.approx(0.25)
+    # 20 drafted, 10 accepted over 5 verifications.
+    assert m["acceptance_rate"] == pytest.approx(0.5) and m["spec_token_waste"] == pytest.approx(0.5)
+    assert m["mean_accepted_length"] == pytest.approx(2.0)
+    assert m["scheduler_time_per_step"] == pytest.approx(0.015)
+    assert m["scheduler_time_share"] == pytest.approx(0.06 / 0.5)
+    assert list(m)[: len(metrics.METRICS)] == [key for key, _, _ in metrics.METRICS]
+
+
+def test_empty_inputs_give_nan_not_exceptions():
+    for steps in (None, StepRecord.empty(), StepLog().freeze()):
+        m = metrics.summarize([], steps)
+        assert all(math.isnan(m[key]) for key, _, _ in metrics.METRICS)
+        assert m["num_requests"] == 0 and m["num_steps"] == 0
+    # Steps without any drafts: the speculative ratios are undefined, the rest are not.
+    no_spec = StepRecord(start_time=[0.0, 1.0], duration=[1.0, 1.0], blocks_used=[1, 3], blocks_total=[4, 4])
+    m = metrics.summarize(_requests()[:1], no_spec)
+    for key in ("acceptance_rate", "spec_token_waste", "mean_accepted_length"):
+        assert math.isnan(m[key])
+    assert m["memory_utilisation"] == pytest.approx(0.5) and m["spec_kv_waste"] == 0.0 and m["oom_rate"] == 0.0
+    assert m["scheduler_time_share"] == 0.0 and m["tpot_p99"] == pytest.approx(0.1)
+    only_aborted = metrics.summarize(_requests()[3:], None)
+    assert math.isnan(only_aborted["ttft_p50"]) and math.isnan(only_aborted["kv_hit_rate"])
+    assert only_aborted["throughput"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        ({"duration": [0.1, 0.1, 0.1]}, ValueError, "duration"),
+        ({"num_accepted": [1, 1]}, ValueError, "num_accepted has 2 entries"),
+        ({"blocks_used": [[1, 2, 3, 4]]}, ValueError, "blocks_used must be 1-D"),
+        ({"blocks_used": [1.5, 2, 3, 4]}, TypeError, "blocks_used"),
+        ({"blocks_total": [10, 10, 0, 10]}, ValueError, "blocks_total"),
+        ({"blocks_used": [2, 5, 11, 3]}, ValueError, "blocks_used exceeds blocks_total at step 2"),
+        ({"num_accepted": [0, 9, 3, 2]}, ValueError, "num_accepted exceeds num_drafted at step 1"),
+        ({"spec_waste_blocks": [3, 0, 0, 0]}, ValueError, "spec_waste_blocks exceeds blocks_used"),
+        ({"num_preempted": [0, -1, 0, 0]}, ValueError, "num_preempted"),
+        ({"start_time": None}, ValueError, "start_time is required"),
+    ],
+)
+def test_inconsistent_step_logs_name_the_field(changes, error, match):
+    steps = _steps()
+    fields = {f.name: getattr(steps, f.name) for f in dataclasses.fields(StepRecord)}
+    with pytest.raises(error, match=match):
+        StepRecord(**(fields | changes))
+
+
+def test_records_are_frozen_and_checked():
+    steps = _steps()
+    with pytest.raises(ValueError):
+        steps.blocks_used[0] = 7  # read-only arrays
+    base = {"request_id": 0, "arrival_time": 1.0, "first_token_time": 1.5, "finish_time": 2.0,
+            "num_prompt_tokens": 10, "num_output_tokens": 2}
+    assert RequestRecord(**base).num_admitted_prompt_tokens == 10
+    for changes, match in [({"num_cached_prompt_tokens": 11}, "num_cached_prompt_tokens"),
+                           ({"num_drafted": 1, "num_accepted": 2}, "num_accepted"),
+                           ({"token_times": (1.5,)}, "token_times"),
+                           ({"finish_time": 0.5}, "finish_time"),
+                           ({"num_output_tokens": -1}, "num_output_tokens")]:
+        with pytest.raises(ValueError, match=match):
+            RequestRecord(**(base | changes))
+    with pytest.raises(ValueError, match="wall_time"):
+        metrics.summarize([RequestRecord(**base)], None, wall_time=0.0)
+    with pytest.raises(TypeError, match="steps"):
+        metrics.summarize([RequestRecord(**base)], {"duration": [1.0]})
+
+
+@given(data=st.lists(st.tuples(st.floats(0, 100), st.floats(0, 10), st.floats(0, 10), st.integers(1, 50)),
+                     min_size=1, max_size=20),
+       permutation_seed=st.integers(0, 2**32 - 1))
+def test_summary_ignores_request_order_and_percentiles_are_ordered(data, permutation_seed):
+    records = [RequestRecord(request_id=i, arrival_time=a, first_token_time=a + w, finish_time=a + w + d,
+                             num_prompt_tokens=8, num_output_tokens=n, num_cached_prompt_tokens=i % 9)
+               for i, (a, w, d, n) in enumerate(data)]
+    shuffled = [records[i] for i in np.random.default_rng(permutation_seed).permutation(len(records))]
+    a, b = metrics.summarize(records, None), metrics.summarize(shuffled, None)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == pytest.approx(b[key], nan_ok=True)
+    for name in ("ttft", "e2e"):
+        assert a[f"{name}_p50"] <= a[f"{name}_p99"] + 1e-12
+    assert a["ttft_p99"] <= a["e2e_p99"] + 1e-9
+
+
+def test_format_table_rows_columns_and_ratios():
+    base = metrics.summarize(_requests(), _steps())
+    results = {
+        "vllm_default": base | {"throughput": 100.0, "acceptance_rate": NAN},
+        "naive_spec": base | {"throughput": 80.0},
+        "skvs": base | {"throughput": 160.0},
+    }
+    table = metrics.format_table(results)
+    lines = table.splitlines()
+    assert lines[0] == "| metric | vllm_default | naive_spec | skvs | skvs / naive_spec | skvs / vllm_default |"
+    assert len(lines) == 2 + len(metrics.METRICS)
+    throughput = next(line for line in lines if line.startswith("| throughput (tok/s)"))
+    assert throughput.split(" | ")[1:] == ["100", "80.0", "160", "2.00x", "1.60x |"]
+    ttft = next(line for line in lines if line.startswith("| TTFT P50 (ms)"))
+    assert " 200 " in ttft and "1.00x" in ttft  # 0.2 s shown in ms
+    acceptance = next(line for line in lines if line.startswith("| acceptance rate (%)"))
+    assert acceptance.split(" | ")[1] == "n/a" and acceptance.endswith("| n/a |")  # NaN baseline: no ratio
+    for label in ("KV hit rate (%)", "OOM rate (% of steps)", "speculative KV waste (%)", "TPOT P99 (ms)"):
+        assert f"| {label} |" in table
+    # Ratio columns only for pairs whose policies are both present.
+    only_two = metrics.format_table({"skvs": base, "naive_spec": base})
+    assert "skvs / naive_spec" in only_two and "vllm_default" not in only_two
+    with pytest.raises(ValueError, match="results"):
+        metrics.format_table({})
