@@ -5,6 +5,7 @@ Subcommands grow with the project; each one lives in its own module and is impor
 
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
+  skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_allocator.add_arguments(
         micro_commands.add_parser("allocator", help="one batched allocator step vs Python oracle and sequential search")
     )
+    from skvs_jax import bench_scheduler
+
+    bench_scheduler.add_arguments(
+        micro_commands.add_parser("scheduler", help="one scheduler step (schedule + update) vs the Python oracle")
+    )
     attention = micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)")
     attention.add_argument("args", nargs=argparse.REMAINDER, help="flags passed to the attention benchmark")
     return parser
@@ -44,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from skvs_jax import bench_allocator
 
         return bench_allocator.run(args)
+    if args.command == "micro" and args.target == "scheduler":
+        from skvs_jax import bench_scheduler
+
+        return bench_scheduler.run(args)
     if args.command == "micro" and args.target == "attention":
         from pallas_kernels import bench_attention
 

@@ -353,10 +353,10 @@ class OracleScheduler:
         if shortfall > 0:
             evicted = a.evict_lru(shortfall, cfg.cache.usable_blocks)
             self._unpin(self.index.remove(evicted))
-        ok, cow_pairs = a.allocate([q[b] + restore[b] for b in slots], order)
+        ok, cow_pairs = self._allocate_two_pass([q[b] + restore[b] for b in slots], order, False)
         spec_ok = [True] * bsz
         if pol.speculation:
-            spec_ok, _ = a.allocate_speculative(d, self.step, order)
+            spec_ok, _ = self._allocate_two_pass(d, order, True)
 
         for b in slots:
             if swap[b]:
@@ -397,6 +397,23 @@ class OracleScheduler:
             alloc_ok=all(ok) and all(spec_ok),
         )
 
+    def _window(self) -> int:
+        s = self.cfg.cache.block_size
+        return min(_cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
+
+    def _allocate_two_pass(self, tokens, order, speculative):
+        """Rows spanning <= W columns first (window W), then the wider ones (full table), as the jitted one."""
+        a, s, w = self.alloc, self.cfg.cache.block_size, self._window()
+        narrow = [_cdiv(a.allocated[b] + tokens[b], s) - a.allocated[b] // s <= w for b in range(len(tokens))]
+        first = [t if nw else 0 for t, nw in zip(tokens, narrow)]
+        wide = [0 if nw else t for t, nw in zip(tokens, narrow)]
+        ok, cow = a.allocate(first, order, speculative=speculative, generation=self.step, window=w)
+        if any(x > 0 for x in wide):
+            ok2, cow2 = a.allocate(wide, order, speculative=speculative, generation=self.step)
+            ok = [x and y for x, y in zip(ok, ok2)]
+            cow = [c1 if nw else c2 for c1, c2, nw in zip(cow, cow2, narrow)]
+        return ok, cow
+
     def _unpin(self, ids) -> None:
         self.alloc.set_cached(ids, [False] * len(ids))
 
@@ -420,7 +437,10 @@ class OracleScheduler:
             filled = self.index.insert([v + [0] * (big_l - len(v)) for v in views], computed, tables)
 
         commit = [(batch.num_query[b] + acc[b] if batch.scheduled[b] else 0) + batch.restore[b] for b in slots]
-        a.commit(commit)
+        fits = [len(a.tables[b]) - a.committed[b] // s <= self._window() for b in slots]
+        a.commit(commit, window=self._window())
+        if not all(fits):
+            a.commit([0 if f else x for f, x in zip(fits, commit)])
 
         new = [acc[b] + 1 if batch.samples[b] else 0 for b in slots]
         finished = [False] * len(slots)

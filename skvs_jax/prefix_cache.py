@@ -242,14 +242,17 @@ def _pad_cols(x: jax.Array, m: int) -> jax.Array:
 # ----------------------------------------------------------------------------------------------- lookup
 
 
-def _longest_chain(cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array]:
+def _longest_chain(
+    cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """For int32[B, J, S] blocks: (matched int32[B] leading blocks found, ids int32[B, J] their block ids).
 
     Every block position is probed in parallel; the parent test against the previous position's candidate
-    makes the accepted run a verified chain (see the module docstring).
+    makes the accepted run a verified chain (see the module docstring). `key`: the blocks' chain keys, when the
+    caller has them already.
     """
     b, j, _ = blocks.shape
-    key = _chain_keys(blocks, cfg.hash_bits)  # [B, J, 2]
+    key = _chain_keys(blocks, cfg.hash_bits) if key is None else key  # [B, J, 2]
     slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, W]
     same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
@@ -364,7 +367,7 @@ def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
     num_full = jnp.minimum(num_validated // s, j)
     # Each row's already-indexed prefix (one parallel lookup) is skipped; the loop below walks the rest.
-    matched, found = _longest_chain(cache, blocks, cfg)
+    matched, found = _longest_chain(cache, blocks, cfg, key)
     start = jnp.minimum(matched, num_full)
 
     # Iteration k handles block start[b] + k of every row: a block's parent is what its row's previous block

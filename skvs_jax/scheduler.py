@@ -325,6 +325,54 @@ def _unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     return allocator._set_cached(alloc, ids, jnp.zeros(ids.shape, bool))
 
 
+def decode_window(cfg: SchedulerConfig) -> int:
+    """W = ceil((1 + K) / S) + 1: table columns a decode step touches (its partial block, and the blocks its
+    decode token and K drafts spill into; with lazy release the held blocks lie within the same span)."""
+    return min(_cdiv(1 + cfg.policy.draft_len, cfg.cache.block_size) + 1, cfg.cache.max_blocks_per_seq)
+
+
+def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfig, *, speculative: bool):
+    """`allocator._allocate` in two passes: rows whose request spans <= W columns (every decode row) in a [B, W]
+    window, then, only if some row is wider (prefill chunks, swap-ins), those rows over the full [B, M] table.
+    The scheduler has already made everything fit, so both passes grant everything; the oracle mirrors the
+    two passes (they decide which rows pop blocks first)."""
+    ccfg, spec, s = cfg.cache, cfg.policy.spec_config(), cfg.cache.block_size
+    w = decode_window(cfg)
+    have = alloc.seqs.num_allocated
+    narrow = _cdiv(have + num_tokens, s) - have // s <= w
+    alloc, first = allocator._allocate(alloc, jnp.where(narrow, num_tokens, 0), generation, order, cfg=ccfg,
+                                       spec=spec, window=w, speculative=speculative)
+    wide = jnp.where(narrow, 0, num_tokens)
+
+    def full(alloc):
+        return allocator._allocate(alloc, wide, generation, order, cfg=ccfg, spec=spec, window=None,
+                                   speculative=speculative)
+
+    def none(alloc):
+        z = jnp.zeros_like(wide)
+        return alloc, allocator.AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=z, cow_dst=z)
+
+    alloc, second = jax.lax.cond(jnp.any(wide > 0), full, none, alloc)
+    return alloc, allocator.AllocResult(
+        ok=first.ok & second.ok,
+        cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
+        cow_dst=jnp.where(narrow, first.cow_dst, second.cow_dst),
+    )
+
+
+def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
+    """`allocator._commit` over a [B, W] window, then over the full table only if some row did not fit it
+    (settled rows are settled again with 0 accepted, which changes nothing)."""
+    ccfg, spec, s = cfg.cache, cfg.policy.spec_config(), cfg.cache.block_size
+    fits = alloc.seqs.num_blocks - alloc.seqs.num_committed // s <= decode_window(cfg)
+    alloc, _ = allocator._commit(alloc, num_accepted, cfg=ccfg, spec=spec, window=decode_window(cfg))
+
+    def full(alloc):
+        return allocator._commit(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
+
+    return jax.lax.cond(jnp.any(~fits), full, lambda alloc: alloc, alloc)
+
+
 def priority_order(seqs: SeqTable) -> jax.Array:
     """Slots by (priority, arrival, slot): int32[B], order[r] = slot served r-th."""
     b_idx = jnp.arange(seqs.priority.shape[0], dtype=i32)
@@ -473,9 +521,16 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     cand_len = jnp.where(real, n[cs], 0)
     if pol.prefix_cache:
         window = jnp.full((a,), k_max if (pol.prefix_barrier and pol.speculation) else 0, i32)
-        hit = pc._lookup(st.prefix, cand_tokens, cand_len, window, knobs.max_spec_ratio.astype(jnp.float32),
-                         cfg=cfg.prefix)
-        hit_blocks, hit_ids = jnp.where(real, hit.num_blocks, 0), hit.block_ids
+        ratio = knobs.max_spec_ratio.astype(jnp.float32)
+
+        def look(_):
+            hit = pc._lookup(st.prefix, cand_tokens, cand_len, window, ratio, cfg=cfg.prefix)
+            return hit.num_blocks, hit.block_ids
+
+        # Most decode steps admit nobody: skip the hashing (the branches only read the table, so no copy).
+        hit_blocks, hit_ids = jax.lax.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
+                                                                            jnp.zeros((a, m), i32)), None)
+        hit_blocks = jnp.where(real, hit_blocks, 0)
     else:
         hit_blocks, hit_ids = jnp.zeros((a,), i32), jnp.zeros((a, m), i32)
     h = hit_blocks * s
@@ -517,12 +572,10 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     alloc, prefix = jax.lax.cond(shortfall > 0, evict, lambda operand: operand, (alloc, prefix))
 
     restore_tokens = jnp.where(swap_in, seqs.swapped_len, 0)
-    alloc, res = allocator._allocate(alloc, q + restore_tokens, 0, order, cfg=ccfg, spec=spec, window=None,
-                                     speculative=False)
+    alloc, res = _allocate_two_pass(alloc, q + restore_tokens, jnp.zeros((), i32), order, cfg, speculative=False)
     spec_ok = jnp.ones((b,), bool)
     if pol.speculation:
-        alloc, sres = allocator._allocate(alloc, d, st.step, order, cfg=ccfg, spec=spec, window=None,
-                                          speculative=True)
+        alloc, sres = _allocate_two_pass(alloc, d, st.step, order, cfg, speculative=True)
         spec_ok = sres.ok
 
     seqs = seqs.replace(
@@ -588,7 +641,6 @@ def _update(
     cfg: SchedulerConfig,
 ) -> tuple[SchedState, StepResult]:
     ccfg, pol = cfg.cache, cfg.policy
-    spec = pol.spec_config()
     s, m, L, k = ccfg.block_size, ccfg.max_blocks_per_seq, cfg.max_len, pol.draft_len
     b = ccfg.max_seqs
     b_idx = jnp.arange(b, dtype=i32)
@@ -608,7 +660,7 @@ def _update(
                                     cfg=cfg.prefix)
 
     commit = jnp.where(batch.scheduled, batch.num_query + acc, 0) + batch.restore
-    alloc, _ = allocator._commit(alloc, commit, cfg=ccfg, spec=spec, window=None)
+    alloc = _commit_two_pass(alloc, commit, cfg)
     c_new = alloc.seqs.num_committed
 
     # The new tokens: the a accepted drafts, then the target's token after them.
