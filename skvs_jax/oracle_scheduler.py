@@ -118,6 +118,7 @@ class OracleScheduler:
         self.num_preemptions = [0] * b
         self.num_cached = [0] * b
         self.hist = [[0] * (self.pol.draft_len + 1) for _ in range(b)]
+        self.pending = [False] * b
         self.step = 0
         self.next_arrival = 0
         self.swap_used = 0
@@ -173,6 +174,7 @@ class OracleScheduler:
             self.next_arrival += 1
             self.swapped_len[b] = self.num_preemptions[b] = self.num_cached[b] = 0
             self.hist[b] = [0] * (self.pol.draft_len + 1)
+            self.pending[b] = False
             slots.append(b)
         return slots
 
@@ -425,16 +427,25 @@ class OracleScheduler:
         acc = [min(max(int(accepted[b]), 0), batch.num_drafts[b]) if batch.samples[b] else 0 for b in slots]
         n = [len(self.tokens[b]) for b in slots]
 
+        # Rows that filled a block wait to be indexed; the first R of them (slot order) are, this step.
+        on_fill = pol.prefix_cache and pol.insert == "on_fill"
+        filled_to = []
+        for b in slots:
+            if batch.scheduled[b]:
+                upto = batch.start[b] + batch.num_query[b] + (batch.num_drafts[b] if on_fill else acc[b])
+            else:
+                upto = batch.start[b]
+            filled_to.append(upto + batch.restore[b])
+            self.pending[b] = self.pending[b] or filled_to[b] // s > batch.start[b] // s
+        rows = [b for b in slots if self.pending[b]][: cfg.rows_indexed]
+        for b in rows:
+            self.pending[b] = False
         filled = None
-        if pol.prefix_cache and pol.insert == "on_fill":
-            views, computed = [], []
-            for b in slots:
-                row = list(self.tokens[b]) + [int(t) for t in draft_tokens[b][: batch.num_drafts[b]]]
-                views.append(row)
-                computed.append(batch.start[b] + batch.num_query[b] + batch.num_drafts[b] if batch.scheduled[b]
-                                else batch.start[b])
-            tables = [a.tables[b] + [NULL_BLOCK] * (cfg.cache.max_blocks_per_seq - len(a.tables[b])) for b in slots]
-            filled = self.index.insert([v + [0] * (big_l - len(v)) for v in views], computed, tables)
+        if on_fill:
+            views = [list(self.tokens[b]) + [int(t) for t in draft_tokens[b][: batch.num_drafts[b]]] for b in rows]
+            tables = [a.tables[b] + [NULL_BLOCK] * (cfg.cache.max_blocks_per_seq - len(a.tables[b])) for b in rows]
+            filled = self.index.insert([v + [0] * (big_l - len(v)) for v in views], [filled_to[b] for b in rows],
+                                       tables)
 
         commit = [(batch.num_query[b] + acc[b] if batch.scheduled[b] else 0) + batch.restore[b] for b in slots]
         fits = [len(a.tables[b]) - a.committed[b] // s <= self._window() for b in slots]
@@ -453,15 +464,15 @@ class OracleScheduler:
 
         if filled is not None:
             stale, kept = [], []
-            for b in slots:
-                for j, blk in filled[b]:
+            for b, new_ids in zip(rows, filled):
+                for j, blk in new_ids:
                     (stale if (j + 1) * s > a.committed[b] else kept).append(blk)
             descendants = self.index.remove(stale)
             a.set_cached(kept, [True] * len(kept))
             self._unpin(descendants)
         elif pol.prefix_cache:
-            rows = [t + [0] * (big_l - len(t)) for t in self.tokens]
-            new_ids = self.index.insert(rows, list(a.committed), a.tables)
+            new_ids = self.index.insert([self.tokens[b] + [0] * (big_l - len(self.tokens[b])) for b in rows],
+                                        [a.committed[b] for b in rows], [a.tables[b] for b in rows])
             ids = [blk for row in new_ids for _, blk in row]
             a.set_cached(ids, [True] * len(ids))
 

@@ -107,6 +107,9 @@ class SchedulerConfig:
       admit_window: A, WAITING sequences examined for admission per step (bounds the prefix lookup's work).
       swap_blocks: blocks the host tier holds for swapped sequences (preemption="swap"; 0 = always recompute).
       victim: a name in VICTIM_RULES or a function (rank, computed, held) -> int32[B] key.
+      index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
+        block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
+        a decode step fills about B * tokens-per-step / S blocks (46 at B=256, 2.9 tokens, S=16).
       prefix_capacity / prefix_ways: the prefix cache's table. Default 4 * usable blocks in 8-way buckets: at most
         a quarter full, so a bucket overflows (a dropped insert: a missed hit, never a wrong one) with
         probability about 2e-4 (Poisson(2) >= 9), against 2e-2 at half full.
@@ -120,6 +123,7 @@ class SchedulerConfig:
     admit_window: int = 0
     swap_blocks: int = 0
     victim: str | Callable = "lowest_priority"
+    index_rows: int = 0
     prefix_capacity: int | None = None
     prefix_ways: int = 8
 
@@ -129,7 +133,7 @@ class SchedulerConfig:
         if not isinstance(self.policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(self.policy).__name__}")
         for name, lo in (("max_running", 1), ("token_budget", 1), ("prefill_chunk", 0), ("admit_window", 0),
-                         ("swap_blocks", 0)):
+                         ("swap_blocks", 0), ("index_rows", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -150,6 +154,10 @@ class SchedulerConfig:
     @property
     def window(self) -> int:
         return min(self.admit_window or 32, self.cache.max_seqs)
+
+    @property
+    def rows_indexed(self) -> int:
+        return min(self.index_rows or 64, self.cache.max_seqs)
 
     @property
     def victim_rule(self) -> Callable:
@@ -185,6 +193,7 @@ class SeqTable:
     num_preemptions: int32[B]
     num_cached:      int32[B]     prompt tokens served from the prefix cache, summed over admissions
     accept_hist:     int32[B, K+1] verification steps by number of accepted drafts (adaptive draft length)
+    index_pending:   bool[B]      filled a block that `update` has not offered to the prefix index yet
     """
 
     status: jax.Array
@@ -199,6 +208,7 @@ class SeqTable:
     num_preemptions: jax.Array
     num_cached: jax.Array
     accept_hist: jax.Array
+    index_pending: jax.Array
 
 
 @struct.dataclass
@@ -301,6 +311,7 @@ def init(cfg: SchedulerConfig) -> SchedState:
         status=jnp.zeros((b,), jnp.int8), tokens=jnp.zeros((b, l), i32), num_tokens=zb, prompt_len=zb,
         max_new_tokens=zb, priority=zb, arrival=zb, request_id=jnp.full((b,), -1, i32), swapped_len=zb,
         num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
+        index_pending=jnp.zeros((b,), bool),
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
     return SchedState(alloc=allocator.init(cfg.cache), prefix=pc.init(cfg.prefix), seqs=seqs, counters=counters,
@@ -652,12 +663,20 @@ def _update(
     # On-fill indexing (the naive integration): every full block of computed tokens, drafts included, is
     # indexed before verification; entries whose block then holds a rejected draft are rolled back below.
     computed = c + batch.num_query + batch.num_drafts
-    if pol.prefix_cache and pol.insert == "on_fill":
+    # Rows that filled a block this step wait to be indexed; up to R of them (slot order) are, per step.
+    on_fill = pol.prefix_cache and pol.insert == "on_fill"
+    filled_to = jnp.where(batch.scheduled, computed if on_fill else c + batch.num_query + acc, c) + batch.restore
+    pending = seqs.index_pending | (filled_to // s > c // s)
+    sel = jnp.nonzero(pending, size=cfg.rows_indexed, fill_value=b)[0]  # int32[R], b = none
+    live_sel = sel < b
+    rows = jnp.clip(sel, 0, b - 1)
+    pending = pending.at[sel].set(False, mode="drop")
+    if on_fill:
         kk = jnp.arange(max(k, 1), dtype=i32)[None, :]
         dpos = jnp.where(kk < batch.num_drafts[:, None], n[:, None] + kk, L)
         view = seqs.tokens.at[b_idx[:, None], dpos].set(draft_tokens[:, : max(k, 1)], mode="drop")
-        prefix, filled = pc._insert(prefix, view, jnp.where(batch.scheduled, computed, c), batch.block_table,
-                                    cfg=cfg.prefix)
+        prefix, filled = pc._insert(prefix, view[rows], jnp.where(live_sel, filled_to[rows], 0),
+                                    batch.block_table[rows], cfg=cfg.prefix)
 
     commit = jnp.where(batch.scheduled, batch.num_query + acc, 0) + batch.restore
     alloc = _commit_two_pass(alloc, commit, cfg)
@@ -674,15 +693,16 @@ def _update(
     running = seqs.status == RUNNING
     finished = running & sampling & (stop | (n_new - seqs.prompt_len >= seqs.max_new_tokens) | (n_new >= L))
 
-    if pol.prefix_cache and pol.insert == "on_fill":
+    if on_fill:
         ids = filled.block_ids
-        stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_new[:, None])
+        stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_new[rows][:, None])
         prefix, removed = pc._remove(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
         kept = jnp.where(stale, 0, ids).reshape(-1)
         alloc = allocator._set_cached(alloc, kept, kept > 0)
         alloc = _unpin(alloc, removed.descendants)
     elif pol.prefix_cache:
-        prefix, ins = pc._insert(prefix, tokens, c_new, alloc.seqs.block_table, cfg=cfg.prefix)
+        prefix, ins = pc._insert(prefix, tokens[rows], jnp.where(live_sel, c_new[rows], 0),
+                                 alloc.seqs.block_table[rows], cfg=cfg.prefix)
         ids = ins.block_ids.reshape(-1)
         alloc = allocator._set_cached(alloc, ids, ids > 0)
 
@@ -693,7 +713,7 @@ def _update(
     hist = seqs.accept_hist.at[jnp.where(verified, b_idx, b), acc].add(1, mode="drop")
     seqs = seqs.replace(
         status=jnp.where(finished, FINISHED, seqs.status).astype(jnp.int8),
-        tokens=tokens, num_tokens=n_new, accept_hist=hist,
+        tokens=tokens, num_tokens=n_new, accept_hist=hist, index_pending=pending,
     )
     ct = st.counters
     counters = ct.replace(
@@ -738,6 +758,7 @@ def _add(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: Schedul
         num_preemptions=seqs.num_preemptions.at[slot].set(z, mode="drop"),
         num_cached=seqs.num_cached.at[slot].set(z, mode="drop"),
         accept_hist=seqs.accept_hist.at[slot].set(0, mode="drop"),
+        index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
     )
     st = st.replace(seqs=seqs, next_arrival=st.next_arrival + jnp.sum(placed, dtype=i32))
     return st, jnp.where(placed, slot, -1)

@@ -169,7 +169,7 @@ class Harness:
         for b in np.flatnonzero(live):
             assert tokens[b, : num_tokens[b]].tolist() == o.tokens[b], f"tokens of slot {b}"
         for name, want in (("swapped_len", o.swapped_len), ("num_preemptions", o.num_preemptions),
-                           ("num_cached", o.num_cached), ("accept_hist", o.hist)):
+                           ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending)):
             got = np.asarray(getattr(st.seqs, name))
             np.testing.assert_array_equal(got[live], np.asarray(want)[live], err_msg=name)
         got = {k: int(v) for k, v in dataclasses.asdict(st.counters).items()}
