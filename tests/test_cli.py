@@ -1,4 +1,4 @@
-"""The `skvs` command line: version, help, and the allocator micro-benchmark at a tiny size."""
+"""The `skvs` command line: version, help, and the allocator and scheduler micro-benchmarks at a tiny size."""
 
 import re
 import subprocess
@@ -25,6 +25,15 @@ def test_micro_allocator_small_run_prints_its_ratios(capsys):
     assert "identical states" in "\n".join(lines)  # the run checks the batched allocator against the oracle
     assert re.fullmatch(r"allocator speedup vs sequential jax search: [0-9.]+x", lines[-2])
     assert re.fullmatch(r"allocator speedup vs python oracle: [0-9.]+x", lines[-1])
+
+
+def test_micro_scheduler_small_run_prints_its_ratio(capsys):
+    argv = ("micro scheduler --seqs 8 --blocks 512 --max-blocks-per-seq 16 --prompt-len 24 --calls 1 "
+            "--steps-per-call 2")
+    assert cli.main(argv.split()) == 0
+    out = capsys.readouterr().out
+    assert "identical states: True" in out and "allocation always ok: True" in out
+    assert re.fullmatch(r"scheduler speedup vs python oracle: [0-9.]+x", out.strip().splitlines()[-1])
 
 
 def test_console_script_entry_point_is_installed():

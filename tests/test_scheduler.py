@@ -189,6 +189,7 @@ def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
     cached = int(np.asarray(alloc.blocks.cached).sum())
     assert int(alloc.blocks.free_top) + int(alloc.blocks.pool_top) + cached == cache.usable_blocks
     assert int(c.cached_tokens) > 0, "the shared system prompt should have been hit"
+    assert int(c.preempt_recompute) > 0 and int(c.oom_steps) > 0, "the trace is meant to run out of blocks"
 
 
 # --------------------------------------------------------------------------------------- the switches
