@@ -3,6 +3,8 @@
 Subcommands grow with the project; each one lives in its own module and is imported only when used, so
 `skvs --help` stays fast.
 
+  skvs bench             vllm_default vs naive_spec vs skvs on one trace with the shipped tiny model
+  skvs generate TEXT     stream a continuation, showing accepted drafts
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
@@ -20,6 +22,18 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skvs", description="Speculation-aware KV scheduling in JAX.")
     parser.add_argument("--version", action="version", version=f"skvs_jax {skvs_jax.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    from skvs_jax import bench
+
+    bench.add_arguments(commands.add_parser(
+        "bench", help="vllm_default vs naive_spec vs skvs on the same trace, shipped tiny model (the main job)"))
+    gen = commands.add_parser("generate", help="stream a continuation from the shipped tiny model")
+    gen.add_argument("text", help="the prompt (bytes of UTF-8 text)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--policy", default="skvs", choices=sorted(("vllm_default", "naive_spec", "skvs")))
+    gen.add_argument("--draft-len", type=int, default=4)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--plain", action="store_true", help="no colour: accepted drafts in [brackets]")
 
     micro = commands.add_parser("micro", help="micro-benchmarks of single components")
     micro_commands = micro.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -39,6 +53,41 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """Stream the model's continuation; tokens that were accepted drafts are highlighted."""
+    from skvs_jax import bench, engine, policies
+    from skvs_jax.config import CacheConfig
+
+    prompt = list(args.text.encode("utf-8"))
+    if not prompt:
+        print("skvs generate: the prompt is empty", file=sys.stderr)
+        return 2
+    model, heads = bench.load_shipped()
+    policy = policies.preset(args.policy, args.draft_len)
+    cache = CacheConfig(num_blocks=129, block_size=8, max_seqs=1, max_blocks_per_seq=128)
+    try:
+        e = engine.Engine(model, heads, policy, cache, token_budget=256, prefill_chunk=256)
+        e.add_request(prompt, engine.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    except ValueError as err:
+        print(f"skvs generate: {err}", file=sys.stderr)
+        return 2
+    on, off = ("[", "]") if args.plain else ("\x1b[32m", "\x1b[0m")
+    sys.stdout.write(args.text)
+    steps = drafted = 0
+    for _, tokens, _ in e.stream():
+        steps += 1
+        text = bytes(tokens).decode("utf-8", errors="replace")
+        # All but the last token of a step were accepted drafts; the last is the model's own.
+        head, tail = text[:-1], text[-1:]
+        sys.stdout.write((on + head + off if head else "") + tail)
+        sys.stdout.flush()
+        drafted += len(tokens) - 1
+    total = len(e.requests[0].tokens)
+    print(f"\n-- {total} tokens in {steps} steps ({total / max(steps, 1):.2f} tokens/step, {drafted} accepted drafts, "
+          f"policy {policy.name})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -46,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skvs_jax {skvs_jax.__version__}")
         parser.print_help()
         return 0
+    if args.command == "bench":
+        from skvs_jax import bench
+
+        return bench.run(args)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "micro" and args.target == "allocator":
         from skvs_jax import bench_allocator
 

@@ -1,0 +1,456 @@
+"""The engine: the scheduler driving a real model, one jitted step at a time.
+
+One step is one jitted program, with no host round trip inside:
+
+  schedule → copy-on-write copies → query tokens (prompt chunks; last token + Medusa drafts) → paged forward
+  (prefill chunks and decode/verification rows in one [B, Q] batch) → verify (greedy or sampled; accept the
+  longest prefix of drafts the target agrees with) → update (commit / roll back, append tokens, index blocks,
+  reclaim) → per-step statistics.
+
+The host loop around it admits arrived requests into free slots, picks the query width Q from a small ladder of
+buckets (decode-only steps use Q = 1 + K, steps with prompt work use Q = the prefill chunk), calls the step, and
+streams the new tokens. Q is an upper bound computed from state the host already read, so the scheduler's
+decisions never depend on it; the number of compiled programs is (number of buckets) per engine.
+
+Verification is lossless for both greedy and temperature sampling: Medusa's drafts are deterministic (a point
+mass q = δ(draft)), for which the rule "accept with probability min(1, p/q), else resample from the normalised
+max(0, p − q)" is the same as sampling t ~ p at each position and accepting while t equals the draft; the token
+sampled at the first mismatch (or after the last draft) is the bonus token. Greedy is the temperature-0 limit.
+
+Preemption by swap needs host I/O between the scheduler's decision and the model, so with `preemption="swap"`
+the step runs as two jitted programs (schedule; then model + update) with the tier copies between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from reference_models.llama import KVCache, Llama
+from reference_models.medusa import MedusaHeads
+from skvs_jax import scheduler as sc
+from skvs_jax import tiers as tiers_mod
+from skvs_jax.config import NULL_BLOCK, CacheConfig
+from skvs_jax.policies import Policy
+
+i32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens >= 1 new tokens; temperature 0 = greedy; generation stops after any of stop_token_ids."""
+
+    max_tokens: int = 32
+    temperature: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a float >= 0, got {self.temperature!r}")
+        if len(self.stop_token_ids) > MAX_STOP:
+            raise ValueError(f"stop_token_ids holds at most {MAX_STOP} ids, got {len(self.stop_token_ids)}")
+
+
+MAX_STOP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static configuration: the scheduler's, plus the kernels' implementation and the KV dtype."""
+
+    sched: sc.SchedulerConfig
+    impl: str = "xla"  # "xla" | "pallas" (interpret=True off-GPU) | "reference"
+    kv_dtype: str = "float32"
+
+
+@struct.dataclass
+class EngineState:
+    sched: sc.SchedState
+    cache: KVCache
+    hidden: jax.Array  # float32[B, Dm] base-model hidden state at each slot's last accepted position
+    temperature: jax.Array  # float32[B]
+    stop_ids: jax.Array  # int32[B, MAX_STOP], -1 = none
+    rng: jax.Array
+
+
+@struct.dataclass
+class StepOut:
+    """What one step did, for streaming and metrics (small arrays the host reads)."""
+
+    num_new: jax.Array  # int32[B] tokens appended
+    finished: jax.Array  # bool[B]
+    scheduled: jax.Array  # bool[B]
+    num_drafts: jax.Array  # int32[B]
+    accepted: jax.Array  # int32[B]
+    admitted: jax.Array  # bool[B]
+    hit_tokens: jax.Array  # int32[B]
+    preempted: jax.Array  # bool[B] (recompute or swap)
+    oom: jax.Array
+    num_tokens: jax.Array
+    blocks_used: jax.Array
+    spec_blocks: jax.Array
+    width_ok: jax.Array  # every row's query fit the bucket (False would be an engine bug)
+
+
+# ------------------------------------------------------------------------------------------ the jitted step
+
+
+def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy whole blocks src[X] -> dst[X] in every layer (NULL_BLOCK pairs copy the null block onto itself)."""
+    return KVCache(k=tuple(k.at[dst].set(k[src]) for k in cache.k), v=tuple(v.at[dst].set(v[src]) for v in cache.v))
+
+
+def _model_step(graphdef, params, heads_graphdef, heads_params, st: EngineState, batch: sc.Batch, knobs,
+                *, cfg: EngineConfig, width: int):
+    """Everything after `schedule`: the forward over [B, width] query tokens, verification and `update`."""
+    scfg = cfg.sched
+    k = scfg.policy.draft_len
+    model = nnx.merge(graphdef, params)
+    b = scfg.cache.max_seqs
+    b_idx = jnp.arange(b, dtype=i32)
+    cache = _copy_blocks(st.cache, batch.cow_src, batch.cow_dst)
+
+    # Query tokens: the row's known tokens [start, start + num_query), then its drafts.
+    qn, d = batch.num_query, batch.num_drafts
+    if k > 0:
+        heads = nnx.merge(heads_graphdef, heads_params)
+        drafts = heads.draft(st.hidden)[:, :k]  # [B, K] for positions n .. n + K - 1
+    else:
+        drafts = jnp.zeros((b, 1), i32)
+    j = jnp.arange(width, dtype=i32)[None, :]
+    pos = batch.start[:, None] + j
+    known = jnp.take_along_axis(st.sched.seqs.tokens, jnp.clip(pos, 0, scfg.max_len - 1), axis=1)
+    di = jnp.clip(j - qn[:, None], 0, drafts.shape[1] - 1)
+    is_draft = (j >= qn[:, None]) & (j < (qn + d)[:, None])
+    tokens = jnp.where(j < qn[:, None], known, jnp.where(is_draft, jnp.take_along_axis(drafts, di, axis=1), 0))
+    qlen = jnp.where(batch.scheduled, qn + d, 0)
+    logits, hidden, cache = model.forward_paged(tokens, jnp.where(j < qlen[:, None], pos, 0), cache,
+                                                batch.block_table, batch.start + qlen, query_lens=qlen,
+                                                impl=cfg.impl)
+
+    # Verify: the target's token for the position after each query token; accept drafts while they agree.
+    rng, key = jax.random.split(st.rng)
+    temp = st.temperature[:, None, None]
+    sampled = jax.random.categorical(key, logits / jnp.maximum(temp, 1e-6), axis=-1).astype(i32)
+    target = jnp.where(st.temperature[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, Q]
+    kk = jnp.arange(k + 1, dtype=i32)[None, :]
+    at = jnp.clip(qn[:, None] - 1 + kk, 0, width - 1)  # positions of the last known token and the drafts
+    verdict = jnp.take_along_axis(target, at, axis=1)  # [B, K+1]
+    if k > 0:
+        agree = (drafts[:, :k] == verdict[:, :k]) & (kk[:, :k] < d[:, None])
+        accepted = jnp.sum(jnp.cumprod(agree.astype(i32), axis=1), axis=1, dtype=i32)
+    else:
+        accepted = jnp.zeros((b,), i32)
+    # A stop token among the new tokens ends the row there (drafts[:a], then the bonus token).
+    new = jnp.where(kk < accepted[:, None], jnp.pad(drafts[:, :k], ((0, 0), (0, 1))) if k else 0, 0)
+    new = jnp.where(kk == accepted[:, None], jnp.take_along_axis(verdict, accepted[:, None], axis=1), new)
+    is_stop = jnp.any(new[:, :, None] == st.stop_ids[:, None, :], axis=-1) & (kk <= accepted[:, None])
+    first_stop = jnp.argmax(is_stop, axis=1).astype(i32)
+    stop = jnp.any(is_stop, axis=1)
+    accepted = jnp.where(stop, first_stop, accepted)
+    next_token = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
+    last = jnp.clip(qn - 1 + accepted, 0, width - 1)
+    hidden_now = hidden[b_idx, last]
+    keep_hidden = batch.samples[:, None]
+    new_hidden = jnp.where(keep_hidden, hidden_now, st.hidden)
+
+    sched, res = sc._update(st.sched, batch, accepted, next_token, drafts if k else jnp.zeros((b, 1), i32), stop,
+                            knobs, cfg=scfg)
+    st = st.replace(sched=sched, cache=cache, hidden=new_hidden, rng=rng)
+    out = StepOut(
+        num_new=res.num_new, finished=res.finished, scheduled=batch.scheduled, num_drafts=batch.num_drafts,
+        accepted=res.accepted, admitted=batch.admitted, hit_tokens=batch.hit_tokens,
+        preempted=batch.preempted | batch.swap_out, oom=batch.oom, num_tokens=batch.num_tokens,
+        blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
+        width_ok=jnp.all(jnp.where(batch.scheduled, qn + d, 0) <= width) & batch.alloc_ok,
+    )
+    return st, out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("cfg", "width"), donate_argnums=(4,))
+def _fused_step(graphdef, params, heads_graphdef, heads_params, st, knobs, *, cfg, width):
+    sched, batch = sc._schedule(st.sched, knobs, cfg=cfg.sched)
+    return _model_step(graphdef, params, heads_graphdef, heads_params, st.replace(sched=sched), batch, knobs,
+                       cfg=cfg, width=width)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
+def _schedule_only(st, knobs, *, cfg):
+    sched, batch = sc._schedule(st.sched, knobs, cfg=cfg.sched)
+    return st.replace(sched=sched), batch
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("cfg", "width"), donate_argnums=(4,))
+def _model_only(graphdef, params, heads_graphdef, heads_params, st, batch, knobs, *, cfg, width):
+    return _model_step(graphdef, params, heads_graphdef, heads_params, st, batch, knobs, cfg=cfg, width=width)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
+def _add(st: EngineState, prompts, prompt_len, max_new, priority, request_id, temperature, stop_ids, *, cfg):
+    sched, slots = sc._add(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
+    dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
+    return st.replace(
+        sched=sched,
+        temperature=st.temperature.at[dst].set(temperature, mode="drop"),
+        stop_ids=st.stop_ids.at[dst].set(stop_ids, mode="drop"),
+    ), slots
+
+
+# ------------------------------------------------------------------------------------------------ the host
+
+
+@dataclasses.dataclass
+class RequestLog:
+    """Host-side record of a request (times in seconds since the engine started)."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    arrival_time: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    first_token_time: float = float("nan")
+    finish_time: float = float("nan")
+    admissions: int = 0
+    admitted_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    finished: bool = False
+    error: str | None = None
+
+
+class Engine:
+    """`Engine(model, heads, policy, cache_config, ...)`: add requests, `step()` or `run()`, read outputs.
+
+    model: the base `Llama`; heads: `MedusaHeads` (required when the policy speculates; its first K heads
+    draft); cache_config: the paged cache (its max_seqs slots hold waiting, running and swapped requests).
+    """
+
+    def __init__(self, model: Llama, heads: MedusaHeads | None, policy: Policy, cache_config: CacheConfig, *,
+                 max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
+                 impl: str = "xla", kv_dtype: str = "float32", swap_blocks: int = 0, seed: int = 0,
+                 victim: str = "lowest_priority", clock=time.perf_counter):
+        if not isinstance(model, Llama):
+            raise TypeError(f"model must be a reference_models.Llama, got {type(model).__name__}")
+        if policy.speculation:
+            if not isinstance(heads, MedusaHeads):
+                raise TypeError("heads must be MedusaHeads when the policy speculates")
+            if heads.config.num_heads < policy.draft_len:
+                raise ValueError(f"policy.draft_len ({policy.draft_len}) exceeds the Medusa heads "
+                                 f"({heads.config.num_heads})")
+        max_len = cache_config.max_tokens_per_seq
+        if max_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_blocks_per_seq * block_size = {max_len} exceeds the model's "
+                             f"{model.config.max_position_embeddings} positions")
+        scfg = sc.SchedulerConfig(
+            cache=cache_config, policy=policy, max_running=max_running or cache_config.max_seqs,
+            token_budget=token_budget, prefill_chunk=prefill_chunk, swap_blocks=swap_blocks, victim=victim,
+            admit_window=min(cache_config.max_seqs, 32))
+        self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype)
+        self.policy, self.knobs = policy, policy.knobs()
+        self.model, self.heads = model, heads
+        self.graphdef, self.params = nnx.split(model)
+        if policy.speculation:
+            self.heads_graphdef, self.heads_params = nnx.split(heads)
+        else:
+            self.heads_graphdef, self.heads_params = None, None
+        b = cache_config.max_seqs
+        cache = KVCache.zeros(model.config, cache_config.num_blocks, cache_config.block_size, jnp.dtype(kv_dtype))
+        self.state = EngineState(
+            sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, model.config.hidden_size), jnp.float32),
+            temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, MAX_STOP), -1, i32),
+            rng=jax.random.key(seed))
+        # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
+        self.state = jax.tree.map(lambda x: x.copy(), self.state)
+        self.widths = tuple(sorted({1 + policy.draft_len, min(prefill_chunk, token_budget)}))
+        self.clock, self.t0 = clock, clock()
+        self.requests: dict[int, RequestLog] = {}
+        self.queue: list[int] = []  # arrived, not yet in a slot
+        self.slot_of: dict[int, int] = {}
+        self.request_in: list[int] = [-1] * b
+        self.step_log: list[dict] = []
+        self.compiled: set[tuple[int, bool]] = set()
+        self._next_id = 0
+        self.tiers = None
+        if policy.preemption == "swap" and swap_blocks:
+            self.tiers = tiers_mod.Tier(self._kv_pages(), swap_blocks)
+            self.handles: dict[int, tiers_mod.SwapHandle] = {}
+
+    # --------------------------------------------------------------------------------------------- requests
+
+    def add_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, request_id: int | None = None) -> int:
+        """Queue a request; returns its id. A request the cache can never hold is rejected with ValueError."""
+        sampling = sampling or SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        prompt = tuple(int(t) for t in prompt_tokens)
+        if not prompt:
+            raise ValueError("prompt_tokens must not be empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt_tokens must lie in [0, {vocab})")
+        max_len = self.cfg.sched.max_len
+        if len(prompt) + sampling.max_tokens > max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                             f"{max_len} tokens a sequence can hold (max_blocks_per_seq * block_size)")
+        rid = self._next_id if request_id is None else int(request_id)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid} is already in use")
+        self._next_id = max(self._next_id, rid + 1)
+        now = self.now() if arrival_time is None else float(arrival_time)
+        self.requests[rid] = RequestLog(rid, prompt, sampling, now)
+        self.queue.append(rid)
+        return rid
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(r >= 0 for r in self.request_in)
+
+    def _admit_queue(self) -> None:
+        # Slots finished last step are EMPTY only after the next schedule: count the scheduler's EMPTY slots.
+        free = int(np.sum(np.asarray(self.state.sched.seqs.status) == sc.EMPTY))
+        take = self.queue[:free]
+        if not take:
+            return
+        b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
+        prompts = np.zeros((b, max_len), np.int32)
+        lens, new, prio, ids = (np.zeros(b, np.int32) for _ in range(4))
+        new[:] = 1
+        temp = np.zeros(b, np.float32)
+        stops = np.full((b, MAX_STOP), -1, np.int32)
+        for row, rid in enumerate(take):
+            r = self.requests[rid]
+            prompts[row, : len(r.prompt)], lens[row], new[row], ids[row] = r.prompt, len(r.prompt), \
+                r.sampling.max_tokens, rid
+            temp[row] = r.sampling.temperature
+            stops[row, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
+        self.state, slots = _add(self.state, jnp.asarray(prompts), jnp.asarray(lens), jnp.asarray(new),
+                                 jnp.asarray(prio), jnp.asarray(ids), jnp.asarray(temp), jnp.asarray(stops),
+                                 cfg=self.cfg)
+        slots = np.asarray(slots)
+        for row, rid in enumerate(take):
+            assert slots[row] >= 0, "a free slot was expected"
+            self.slot_of[rid], self.request_in[int(slots[row])] = int(slots[row]), rid
+        self.queue = self.queue[len(take):]
+
+    def _width(self) -> int:
+        """The query bucket: 1 + K for decode-only steps, the prefill chunk when some row has prompt work."""
+        seqs = self.state.sched.seqs
+        status = np.asarray(seqs.status)
+        remaining = np.asarray(seqs.num_tokens) - np.asarray(self.state.sched.alloc.seqs.num_committed)
+        prompt_work = ((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))).any()
+        return self.widths[-1] if prompt_work else self.widths[0]
+
+    # ------------------------------------------------------------------------------------------------- step
+
+    def _kv_pages(self) -> tuple:
+        return tuple(self.state.cache.k) + tuple(self.state.cache.v)
+
+    def _set_kv_pages(self, pages: tuple) -> None:
+        n = len(self.state.cache.k)
+        self.state = self.state.replace(cache=KVCache(k=tuple(pages[:n]), v=tuple(pages[n:])))
+
+    def step(self) -> list[tuple[int, list[int], bool]]:
+        """One engine step. Returns (request_id, new tokens, finished) for every request that produced tokens."""
+        self._admit_queue()
+        width = self._width()
+        start = self.now()
+        args = (self.graphdef, self.params, self.heads_graphdef, self.heads_params)
+        if self.tiers is None:
+            self.state, out = _fused_step(*args, self.state, self.knobs, cfg=self.cfg, width=width)
+        else:
+            self.state, batch = _schedule_only(self.state, self.knobs, cfg=self.cfg)
+            self._swap(batch)
+            self.state, out = _model_only(*args, self.state, batch, self.knobs, cfg=self.cfg, width=width)
+        out = jax.device_get(out)
+        if not out.width_ok:
+            raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
+        self.compiled.add((width, self.tiers is not None))
+        end = self.now()
+        return self._collect(out, start, end)
+
+    def _swap(self, batch) -> None:
+        out_rows = np.flatnonzero(np.asarray(batch.swap_out))
+        in_rows = np.flatnonzero(np.asarray(batch.swap_in))
+        if not len(out_rows) and not len(in_rows):
+            return
+        blocks = np.asarray(batch.swap_out_blocks)
+        for row in out_rows:  # read before anything is written this step
+            ids = blocks[row][blocks[row] != NULL_BLOCK]
+            handle = tiers_mod.swap_out(self._kv_pages(), ids, self.tiers)
+            if not handle.ok:
+                raise RuntimeError("host tier full although the scheduler counted room (engine bug)")
+            self.handles[int(row)] = handle
+        table = np.asarray(batch.block_table)
+        pages = self._kv_pages()
+        for row in in_rows:
+            handle = self.handles.pop(int(row))
+            pages = tiers_mod.swap_in(pages, handle, table[row, : handle.num_blocks])
+        self._set_kv_pages(pages)
+
+    def _collect(self, out: StepOut, start: float, end: float) -> list[tuple[int, list[int], bool]]:
+        tokens = None
+        results = []
+        for slot, rid in enumerate(self.request_in):
+            if rid < 0:
+                continue
+            r = self.requests[rid]
+            if out.admitted[slot]:  # looked up: the prompt and, after a recompute, the output so far
+                r.admissions += 1
+                r.admitted_tokens += len(r.prompt) + len(r.tokens)
+                r.cached_tokens += int(out.hit_tokens[slot])
+            r.preemptions += int(out.preempted[slot])
+            r.drafted += int(out.num_drafts[slot])
+            r.accepted += int(out.accepted[slot])
+            n = int(out.num_new[slot])
+            if n:
+                if tokens is None:
+                    tokens = np.asarray(self.state.sched.seqs.tokens)
+                    total = np.asarray(self.state.sched.seqs.num_tokens)
+                new = tokens[slot, total[slot] - n: total[slot]].tolist()
+                if not r.tokens:
+                    r.first_token_time = end
+                r.tokens.extend(new)
+            if out.finished[slot]:
+                r.finished, r.finish_time = True, end
+                self.request_in[slot] = -1
+                del self.slot_of[rid]
+            if n or out.finished[slot]:
+                results.append((rid, r.tokens[len(r.tokens) - n:], bool(out.finished[slot])))
+        self.step_log.append(dict(
+            start=start, duration=end - start, tokens=int(out.num_tokens), blocks_used=int(out.blocks_used),
+            spec_blocks=int(out.spec_blocks), oom=bool(out.oom), preempted=int(np.sum(out.preempted)),
+            drafted=int(np.sum(out.num_drafts)), accepted=int(np.sum(out.accepted)),
+            verifications=int(np.sum(out.num_drafts > 0)), output_tokens=int(np.sum(out.num_new)),
+        ))
+        return results
+
+    def stream(self) -> Iterator[tuple[int, list[int], bool]]:
+        """Step until every queued request finished, yielding (request_id, new tokens, finished)."""
+        while self.has_work():
+            yield from self.step()
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until done; returns every request's output tokens."""
+        for _ in self.stream():
+            pass
+        return {rid: list(r.tokens) for rid, r in self.requests.items()}
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
+        """Convenience: queue prompts, run, return their outputs in order."""
+        ids = [self.add_request(p, sampling) for p in prompts]
+        outputs = self.run()
+        return [outputs[i] for i in ids]
