@@ -36,9 +36,9 @@ SCHEMA_VERSION = 1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="system_prompts", choices=sorted(workloads.GENERATORS))
-    parser.add_argument("--requests", type=int, default=24, help="requests in the trace")
+    parser.add_argument("--requests", type=int, default=32, help="requests in the trace")
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
-    parser.add_argument("--kv-blocks", type=int, default=96, help="KV budget in blocks (incl. the null block)")
+    parser.add_argument("--kv-blocks", type=int, default=65, help="KV budget in blocks (incl. the null block)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-seqs", type=int, default=8, help="sequence slots = max batch size")
     parser.add_argument("--draft-len", type=int, default=4)

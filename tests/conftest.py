@@ -4,9 +4,11 @@ Hypothesis profiles: "ci" (default; deterministic and modest) and "heavy" (many 
 the environment variable SKVS_HYPOTHESIS_PROFILE, e.g. `SKVS_HYPOTHESIS_PROFILE=heavy pytest`.
 """
 
+import gc
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -29,3 +31,22 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("SKVS_HYPOTHESIS_PROFILE", "ci"))
+
+
+# Every compiled XLA:CPU executable holds ~100 memory mappings until its cache entry dies, and Linux caps a
+# process at vm.max_map_count (65,530 by default): past it, LLVM's next mmap fails and the compiler segfaults.
+# The suite compiles a few hundred programs (one per scheduler configuration and shape), so drop the caches
+# whenever the count gets high. Costs a recompile of what later tests share; only triggers when needed.
+_MAPS = "/proc/self/maps"
+_MAX_MAPS = 30_000
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compile_cache():
+    yield
+    if os.path.exists(_MAPS):
+        with open(_MAPS) as f:
+            count = sum(1 for _ in f)
+        if count > _MAX_MAPS:
+            jax.clear_caches()
+            gc.collect()

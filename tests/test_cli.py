@@ -36,6 +36,13 @@ def test_micro_scheduler_small_run_prints_its_ratio(capsys):
     assert re.fullmatch(r"scheduler speedup vs python oracle: [0-9.]+x", out.strip().splitlines()[-1])
 
 
+def test_generate_streams_a_continuation(capsys):
+    assert cli.main(["generate", "Return the number of ", "--max-tokens", "12", "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Return the number of ") and "-- 12 tokens in" in out and "policy skvs" in out
+    assert cli.main(["generate", ""]) == 2
+
+
 def test_console_script_entry_point_is_installed():
     out = subprocess.run([sys.executable, "-m", "skvs_jax.cli", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and __version__ in out.stdout

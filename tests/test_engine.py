@@ -1,0 +1,149 @@
+"""The engine end to end on the shipped tiny model: scheduling and speculation never change greedy outputs."""
+
+import argparse
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from reference_models import checkpoint, greedy_generate, train
+from skvs_jax import bench, engine, policies, workloads
+from skvs_jax.config import CacheConfig
+
+# Tight on purpose: 8 slots of up to 128 tokens against 47 blocks of 8 (376 tokens) forces preemption.
+CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
+            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return workloads.make("system_prompts", 10, seed=1, system_prompt_len=40, max_prompt_len=80, max_output_len=20)
+
+
+@pytest.fixture(scope="module")
+def reference(shipped, trace):
+    model, _ = shipped
+    return {r.request_id: greedy_generate(model, np.asarray([r.prompt]), r.max_new_tokens)[0, len(r.prompt):].tolist()
+            for r in trace.requests}
+
+
+def _serve(shipped, policy, trace, **kw):
+    model, heads = shipped
+    e = engine.Engine(model, heads, policy, kw.pop("cache", CACHE), token_budget=96, prefill_chunk=32, **kw)
+    for r in trace.requests:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
+    return e, e.run()
+
+
+@pytest.mark.parametrize("name", ["vllm_default", "naive_spec", "skvs"])
+def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, reference, name):
+    e, out = _serve(shipped, policies.preset(name), trace)
+    assert out == reference
+    c = e.state.sched.counters
+    # The run really exercised the machinery it claims not to disturb.
+    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0
+    if name != "vllm_default":
+        assert int(c.drafted) > 0 and 0 < int(c.accepted) < int(c.drafted)
+    assert len(e.compiled) <= len(e.widths)
+
+
+def test_swap_preemption_gives_the_same_tokens(shipped, trace, reference):
+    e, out = _serve(shipped, policies.skvs(4).replace(preemption="swap"), trace, swap_blocks=64)
+    assert out == reference
+    assert int(e.state.sched.counters.preempt_swap) > 0 and int(e.state.sched.counters.swap_ins) > 0
+
+
+def test_the_pallas_kernels_inside_the_real_step_give_the_same_tokens(shipped, trace, reference):
+    small = dataclasses.replace(trace, requests=trace.requests[:3])
+    e, out = _serve(shipped, policies.skvs(4), small, impl="pallas")  # interpret=True on CPU
+    assert out == {r.request_id: reference[r.request_id] for r in small.requests}
+    assert e.cfg.impl == "pallas"
+
+
+def test_temperature_sampling_is_seeded(shipped, trace):
+    model, heads = shipped
+    outs = []
+    for seed in (0, 0, 1):
+        e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32, seed=seed)
+        outs.append(e.generate([r.prompt for r in trace.requests[:3]], engine.SamplingParams(max_tokens=12,
+                                                                                            temperature=1.0)))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    assert all(len(o) == 12 for o in outs[0])
+
+
+def test_stop_tokens_end_a_request(shipped, reference, trace):
+    model, heads = shipped
+    r = trace.requests[0]
+    stop = reference[r.request_id][5]
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    out = e.generate([r.prompt], engine.SamplingParams(max_tokens=20, stop_token_ids=(stop,)))[0]
+    first = reference[r.request_id].index(stop)
+    assert out == reference[r.request_id][: first + 1]
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(shipped, trace, reference):
+    model, heads = shipped
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    with pytest.raises(ValueError, match="empty"):
+        e.add_request([])
+    with pytest.raises(ValueError, match="exceeds"):
+        e.add_request([1] * 120, engine.SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        e.add_request([300])
+    with pytest.raises(ValueError, match="unknown policy"):
+        policies.preset("fastest")
+    r = trace.requests[1]
+    assert e.generate([r.prompt], engine.SamplingParams(max_tokens=r.max_new_tokens))[0] == reference[r.request_id]
+    with pytest.raises(TypeError, match="heads"):
+        engine.Engine(model, None, policies.skvs(4), CACHE)
+
+
+# ------------------------------------------------------------------------------------------- skvs bench
+
+
+def _bench_args(tmp_path, **kw):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--requests", "6", "--policies", "vllm_default,skvs", "--out", str(tmp_path),
+                              "--no-plot", "--quiet", "--max-output", "12"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+NON_TIMING = ("kv_hit_rate", "memory_utilisation", "spec_token_waste", "spec_kv_waste", "oom_rate",
+              "preemptions_per_request", "acceptance_rate", "mean_accepted_length", "num_steps", "output_tokens")
+
+
+def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsys):
+    assert bench.run(_bench_args(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "greedy outputs identical across policies: True" in out and "skvs / vllm_default" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["schema_version"] == bench.SCHEMA_VERSION
+    assert set(doc) == {"schema_version", "command", "config", "trace", "versions", "identical_greedy_outputs",
+                        "policies"}
+    assert doc["trace"]["seed"] == 0 and doc["config"]["seed"] == 0 and doc["identical_greedy_outputs"] is True
+    assert set(doc["versions"]) >= {"skvs_jax", "jax", "python", "platform"}
+    assert set(doc["policies"]) == {"vllm_default", "skvs"}
+    from skvs_jax.metrics import METRICS
+
+    for p in doc["policies"].values():
+        assert set(p) == {"metrics", "counters", "compiled_buckets", "series"}
+        assert set(p["metrics"]) >= {key for key, _, _ in METRICS}
+        for v in p["metrics"].values():
+            assert v is None or isinstance(v, (int, float))
+        assert len(p["series"]["time"]) == len(p["series"]["blocks_used"]) == p["metrics"]["num_steps"]
+    # Same seed, same non-timing metrics.
+    first = {n: {k: p["metrics"][k] for k in NON_TIMING} for n, p in doc["policies"].items()}
+    assert bench.run(_bench_args(tmp_path)) == 0
+    again = json.loads((tmp_path / "bench.json").read_text())
+    assert {n: {k: p["metrics"][k] for k in NON_TIMING} for n, p in again["policies"].items()} == first
