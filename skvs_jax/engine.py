@@ -27,17 +27,17 @@ import dataclasses
 import functools
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
-from reference_models.llama import KVCache, Llama
-from reference_models.medusa import MedusaHeads
 from skvs_jax import scheduler as sc
 from skvs_jax import tiers as tiers_mod
 from skvs_jax.config import NULL_BLOCK, CacheConfig
+from skvs_jax.model_runner import LlamaMedusaRunner, ModelRunner
 from skvs_jax.policies import Policy
 
 i32 = jnp.int32
@@ -75,7 +75,7 @@ class EngineConfig:
 @struct.dataclass
 class EngineState:
     sched: sc.SchedState
-    cache: KVCache
+    cache: Any  # the runner's paged KV cache
     hidden: jax.Array  # float32[B, Dm] base-model hidden state at each slot's last accepted position
     temperature: jax.Array  # float32[B]
     stop_ids: jax.Array  # int32[B, MAX_STOP], -1 = none
@@ -104,26 +104,19 @@ class StepOut:
 # ------------------------------------------------------------------------------------------ the jitted step
 
 
-def _copy_blocks(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy whole blocks src[X] -> dst[X] in every layer (NULL_BLOCK pairs copy the null block onto itself)."""
-    return KVCache(k=tuple(k.at[dst].set(k[src]) for k in cache.k), v=tuple(v.at[dst].set(v[src]) for v in cache.v))
-
-
-def _model_step(graphdef, params, heads_graphdef, heads_params, st: EngineState, batch: sc.Batch, knobs,
-                *, cfg: EngineConfig, width: int):
+def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, knobs, *, cfg: EngineConfig,
+                width: int):
     """Everything after `schedule`: the forward over [B, width] query tokens, verification and `update`."""
     scfg = cfg.sched
     k = scfg.policy.draft_len
-    model = nnx.merge(graphdef, params)
     b = scfg.cache.max_seqs
     b_idx = jnp.arange(b, dtype=i32)
-    cache = _copy_blocks(st.cache, batch.cow_src, batch.cow_dst)
+    cache = runner.copy_blocks(st.cache, batch.cow_src, batch.cow_dst)  # NULL_BLOCK pairs copy block 0 onto itself
 
     # Query tokens: the row's known tokens [start, start + num_query), then its drafts.
     qn, d = batch.num_query, batch.num_drafts
     if k > 0:
-        heads = nnx.merge(heads_graphdef, heads_params)
-        drafts = heads.draft(st.hidden)[:, :k]  # [B, K] for positions n .. n + K - 1
+        drafts = runner.draft(params, st.hidden)[:, :k]  # [B, K] for positions n .. n + K - 1
     else:
         drafts = jnp.zeros((b, 1), i32)
     j = jnp.arange(width, dtype=i32)[None, :]
@@ -133,9 +126,8 @@ def _model_step(graphdef, params, heads_graphdef, heads_params, st: EngineState,
     is_draft = (j >= qn[:, None]) & (j < (qn + d)[:, None])
     tokens = jnp.where(j < qn[:, None], known, jnp.where(is_draft, jnp.take_along_axis(drafts, di, axis=1), 0))
     qlen = jnp.where(batch.scheduled, qn + d, 0)
-    logits, hidden, cache = model.forward_paged(tokens, jnp.where(j < qlen[:, None], pos, 0), cache,
-                                                batch.block_table, batch.start + qlen, query_lens=qlen,
-                                                impl=cfg.impl)
+    logits, hidden, cache = runner.forward(params, tokens, jnp.where(j < qlen[:, None], pos, 0), cache,
+                                           batch.block_table, batch.start + qlen, qlen, impl=cfg.impl)
 
     # Verify: the target's token for the position after each query token; accept drafts while they agree.
     rng, key = jax.random.split(st.rng)
@@ -176,11 +168,10 @@ def _model_step(graphdef, params, heads_graphdef, heads_params, st: EngineState,
     return st, out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("cfg", "width"), donate_argnums=(4,))
-def _fused_step(graphdef, params, heads_graphdef, heads_params, st, knobs, *, cfg, width):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
+def _fused_step(runner, params, st, knobs, *, cfg, width):
     sched, batch = sc._schedule(st.sched, knobs, cfg=cfg.sched)
-    return _model_step(graphdef, params, heads_graphdef, heads_params, st.replace(sched=sched), batch, knobs,
-                       cfg=cfg, width=width)
+    return _model_step(runner, params, st.replace(sched=sched), batch, knobs, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
@@ -189,9 +180,9 @@ def _schedule_only(st, knobs, *, cfg):
     return st.replace(sched=sched), batch
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2), static_argnames=("cfg", "width"), donate_argnums=(4,))
-def _model_only(graphdef, params, heads_graphdef, heads_params, st, batch, knobs, *, cfg, width):
-    return _model_step(graphdef, params, heads_graphdef, heads_params, st, batch, knobs, cfg=cfg, width=width)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
+def _model_only(runner, params, st, batch, knobs, *, cfg, width):
+    return _model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
@@ -232,42 +223,49 @@ class RequestLog:
 class Engine:
     """`Engine(model, heads, policy, cache_config, ...)`: add requests, `step()` or `run()`, read outputs.
 
-    model: the base `Llama`; heads: `MedusaHeads` (required when the policy speculates; its first K heads
-    draft); cache_config: the paged cache (its max_seqs slots hold waiting, running and swapped requests).
+    model: the base `reference_models.Llama`; heads: its `MedusaHeads` (required when the policy speculates;
+    the first K heads draft); cache_config: the paged cache (its max_seqs slots hold waiting, running and
+    swapped requests). Any other model: `Engine.from_runner(runner, params, policy, cache_config, ...)` with a
+    `model_runner.ModelRunner`.
     """
 
-    def __init__(self, model: Llama, heads: MedusaHeads | None, policy: Policy, cache_config: CacheConfig, *,
-                 max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
-                 impl: str = "xla", kv_dtype: str = "float32", swap_blocks: int = 0, seed: int = 0,
-                 victim: str = "lowest_priority", clock=time.perf_counter):
-        if not isinstance(model, Llama):
-            raise TypeError(f"model must be a reference_models.Llama, got {type(model).__name__}")
-        if policy.speculation:
-            if not isinstance(heads, MedusaHeads):
-                raise TypeError("heads must be MedusaHeads when the policy speculates")
-            if heads.config.num_heads < policy.draft_len:
-                raise ValueError(f"policy.draft_len ({policy.draft_len}) exceeds the Medusa heads "
-                                 f"({heads.config.num_heads})")
+    def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, **kwargs):
+        if policy.speculation and heads is None:
+            raise TypeError("heads must be MedusaHeads when the policy speculates")
+        runner, params = LlamaMedusaRunner.create(model, heads if policy.speculation else None)
+        self._setup(runner, params, policy, cache_config, **kwargs)
+
+    @classmethod
+    def from_runner(cls, runner: ModelRunner, params, policy: Policy, cache_config: CacheConfig, **kwargs):
+        """An engine for any model behind the `ModelRunner` protocol (runner static and hashable)."""
+        engine = cls.__new__(cls)
+        engine._setup(runner, params, policy, cache_config, **kwargs)
+        return engine
+
+    def _setup(self, runner: ModelRunner, params, policy: Policy, cache_config: CacheConfig, *,
+               max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
+               impl: str = "xla", kv_dtype: str = "float32", swap_blocks: int = 0, seed: int = 0,
+               victim: str = "lowest_priority", clock=time.perf_counter) -> None:
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+        if policy.speculation and runner.num_draft_heads < policy.draft_len:
+            raise ValueError(f"policy.draft_len ({policy.draft_len}) exceeds the model's draft heads "
+                             f"({runner.num_draft_heads})")
         max_len = cache_config.max_tokens_per_seq
-        if max_len > model.config.max_position_embeddings:
+        if max_len > runner.max_positions:
             raise ValueError(f"max_blocks_per_seq * block_size = {max_len} exceeds the model's "
-                             f"{model.config.max_position_embeddings} positions")
+                             f"{runner.max_positions} positions")
         scfg = sc.SchedulerConfig(
             cache=cache_config, policy=policy, max_running=max_running or cache_config.max_seqs,
             token_budget=token_budget, prefill_chunk=prefill_chunk, swap_blocks=swap_blocks, victim=victim,
             admit_window=min(cache_config.max_seqs, 32))
         self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype)
         self.policy, self.knobs = policy, policy.knobs()
-        self.model, self.heads = model, heads
-        self.graphdef, self.params = nnx.split(model)
-        if policy.speculation:
-            self.heads_graphdef, self.heads_params = nnx.split(heads)
-        else:
-            self.heads_graphdef, self.heads_params = None, None
+        self.runner, self.params = runner, params
         b = cache_config.max_seqs
-        cache = KVCache.zeros(model.config, cache_config.num_blocks, cache_config.block_size, jnp.dtype(kv_dtype))
+        cache = runner.init_cache(cache_config.num_blocks, cache_config.block_size, kv_dtype)
         self.state = EngineState(
-            sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, model.config.hidden_size), jnp.float32),
+            sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
             temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, MAX_STOP), -1, i32),
             rng=jax.random.key(seed))
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
@@ -297,7 +295,7 @@ class Engine:
         prompt = tuple(int(t) for t in prompt_tokens)
         if not prompt:
             raise ValueError("prompt_tokens must not be empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_tokens must lie in [0, {vocab})")
         max_len = self.cfg.sched.max_len
@@ -357,18 +355,17 @@ class Engine:
     # ------------------------------------------------------------------------------------------------- step
 
     def _kv_pages(self) -> tuple:
-        return tuple(self.state.cache.k) + tuple(self.state.cache.v)
+        return self.runner.kv_pages(self.state.cache)
 
     def _set_kv_pages(self, pages: tuple) -> None:
-        n = len(self.state.cache.k)
-        self.state = self.state.replace(cache=KVCache(k=tuple(pages[:n]), v=tuple(pages[n:])))
+        self.state = self.state.replace(cache=self.runner.with_kv_pages(self.state.cache, pages))
 
     def step(self) -> list[tuple[int, list[int], bool]]:
         """One engine step. Returns (request_id, new tokens, finished) for every request that produced tokens."""
         self._admit_queue()
         width = self._width()
         start = self.now()
-        args = (self.graphdef, self.params, self.heads_graphdef, self.heads_params)
+        args = (self.runner, self.params)
         if self.tiers is None:
             self.state, out = _fused_step(*args, self.state, self.knobs, cfg=self.cfg, width=width)
         else:

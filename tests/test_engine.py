@@ -10,6 +10,7 @@ import pytest
 from reference_models import checkpoint, greedy_generate, train
 from skvs_jax import bench, engine, policies, workloads
 from skvs_jax.config import CacheConfig
+from skvs_jax.model_runner import LlamaMedusaRunner
 
 # Tight on purpose: 8 slots of up to 128 tokens against 47 blocks of 8 (376 tokens) forces preemption.
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
@@ -64,6 +65,16 @@ def test_the_pallas_kernels_inside_the_real_step_give_the_same_tokens(shipped, t
     e, out = _serve(shipped, policies.skvs(4), small, impl="pallas")  # interpret=True on CPU
     assert out == {r.request_id: reference[r.request_id] for r in small.requests}
     assert e.cfg.impl == "pallas"
+
+
+def test_a_model_runner_plugs_in(shipped, trace, reference):
+    """The engine reaches the model only through `ModelRunner`; building it from one gives the same tokens."""
+    runner, params = LlamaMedusaRunner.create(*shipped)
+    e = engine.Engine.from_runner(runner, params, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    r = trace.requests[2]
+    assert e.generate([r.prompt], engine.SamplingParams(max_tokens=r.max_new_tokens))[0] == reference[r.request_id]
+    with pytest.raises(ValueError, match="draft heads"):
+        engine.Engine.from_runner(runner, params, policies.skvs(8), CACHE)
 
 
 def test_temperature_sampling_is_seeded(shipped, trace):

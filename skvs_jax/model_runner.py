@@ -1,0 +1,114 @@
+"""The model side of the engine, as a small protocol, and its implementation for the tiny Llama + Medusa heads.
+
+The engine knows nothing about a model's layers: it needs a paged forward pass, a draft proposal and a KV cache
+it can copy blocks of and hand to the KV tiers. A runner is a static (hashable) object, passed to jitted
+functions as a static argument; everything that changes (weights, cache) goes in and out as pytrees. To serve
+another model, implement `ModelRunner` and build the engine with `Engine.from_runner`.
+
+This module is the one place in `skvs_jax` that imports `reference_models` (DESIGN.md: the engine reaches the
+models only through a small model-runner protocol).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from reference_models.llama import KVCache, Llama, LlamaConfig
+from reference_models.medusa import MedusaHeads
+
+
+class ModelRunner(Protocol):
+    """What the engine needs of a model. Attributes are static ints; methods are pure and jittable."""
+
+    vocab_size: int
+    hidden_size: int
+    max_positions: int
+    num_draft_heads: int  # 0: the model cannot propose drafts
+
+    def init_cache(self, num_blocks: int, block_size: int, dtype: Any) -> Any:
+        """An empty paged KV cache pytree whose arrays lead with the block axis N (block 0 = null block)."""
+
+    def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any, block_tables: jax.Array,
+                context_lens: jax.Array, query_lens: jax.Array, *, impl: str) -> tuple[jax.Array, jax.Array, Any]:
+        """tokens, positions int32[B, Q]; block_tables int32[B, M]; context_lens, query_lens int32[B] (the Q
+        query tokens of row b are stored at cache positions context_lens - query_lens + j, j < query_lens; rows
+        with query_lens 0 write nothing). Returns (logits float[B, Q, V], hidden float[B, Q, Dm], cache)."""
+
+    def draft(self, params: Any, hidden: jax.Array) -> jax.Array:
+        """hidden float[B, Dm] at a row's last accepted position t -> int32[B, num_draft_heads] drafts for
+        positions t + 2, t + 3, ..."""
+
+    def copy_blocks(self, cache: Any, src: jax.Array, dst: jax.Array) -> Any:
+        """Copy whole blocks src[X] -> dst[X] (copy-on-write)."""
+
+    def kv_pages(self, cache: Any) -> tuple[jax.Array, ...]:
+        """The cache as a tuple of arrays with a leading block axis (what `tiers` swaps)."""
+
+    def with_kv_pages(self, cache: Any, pages: tuple[jax.Array, ...]) -> Any:
+        """The inverse of `kv_pages`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaMedusaRunner:
+    """`reference_models.Llama` with optional `MedusaHeads`; params = (llama state, heads state or None)."""
+
+    graphdef: Any
+    heads_graphdef: Any
+    config: LlamaConfig
+    num_draft_heads: int
+
+    @classmethod
+    def create(cls, model: Llama, heads: MedusaHeads | None = None) -> tuple[LlamaMedusaRunner, Any]:
+        """The runner (static) and its params (a pytree) for a model and its heads."""
+        if not isinstance(model, Llama):
+            raise TypeError(f"model must be a reference_models.Llama, got {type(model).__name__}")
+        graphdef, state = nnx.split(model)
+        if heads is None:
+            return cls(graphdef, None, model.config, 0), (state, None)
+        if not isinstance(heads, MedusaHeads):
+            raise TypeError(f"heads must be MedusaHeads or None, got {type(heads).__name__}")
+        if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
+            raise ValueError("the Medusa heads do not match the base model's hidden size / vocabulary")
+        heads_graphdef, heads_state = nnx.split(heads)
+        return cls(graphdef, heads_graphdef, model.config, heads.config.num_heads), (state, heads_state)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.max_position_embeddings
+
+    def init_cache(self, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+        return KVCache.zeros(self.config, num_blocks, block_size, jnp.dtype(dtype))
+
+    def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str):
+        model = nnx.merge(self.graphdef, params[0])
+        return model.forward_paged(tokens, positions, cache, block_tables, context_lens, query_lens=query_lens,
+                                   impl=impl)
+
+    def draft(self, params, hidden: jax.Array) -> jax.Array:
+        if self.heads_graphdef is None:
+            raise ValueError("this runner has no draft heads")
+        return nnx.merge(self.heads_graphdef, params[1]).draft(hidden)
+
+    def copy_blocks(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        return KVCache(k=tuple(k.at[dst].set(k[src]) for k in cache.k),
+                       v=tuple(v.at[dst].set(v[src]) for v in cache.v))
+
+    def kv_pages(self, cache: KVCache) -> tuple[jax.Array, ...]:
+        return tuple(cache.k) + tuple(cache.v)
+
+    def with_kv_pages(self, cache: KVCache, pages: tuple[jax.Array, ...]) -> KVCache:
+        n = len(cache.k)
+        return KVCache(k=tuple(pages[:n]), v=tuple(pages[n:]))
