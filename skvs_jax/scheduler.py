@@ -49,7 +49,7 @@ from flax import struct
 
 from skvs_jax import allocator, checks
 from skvs_jax import prefix_cache as pc
-from skvs_jax.allocator import SPECULATIVE, STALE, AllocatorState
+from skvs_jax.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.policies import Knobs, Policy
 
@@ -110,9 +110,8 @@ class SchedulerConfig:
       index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
         block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
         a decode step fills about B * tokens-per-step / S blocks (46 at B=256, 2.9 tokens, S=16).
-      prefix_capacity / prefix_ways: the prefix cache's table. Default 4 * usable blocks in 8-way buckets: at most
-        a quarter full, so a bucket overflows (a dropped insert: a missed hit, never a wrong one) with
-        probability about 2e-4 (Poisson(2) >= 9), against 2e-2 at half full.
+      prefix_capacity / prefix_ways: the prefix cache's table (default: `PrefixCacheConfig.for_cache`'s, four
+        times the usable blocks, in 8-way buckets).
     """
 
     cache: CacheConfig
@@ -170,8 +169,7 @@ class SchedulerConfig:
 
     @property
     def prefix(self) -> pc.PrefixCacheConfig:
-        capacity = self.prefix_capacity or -(-4 * self.cache.usable_blocks // self.prefix_ways) * self.prefix_ways
-        return pc.PrefixCacheConfig.for_cache(self.cache, capacity, self.prefix_ways)
+        return pc.PrefixCacheConfig.for_cache(self.cache, self.prefix_capacity, self.prefix_ways)
 
 
 # ----------------------------------------------------------------------------------------------- state
@@ -319,10 +317,6 @@ def init(cfg: SchedulerConfig) -> SchedState:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-
-
-def _cdiv(x, s: int):
-    return (x + (s - 1)) // s
 
 
 def _in_order(x: jax.Array, order: jax.Array, rank: jax.Array) -> jax.Array:
