@@ -16,7 +16,6 @@ index (checked). Times are medians over steps after warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 
 from skvs_jax import policies, testing
 from skvs_jax import scheduler as sc
+from skvs_jax.bench_allocator import _median_us
 from skvs_jax.config import CacheConfig
 from skvs_jax.oracle_scheduler import OracleScheduler
 
@@ -43,10 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-call", type=int, default=10, help="steps run under one lax.scan per call")
     parser.add_argument("--calls", type=int, default=5, help="timed calls (the oracle repeats every step)")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def _median_us(times: list[float]) -> float:
-    return statistics.median(times) * 1e6
 
 
 def run(args: argparse.Namespace) -> int:

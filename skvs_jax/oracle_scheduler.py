@@ -13,14 +13,10 @@ import dataclasses
 import numpy as np
 
 from skvs_jax.config import NULL_BLOCK
-from skvs_jax.oracle import OracleAllocator
+from skvs_jax.oracle import OracleAllocator, _cdiv
 from skvs_jax.policies import Knobs
 
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
-
-
-def _cdiv(x: int, s: int) -> int:
-    return -(-x // s)
 
 
 class OraclePrefixIndex:
