@@ -87,6 +87,7 @@ class StepOut:
     """What one step did, for streaming and metrics (small arrays the host reads)."""
 
     num_new: jax.Array  # int32[B] tokens appended
+    new_tokens: jax.Array  # int32[B, K+1] of which the first num_new were appended
     finished: jax.Array  # bool[B]
     scheduled: jax.Array  # bool[B]
     num_drafts: jax.Array  # int32[B]
@@ -99,6 +100,8 @@ class StepOut:
     blocks_used: jax.Array
     spec_blocks: jax.Array
     width_ok: jax.Array  # every row's query fit the bucket (False would be an engine bug)
+    free_slots: jax.Array  # int32[] EMPTY slots after the step (what the next `add` can fill)
+    prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -158,12 +161,17 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
     sched, res = sc._update(st.sched, batch, accepted, next_token, drafts if k else jnp.zeros((b, 1), i32), stop,
                             knobs, cfg=scfg)
     st = st.replace(sched=sched, cache=cache, hidden=new_hidden, rng=rng)
+    status = sched.seqs.status
+    remaining = sched.seqs.num_tokens - sched.alloc.seqs.num_committed
     out = StepOut(
-        num_new=res.num_new, finished=res.finished, scheduled=batch.scheduled, num_drafts=batch.num_drafts,
+        num_new=res.num_new, new_tokens=new, finished=res.finished, scheduled=batch.scheduled,
+        num_drafts=batch.num_drafts,
         accepted=res.accepted, admitted=batch.admitted, hit_tokens=batch.hit_tokens,
         preempted=batch.preempted | batch.swap_out, oom=batch.oom, num_tokens=batch.num_tokens,
         blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
         width_ok=jnp.all(jnp.where(batch.scheduled, qn + d, 0) <= width) & batch.alloc_ok,
+        free_slots=jnp.sum(status == sc.EMPTY, dtype=i32),
+        prompt_work=jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
     )
     return st, out
 
@@ -277,6 +285,7 @@ class Engine:
         self.slot_of: dict[int, int] = {}
         self.request_in: list[int] = [-1] * b
         self.step_log: list[dict] = []
+        self._free_slots, self._prompt_work = b, False  # what the last step reported (see `_width`)
         self.compiled: set[tuple[int, bool]] = set()
         self._next_id = 0
         self.tiers = None
@@ -318,9 +327,8 @@ class Engine:
         return bool(self.queue) or any(r >= 0 for r in self.request_in)
 
     def _admit_queue(self) -> None:
-        # Slots finished last step are EMPTY only after the next schedule: count the scheduler's EMPTY slots.
-        free = int(np.sum(np.asarray(self.state.sched.seqs.status) == sc.EMPTY))
-        take = self.queue[:free]
+        # Slots finished last step are EMPTY only after the next schedule, so the step reports the EMPTY count.
+        take = self.queue[: self._free_slots]
         if not take:
             return
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
@@ -343,14 +351,13 @@ class Engine:
             assert slots[row] >= 0, "a free slot was expected"
             self.slot_of[rid], self.request_in[int(slots[row])] = int(slots[row]), rid
         self.queue = self.queue[len(take):]
+        self._free_slots -= len(take)
+        self._prompt_work = True  # the new requests wait to be prefilled
 
     def _width(self) -> int:
-        """The query bucket: 1 + K for decode-only steps, the prefill chunk when some row has prompt work."""
-        seqs = self.state.sched.seqs
-        status = np.asarray(seqs.status)
-        remaining = np.asarray(seqs.num_tokens) - np.asarray(self.state.sched.alloc.seqs.num_committed)
-        prompt_work = ((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))).any()
-        return self.widths[-1] if prompt_work else self.widths[0]
+        """The query bucket: 1 + K for decode-only steps, the prefill chunk when some row has prompt work (as the
+        previous step reported it, or requests were just added): no state is read back between steps."""
+        return self.widths[-1] if self._prompt_work else self.widths[0]
 
     # ------------------------------------------------------------------------------------------------- step
 
@@ -376,6 +383,7 @@ class Engine:
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
+        self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
         end = self.now()
         return self._collect(out, start, end)
 
@@ -399,7 +407,6 @@ class Engine:
         self._set_kv_pages(pages)
 
     def _collect(self, out: StepOut, start: float, end: float) -> list[tuple[int, list[int], bool]]:
-        tokens = None
         results = []
         for slot, rid in enumerate(self.request_in):
             if rid < 0:
@@ -414,10 +421,7 @@ class Engine:
             r.accepted += int(out.accepted[slot])
             n = int(out.num_new[slot])
             if n:
-                if tokens is None:
-                    tokens = np.asarray(self.state.sched.seqs.tokens)
-                    total = np.asarray(self.state.sched.seqs.num_tokens)
-                new = tokens[slot, total[slot] - n: total[slot]].tolist()
+                new = out.new_tokens[slot, :n].tolist()
                 if not r.tokens:
                     r.first_token_time = end
                 r.tokens.extend(new)
