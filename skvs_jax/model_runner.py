@@ -34,14 +34,21 @@ class ModelRunner(Protocol):
         """An empty paged KV cache pytree whose arrays lead with the block axis N (block 0 = null block)."""
 
     def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any, block_tables: jax.Array,
-                context_lens: jax.Array, query_lens: jax.Array, *, impl: str) -> tuple[jax.Array, jax.Array, Any]:
+                context_lens: jax.Array, query_lens: jax.Array, *, impl: str,
+                tree_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
         """tokens, positions int32[B, Q]; block_tables int32[B, M]; context_lens, query_lens int32[B] (the Q
         query tokens of row b are stored at cache positions context_lens - query_lens + j, j < query_lens; rows
-        with query_lens 0 write nothing). Returns (logits float[B, Q, V], hidden float[B, Q, Dm], cache)."""
+        with query_lens 0 write nothing); tree_mask bool[B, Q, Q] or None (causal): with a mask, query i sees
+        the cache before the Q query slots plus slot j iff tree_mask[b, i, j] (positions carry each node's
+        depth). Returns (logits float[B, Q, V], hidden float[B, Q, Dm], cache)."""
 
     def draft(self, params: Any, hidden: jax.Array) -> jax.Array:
         """hidden float[B, Dm] at a row's last accepted position t -> int32[B, num_draft_heads] drafts for
-        positions t + 2, t + 3, ..."""
+        positions t + 2, t + 3, ... (each head's most likely token)."""
+
+    def draft_logits(self, params: Any, hidden: jax.Array) -> jax.Array:
+        """hidden float[B, Dm] -> float32[B, num_draft_heads, V]: head h's logits for position t + 2 + h (what
+        sampled drafts, tree candidates and lossless verification's draft distribution q are made from)."""
 
     def copy_blocks(self, cache: Any, src: jax.Array, dst: jax.Array) -> Any:
         """Copy whole blocks src[X] -> dst[X] (copy-on-write)."""
@@ -92,15 +99,20 @@ class LlamaMedusaRunner:
     def init_cache(self, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
         return KVCache.zeros(self.config, num_blocks, block_size, jnp.dtype(dtype))
 
-    def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str):
+    def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str,
+                tree_mask=None):
         model = nnx.merge(self.graphdef, params[0])
         return model.forward_paged(tokens, positions, cache, block_tables, context_lens, query_lens=query_lens,
-                                   impl=impl)
+                                   tree_mask=tree_mask, impl=impl)
 
     def draft(self, params, hidden: jax.Array) -> jax.Array:
+        return jnp.argmax(self.draft_logits(params, hidden), axis=-1).astype(jnp.int32)
+
+    def draft_logits(self, params, hidden: jax.Array) -> jax.Array:
         if self.heads_graphdef is None:
             raise ValueError("this runner has no draft heads")
-        return nnx.merge(self.heads_graphdef, params[1]).draft(hidden)
+        logits = nnx.merge(self.heads_graphdef, params[1])(hidden)  # [H, B, V]
+        return jnp.moveaxis(logits, 0, 1).astype(jnp.float32)
 
     def copy_blocks(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
         return KVCache(k=tuple(k.at[dst].set(k[src]) for k in cache.k),
