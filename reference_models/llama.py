@@ -6,7 +6,9 @@
   against the cache, causal (bottom-right aligned) or with a tree mask.
 
 The paged paths write this call's K/V with `pallas_kernels.write_kv`, then attend with
-`pallas_kernels.paged_attention` (see that package for the cache layout; block 0 is the null block).
+`pallas_kernels.paged_attention` (see that package for the cache layout; block 0 is the null block). The cache
+(`KVCache`) holds float32, bfloat16, int8 or float8_e4m3fn pages; the last two carry per-token, per-KV-head
+float32 scales and go through the kernels' quantised path.
 
 Conventions follow Hugging Face `LlamaForCausalLM` exactly, so that its checkpoints load by name: linear weights
 are stored `[out, in]`; RoPE uses the `rotate_half` layout (first and second halves of the head dim pair up),
@@ -282,24 +284,87 @@ def dense_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
 # ----------------------------------------------------------------------------------------------- KV cache
 
 
+KV_DTYPES = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+"""Page dtypes a `KVCache` may hold: float pages store K/V as they are (bfloat16 rounded); int8 / float8_e4m3fn
+pages are quantised by `pallas_kernels.write_kv` per token and KV head, with float32 scales beside them."""
+_QUANTISED = ("int8", "float8_e4m3fn")
+
+
+def kv_dtype(dtype: Any) -> jnp.dtype:
+    """`dtype` (a name or a dtype) as a jnp dtype in `KV_DTYPES`; anything else raises ValueError naming it."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {KV_DTYPES}, got {dtype!r}")
+    return resolved
+
+
+def _zeros_per_layer(num_layers: int, shape: tuple[int, ...], dtype: Any) -> tuple[Array, ...]:
+    """num_layers separate zero arrays (one buffer each, so that every leaf of a donated cache owns its own)."""
+    return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+
+
 @flax.struct.dataclass
 class KVCache:
-    """Paged KV cache, one page pool per layer. Block 0 is the null block (never written by a real token)."""
+    """Paged KV cache, one page pool per layer. Block 0 is the null block (never written by a real token).
 
-    k: tuple[Array, ...]  # L x [N, S, Hkv, D]
-    v: tuple[Array, ...]  # L x [N, S, Hkv, D]
+    Invariants: every array leads with the block axis N (so copying, swapping or scrubbing a block means indexing
+    that axis of every leaf); `k_scales` / `v_scales` are present exactly when the pages are int8 or
+    float8_e4m3fn, and then K/V of the token at slot (block, offset), head h dequantise as
+    `k[block, offset, h].astype(f32) * k_scales[block, offset, h]` (what `paged_attention` does).
+    """
+
+    k: tuple[Array, ...]  # L x [N, S, Hkv, D] float32 | bfloat16 | int8 | float8_e4m3fn
+    v: tuple[Array, ...]  # L x [N, S, Hkv, D] same dtype as k
+    k_scales: tuple[Array, ...] | None = None  # L x [N, S, Hkv] float32 for int8 / fp8 pages, else None
+    v_scales: tuple[Array, ...] | None = None  # L x [N, S, Hkv] float32 for int8 / fp8 pages, else None
 
     @classmethod
-    def zeros(cls, config: LlamaConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
+    def zeros(cls, config: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
+        """An empty cache of `dtype` (one of `KV_DTYPES`, name or dtype; ValueError otherwise).
+
+        Quantised caches start with scales 0: that is what `quantize_kv` gives an all-zero row, so an empty
+        quantised cache dequantises to exactly the zeros of an empty float cache (the null block included).
+        Attention never relies on it (it masks every position past `context_lens`), but stale reads are then
+        zeros, never NaN or garbage.
+        """
+        dtype = kv_dtype(dtype)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-        )
+        k, v = _zeros_per_layer(config.num_layers, shape, dtype), _zeros_per_layer(config.num_layers, shape, dtype)
+        if dtype.name not in _QUANTISED:
+            return cls(k=k, v=v)
+        return cls(k=k, v=v, k_scales=_zeros_per_layer(config.num_layers, shape[:3], jnp.float32),
+                   v_scales=_zeros_per_layer(config.num_layers, shape[:3], jnp.float32))
 
     @property
     def block_size(self) -> int:
         return self.k[0].shape[1]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The page dtype."""
+        return jnp.dtype(self.k[0].dtype)
+
+    @property
+    def quantised(self) -> bool:
+        """True for int8 / float8_e4m3fn pages (scales present)."""
+        return self.k_scales is not None
+
+    def layer(self, i: int) -> tuple[Array, Array, Array | None, Array | None]:
+        """Layer i as (k_pages, v_pages [N, S, Hkv, D], k_scales, v_scales [N, S, Hkv] float32 or None)."""
+        if self.quantised:
+            return self.k[i], self.v[i], self.k_scales[i], self.v_scales[i]
+        return self.k[i], self.v[i], None, None
+
+    @classmethod
+    def from_layers(cls, layers: list[tuple[Array, Array, Array | None, Array | None]]) -> KVCache:
+        """The inverse of `layer`: one (k_pages, v_pages, k_scales, v_scales) tuple per layer."""
+        k, v, k_scales, v_scales = (tuple(field) for field in zip(*layers))
+        if k_scales[0] is None:
+            return cls(k=k, v=v)
+        return cls(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
 
 
 def slot_mapping(
@@ -395,23 +460,30 @@ class Llama(nnx.Module):
         block_tables [B, M]; context_lens [B]: tokens in the cache *including* these Q (query j is stored at
         cache position context_lens - query_lens + j); query_lens [B] or None (all Q real; padding rows are not
         written and give undefined logits); tree_mask [B, Q, Q] bool or None (causal); impl selects the
-        kernels' implementation ("auto", "pallas", "xla", "reference").
-        Returns (logits [B, Q, V], hidden [B, Q, Dm], new cache).
+        kernels' implementation ("auto", "pallas", "xla", "reference"). The cache may hold any of `KV_DTYPES`:
+        bfloat16 pages store the rounded K/V; int8 / float8_e4m3fn pages are written through the kernels' quantised
+        path (per token and KV head, new scales kept in the returned cache) and dequantised when attended.
+        Returns (logits [B, Q, V], hidden [B, Q, Dm], new cache of the same dtype and structure).
         """
         b, q_len = tokens.shape
         qlens = jnp.full((b,), q_len, jnp.int32) if query_lens is None else query_lens
         slots = slot_mapping(block_tables, context_lens, qlens, q_len, cache.block_size)
-        new_k, new_v = list(cache.k), list(cache.v)
+        layers = [cache.layer(i) for i in range(len(cache.k))]  # replaced layer by layer as the trunk runs
 
         def attend(i: int, q: Array, k: Array, v: Array) -> Array:
             hkv, hd = k.shape[2], k.shape[3]
-            new_k[i], new_v[i] = write_kv(
-                new_k[i], new_v[i], k.reshape(b * q_len, hkv, hd), v.reshape(b * q_len, hkv, hd), slots, impl=impl
-            )
+            k_pages, v_pages, k_scales, v_scales = layers[i]
+            # Quantised pages: write_kv quantises the new rows per token and KV head and returns the new scales.
+            written = tuple(write_kv(
+                k_pages, v_pages, k.reshape(b * q_len, hkv, hd), v.reshape(b * q_len, hkv, hd), slots,
+                k_scales=k_scales, v_scales=v_scales, impl=impl,
+            ))
+            layers[i] = written if cache.quantised else written + (None, None)
+            k_pages, v_pages, k_scales, v_scales = layers[i]
             return paged_attention(
-                q, new_k[i], new_v[i], block_tables, context_lens, query_lens=query_lens, tree_mask=tree_mask,
-                impl=impl,
+                q, k_pages, v_pages, block_tables, context_lens, query_lens=query_lens, tree_mask=tree_mask,
+                k_scales=k_scales, v_scales=v_scales, impl=impl,
             )
 
         logits, hidden = self._trunk(tokens, positions, attend)
-        return logits, hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
+        return logits, hidden, KVCache.from_layers(layers)

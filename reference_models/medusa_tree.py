@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels import write_kv
 from reference_models.generate import MedusaStats, accepted_prefix_len, check_prompts, speculative_loop
 from reference_models.llama import KVCache, Llama
 from reference_models.medusa import MedusaHeads
@@ -96,16 +95,20 @@ SMALL_TREE = DraftTree((
 
 
 def _move_kv(cache: KVCache, src: Array, dst: Array) -> KVCache:
-    """Copy every layer's K/V from slots src [T] to slots dst [T] (dst < 0: skip). Sources are read first."""
-    moved_k, moved_v = [], []
-    for k_pages, v_pages in zip(cache.k, cache.v):
-        n, s, hkv, d = k_pages.shape
-        k_new = k_pages.reshape(n * s, hkv, d)[jnp.maximum(src, 0)]
-        v_new = v_pages.reshape(n * s, hkv, d)[jnp.maximum(src, 0)]
-        k_pages, v_pages = write_kv(k_pages, v_pages, k_new, v_new, dst)
-        moved_k.append(k_pages)
-        moved_v.append(v_pages)
-    return KVCache(k=tuple(moved_k), v=tuple(moved_v))
+    """Copy every layer's K/V (and scales, for a quantised cache) from slots src [T] to slots dst [T] (dst < 0:
+    skip). Sources are read first.
+
+    The stored values are moved as they are, not rewritten through `write_kv`: for int8 / fp8 pages that would
+    re-quantise already dequantised values, so a moved token could differ (in its scale's last bits) from what
+    verification attended to. A plain scatter keeps the move exact for every page dtype.
+    """
+    def move(pages: Array) -> Array:  # [N, S, ...] -> the same, slots dst overwritten with slots src
+        n, s = pages.shape[:2]
+        flat = pages.reshape((n * s,) + pages.shape[2:])
+        rows = flat[jnp.maximum(src, 0)]
+        return flat.at[jnp.where(dst < 0, n * s, dst)].set(rows, mode="drop").reshape(pages.shape)
+
+    return jax.tree.map(move, cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(4, 5))

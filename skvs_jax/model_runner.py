@@ -20,6 +20,7 @@ from flax import nnx
 
 from reference_models.llama import KVCache, Llama, LlamaConfig
 from reference_models.medusa import MedusaHeads
+from reference_models.medusa_tree import DraftTree  # noqa: F401  (re-exported: skvs_jax names trees by it)
 
 
 class ModelRunner(Protocol):
@@ -97,7 +98,9 @@ class LlamaMedusaRunner:
         return self.config.max_position_embeddings
 
     def init_cache(self, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
-        return KVCache.zeros(self.config, num_blocks, block_size, jnp.dtype(dtype))
+        """An empty `KVCache` with pages of `dtype` ("float32", "bfloat16", "int8", "float8_e4m3fn" or the dtype
+        itself; ValueError otherwise); int8 / fp8 pages come with float32 scales [N, S, Hkv] per layer."""
+        return KVCache.zeros(self.config, num_blocks, block_size, dtype)
 
     def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str,
                 tree_mask=None):
@@ -115,12 +118,19 @@ class LlamaMedusaRunner:
         return jnp.moveaxis(logits, 0, 1).astype(jnp.float32)
 
     def copy_blocks(self, cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-        return KVCache(k=tuple(k.at[dst].set(k[src]) for k in cache.k),
-                       v=tuple(v.at[dst].set(v[src]) for v in cache.v))
+        """Copy whole blocks src[X] -> dst[X] of every layer's pages and, when quantised, scales (a block's
+        values are meaningless without its scales)."""
+        return jax.tree.map(lambda x: x.at[dst].set(x[src]), cache)
 
     def kv_pages(self, cache: KVCache) -> tuple[jax.Array, ...]:
-        return tuple(cache.k) + tuple(cache.v)
+        """Every cache array, each leading with the block axis N: L K pages, L V pages [N, S, Hkv, D], then for
+        int8 / fp8 caches L K scales and L V scales [N, S, Hkv] float32 (so a swap moves a block's scales
+        with its values)."""
+        return tuple(jax.tree.leaves(cache))
 
     def with_kv_pages(self, cache: KVCache, pages: tuple[jax.Array, ...]) -> KVCache:
-        n = len(cache.k)
-        return KVCache(k=tuple(pages[:n]), v=tuple(pages[n:]))
+        """The inverse of `kv_pages`: `cache`'s structure (dtype, quantised or not) with `pages` as its arrays."""
+        treedef = jax.tree.structure(cache)
+        if len(pages) != treedef.num_leaves:
+            raise ValueError(f"pages must hold {treedef.num_leaves} arrays for this cache, got {len(pages)}")
+        return jax.tree.unflatten(treedef, pages)
