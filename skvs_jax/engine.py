@@ -23,6 +23,7 @@ the step runs as two jitted programs (schedule; then model + update) with the ti
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import time
@@ -34,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from skvs_jax import acceptance
 from skvs_jax import scheduler as sc
+from skvs_jax import speculation as spec
 from skvs_jax import tiers as tiers_mod
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.model_runner import LlamaMedusaRunner, ModelRunner
@@ -70,6 +73,11 @@ class EngineConfig:
     sched: sc.SchedulerConfig
     impl: str = "xla"  # "xla" | "pallas" (interpret=True off-GPU) | "reference"
     kv_dtype: str = "float32"
+    tree: spec.DraftTree | None = None  # the draft tree (a chain of K drafts by default); None without speculation
+    acceptance: str = "lossless"  # "lossless" | "typical" (see `speculation`)
+    sample_drafts: bool = False  # chains: drafts sampled from the heads' distribution (general lossless rule)
+    posterior_threshold: float = 0.09  # typical acceptance (Medusa's defaults)
+    posterior_alpha: float = 0.3
 
 
 @struct.dataclass
@@ -102,6 +110,7 @@ class StepOut:
     width_ok: jax.Array  # every row's query fit the bucket (False would be an engine bug)
     free_slots: jax.Array  # int32[] EMPTY slots after the step (what the next `add` can fill)
     prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
+    next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket)
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -115,54 +124,69 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
     b = scfg.cache.max_seqs
     b_idx = jnp.arange(b, dtype=i32)
     cache = runner.copy_blocks(st.cache, batch.cow_src, batch.cow_dst)  # NULL_BLOCK pairs copy block 0 onto itself
+    rng, key_draft, key_verify = jax.random.split(st.rng, 3)
 
-    # Query tokens: the row's known tokens [start, start + num_query), then its drafts.
+    # Query tokens: the row's known tokens [start, start + num_query), then its draft-tree nodes (a chain: drafts).
     qn, d = batch.num_query, batch.num_drafts
-    if k > 0:
-        drafts = runner.draft(params, st.hidden)[:, :k]  # [B, K] for positions n .. n + K - 1
-    else:
-        drafts = jnp.zeros((b, 1), i32)
     j = jnp.arange(width, dtype=i32)[None, :]
-    pos = batch.start[:, None] + j
-    known = jnp.take_along_axis(st.sched.seqs.tokens, jnp.clip(pos, 0, scfg.max_len - 1), axis=1)
-    di = jnp.clip(j - qn[:, None], 0, drafts.shape[1] - 1)
+    draft_logits = None
+    if k > 0:
+        head_logits = runner.draft_logits(params, st.hidden)  # [B, H, V] for positions n + 1, n + 2, ...
+        if cfg.sample_drafts:
+            draft_logits = head_logits[:, :k]
+            nodes = acceptance.sample_drafts(draft_logits, key_draft, st.temperature)
+        else:
+            nodes = spec.node_tokens(head_logits, cfg.tree)  # [B, K] in slot order
+        _, pos, tree_mask = spec.layout(cfg.tree, batch.start, qn, width)
+    else:
+        nodes, pos, tree_mask = jnp.zeros((b, 1), i32), batch.start[:, None] + j, None
+    known = jnp.take_along_axis(st.sched.seqs.tokens, jnp.clip(batch.start[:, None] + j, 0, scfg.max_len - 1),
+                                axis=1)
     is_draft = (j >= qn[:, None]) & (j < (qn + d)[:, None])
-    tokens = jnp.where(j < qn[:, None], known, jnp.where(is_draft, jnp.take_along_axis(drafts, di, axis=1), 0))
+    di = jnp.clip(j - qn[:, None], 0, nodes.shape[1] - 1)
+    tokens = jnp.where(j < qn[:, None], known, jnp.where(is_draft, jnp.take_along_axis(nodes, di, axis=1), 0))
     qlen = jnp.where(batch.scheduled, qn + d, 0)
     logits, hidden, cache = runner.forward(params, tokens, jnp.where(j < qlen[:, None], pos, 0), cache,
-                                           batch.block_table, batch.start + qlen, qlen, impl=cfg.impl)
+                                           batch.block_table, batch.start + qlen, qlen, impl=cfg.impl,
+                                           tree_mask=tree_mask)
 
-    # Verify: the target's token for the position after each query token; accept drafts while they agree.
-    rng, key = jax.random.split(st.rng)
-    temp = st.temperature[:, None, None]
-    sampled = jax.random.categorical(key, logits / jnp.maximum(temp, 1e-6), axis=-1).astype(i32)
-    target = jnp.where(st.temperature[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, Q]
-    kk = jnp.arange(k + 1, dtype=i32)[None, :]
-    at = jnp.clip(qn[:, None] - 1 + kk, 0, width - 1)  # positions of the last known token and the drafts
-    verdict = jnp.take_along_axis(target, at, axis=1)  # [B, K+1]
+    # Verify: accept the longest run of drafts along one tree path; the target's token after them is the bonus.
     if k > 0:
-        agree = (drafts[:, :k] == verdict[:, :k]) & (kk[:, :k] < d[:, None])
-        accepted = jnp.sum(jnp.cumprod(agree.astype(i32), axis=1), axis=1, dtype=i32)
+        v = spec.verify(cfg.tree, logits, nodes, qn, d, key_verify, st.temperature, rule=cfg.acceptance,
+                        draft_logits=draft_logits, posterior_threshold=cfg.posterior_threshold,
+                        posterior_alpha=cfg.posterior_alpha)
+        accepted, path, path_tokens, bonus = v.accepted, v.path_nodes, v.path_tokens, v.next_token
     else:
-        accepted = jnp.zeros((b,), i32)
-    # A stop token among the new tokens ends the row there (drafts[:a], then the bonus token).
-    new = jnp.where(kk < accepted[:, None], jnp.pad(drafts[:, :k], ((0, 0), (0, 1))) if k else 0, 0)
-    new = jnp.where(kk == accepted[:, None], jnp.take_along_axis(verdict, accepted[:, None], axis=1), new)
+        last = jnp.clip(qn - 1, 0, width - 1)[:, None]
+        row_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]  # [B, V]
+        temp = st.temperature[:, None]
+        sampled = jax.random.categorical(key_verify, row_logits / jnp.maximum(temp, 1e-6), axis=-1).astype(i32)
+        bonus = jnp.where(st.temperature > 0, sampled, jnp.argmax(row_logits, axis=-1).astype(i32))
+        accepted, path, path_tokens = jnp.zeros((b,), i32), jnp.zeros((b, 1), i32), jnp.zeros((b, 1), i32)
+    # A stop token among the new tokens ends the row there (path tokens[:a], then the bonus token).
+    kk = jnp.arange(k + 1, dtype=i32)[None, :]
+    new = jnp.where(kk < accepted[:, None], jnp.pad(path_tokens[:, :k], ((0, 0), (0, 1))) if k else 0, 0)
+    new = jnp.where(kk == accepted[:, None], bonus[:, None], new)
     is_stop = jnp.any(new[:, :, None] == st.stop_ids[:, None, :], axis=-1) & (kk <= accepted[:, None])
     first_stop = jnp.argmax(is_stop, axis=1).astype(i32)
     stop = jnp.any(is_stop, axis=1)
     accepted = jnp.where(stop, first_stop, accepted)
     next_token = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
-    last = jnp.clip(qn - 1 + accepted, 0, width - 1)
-    hidden_now = hidden[b_idx, last]
-    keep_hidden = batch.samples[:, None]
-    new_hidden = jnp.where(keep_hidden, hidden_now, st.hidden)
+    last_node = jnp.take_along_axis(path, jnp.minimum(accepted, path.shape[1] - 1)[:, None], axis=1)[:, 0]
+    hidden_now = hidden[b_idx, jnp.clip(qn - 1 + last_node, 0, width - 1)]
+    new_hidden = jnp.where(batch.samples[:, None], hidden_now, st.hidden)
+    if k > 0 and not spec.is_chain(cfg.tree):
+        moved = spec.move_accepted(runner.kv_pages(cache), cfg.tree, batch.block_table, batch.start, qn, path,
+                                   jnp.where(batch.samples, accepted, 0))
+        cache = runner.with_kv_pages(cache, moved)
 
-    sched, res = sc._update(st.sched, batch, accepted, next_token, drafts if k else jnp.zeros((b, 1), i32), stop,
-                            knobs, cfg=scfg)
+    sched, res = sc._update(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=scfg,
+                            view_tokens=None if k == 0 or spec.is_chain(cfg.tree) else nodes)
     st = st.replace(sched=sched, cache=cache, hidden=new_hidden, rng=rng)
     status = sched.seqs.status
     remaining = sched.seqs.num_tokens - sched.alloc.seqs.num_committed
+    live = (status == sc.RUNNING) | (status == sc.SWAPPED) | (status == sc.WAITING)
+    want = sc.draft_lengths(sched.seqs, knobs, scfg.policy, scfg.reach)
     out = StepOut(
         num_new=res.num_new, new_tokens=new, finished=res.finished, scheduled=batch.scheduled,
         num_drafts=batch.num_drafts,
@@ -172,6 +196,7 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
         width_ok=jnp.all(jnp.where(batch.scheduled, qn + d, 0) <= width) & batch.alloc_ok,
         free_slots=jnp.sum(status == sc.EMPTY, dtype=i32),
         prompt_work=jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
+        next_drafts=jnp.max(jnp.where(live, want, 0)),
     )
     return st, out
 
@@ -253,12 +278,13 @@ class Engine:
     def _setup(self, runner: ModelRunner, params, policy: Policy, cache_config: CacheConfig, *,
                max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
                impl: str = "xla", kv_dtype: str = "float32", swap_blocks: int = 0, seed: int = 0,
-               victim: str = "lowest_priority", clock=time.perf_counter) -> None:
+               victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
+               sample_drafts: bool = False, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+               clock=time.perf_counter) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
-        if policy.speculation and runner.num_draft_heads < policy.draft_len:
-            raise ValueError(f"policy.draft_len ({policy.draft_len}) exceeds the model's draft heads "
-                             f"({runner.num_draft_heads})")
+        tree = self._check_speculation(runner, policy, tree, acceptance, sample_drafts, posterior_threshold,
+                                       posterior_alpha)
         max_len = cache_config.max_tokens_per_seq
         if max_len > runner.max_positions:
             raise ValueError(f"max_blocks_per_seq * block_size = {max_len} exceeds the model's "
@@ -266,19 +292,24 @@ class Engine:
         scfg = sc.SchedulerConfig(
             cache=cache_config, policy=policy, max_running=max_running or cache_config.max_seqs,
             token_budget=token_budget, prefill_chunk=prefill_chunk, swap_blocks=swap_blocks, victim=victim,
-            admit_window=min(cache_config.max_seqs, 32))
-        self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype)
+            admit_window=min(cache_config.max_seqs, 32),
+            draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else ())
+        self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype, tree=tree, acceptance=acceptance,
+                                sample_drafts=sample_drafts, posterior_threshold=float(posterior_threshold),
+                                posterior_alpha=float(posterior_alpha))
         self.policy, self.knobs = policy, policy.knobs()
         self.runner, self.params = runner, params
         b = cache_config.max_seqs
-        cache = runner.init_cache(cache_config.num_blocks, cache_config.block_size, kv_dtype)
-        self.state = EngineState(
-            sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
-            temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, MAX_STOP), -1, i32),
-            rng=jax.random.key(seed))
-        # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
-        self.state = jax.tree.map(lambda x: x.copy(), self.state)
-        self.widths = tuple(sorted({1 + policy.draft_len, min(prefill_chunk, token_budget)}))
+        self._seed = seed
+        self.state = self._empty_state()
+        # Compile buckets: one decode width per draft bucket (1 + drafts), one wide width for steps with prompt work.
+        buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
+        self.decode_widths = tuple(1 + x for x in buckets)
+        self.prompt_width = max(min(prefill_chunk, token_budget), 1 + policy.draft_len)
+        self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))
+        self.draft_hist: collections.Counter[int] = collections.Counter()  # steps by most drafts in the step
+        self.width_hist: collections.Counter[int] = collections.Counter()  # steps by query width
+        self._next_drafts = policy.draft_len
         self.clock, self.t0 = clock, clock()
         self.requests: dict[int, RequestLog] = {}
         self.queue: list[int] = []  # arrived, not yet in a slot
@@ -292,6 +323,50 @@ class Engine:
         if policy.preemption == "swap" and swap_blocks:
             self.tiers = tiers_mod.Tier(self._kv_pages(), swap_blocks)
             self.handles: dict[int, tiers_mod.SwapHandle] = {}
+
+    def _empty_state(self) -> EngineState:
+        scfg, runner = self.cfg.sched, self.runner
+        b = scfg.cache.max_seqs
+        cache = runner.init_cache(scfg.cache.num_blocks, scfg.cache.block_size, self.cfg.kv_dtype)
+        state = EngineState(
+            sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
+            temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, MAX_STOP), -1, i32),
+            rng=jax.random.key(self._seed))
+        # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
+        return jax.tree.map(lambda x: x.copy(), state)
+
+    @staticmethod
+    def _check_speculation(runner: ModelRunner, policy: Policy, tree, acceptance_rule: str, sample_drafts: bool,
+                           posterior_threshold: float, posterior_alpha: float) -> spec.DraftTree | None:
+        """The draft tree the policy's K draft slots verify (a chain of K by default), validated."""
+        if acceptance_rule not in spec.RULES:
+            raise ValueError(f"acceptance must be one of {spec.RULES}, got {acceptance_rule!r}")
+        if not isinstance(sample_drafts, bool):
+            raise TypeError(f"sample_drafts must be a bool, got {type(sample_drafts).__name__}")
+        for name, value in (("posterior_threshold", posterior_threshold), ("posterior_alpha", posterior_alpha)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if not policy.speculation:
+            if tree is not None or sample_drafts:
+                raise ValueError("tree and sample_drafts need a policy that speculates")
+            return None
+        if tree is None:
+            tree = spec.chain(policy.draft_len)
+        if not isinstance(tree, spec.DraftTree):
+            raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
+        if tree.num_slots - 1 != policy.draft_len:
+            raise ValueError(f"the tree has {tree.num_slots - 1} nodes but policy.draft_len is {policy.draft_len}: "
+                             "the scheduler grants one draft slot per node")
+        depth = int(tree.depth.max())
+        if depth > runner.num_draft_heads:
+            raise ValueError(f"the drafts reach depth {depth} but the model has {runner.num_draft_heads} draft heads"
+                             " (policy.draft_len or the tree's depth exceeds the model's draft heads)")
+        top = max(c[-1] for c in tree.choices)
+        if top >= runner.vocab_size:
+            raise ValueError(f"the tree asks for rank {top} of a {runner.vocab_size}-token vocabulary")
+        if sample_drafts and not spec.is_chain(tree):
+            raise ValueError("sample_drafts needs a chain: a tree verifies point-mass (top-k) drafts")
+        return tree
 
     # --------------------------------------------------------------------------------------------- requests
 
@@ -355,9 +430,40 @@ class Engine:
         self._prompt_work = True  # the new requests wait to be prefilled
 
     def _width(self) -> int:
-        """The query bucket: 1 + K for decode-only steps, the prefill chunk when some row has prompt work (as the
-        previous step reported it, or requests were just added): no state is read back between steps."""
-        return self.widths[-1] if self._prompt_work else self.widths[0]
+        """The query bucket, from what the previous step reported (no state is read back between steps): the wide
+        width when some row has prompt work (or requests were just added); otherwise 1 + the smallest draft
+        bucket holding the most drafts any live row may get (an upper bound: memory and budget only lower it)."""
+        if self._prompt_work:
+            return self.prompt_width
+        return next((w for w in self.decode_widths if w - 1 >= self._next_drafts), self.decode_widths[-1])
+
+    def warmup(self, draft_hist: dict[int, int] | None = None) -> list[int]:
+        """Compile every query bucket now, hottest first, so no request waits for a compilation.
+
+        draft_hist maps a step's most drafts -> steps (default: this engine's own `draft_hist`, e.g. from an
+        earlier run; pass another engine's to warm up in the order a workload needs). The prompt width comes
+        first (every request is prefilled with it), then the draft buckets in order of the observed steps that
+        fall into them. Runs each program once on a copy of the state with no requests, so the engine's state is
+        unchanged. Returns the widths in the order compiled.
+        """
+        hist = self.draft_hist if draft_hist is None else draft_hist
+        heat: collections.Counter[int] = collections.Counter()
+        for drafts, steps in hist.items():
+            heat[next((w for w in self.decode_widths if w - 1 >= drafts), self.decode_widths[-1])] += steps
+        decode = sorted(set(self.widths) - {self.prompt_width}, key=lambda w: (-heat[w], w))
+        order = [self.prompt_width] + decode
+        empty = self._empty_state()
+        for w in order:
+            state = jax.tree.map(lambda x: x.copy(), empty)
+            if self.tiers is None:
+                jax.block_until_ready(_fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg,
+                                                  width=w))
+            else:
+                state, batch = _schedule_only(state, self.knobs, cfg=self.cfg)
+                jax.block_until_ready(_model_only(self.runner, self.params, state, batch, self.knobs, cfg=self.cfg,
+                                                  width=w))
+            self.compiled.add((w, self.tiers is not None))
+        return order
 
     # ------------------------------------------------------------------------------------------------- step
 
@@ -384,6 +490,9 @@ class Engine:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
         self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
+        self._next_drafts = int(out.next_drafts)
+        self.width_hist[width] += 1
+        self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
         return self._collect(out, start, end)
 

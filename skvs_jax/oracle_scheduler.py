@@ -136,10 +136,11 @@ class OracleScheduler:
             return k_max
         k = pol.draft_len
         hist = list(self.hist[b])
-        hist[k] += 1
+        hist[self.cfg.reach[-1]] += 1
         mean = np.float32(sum(i * h for i, h in enumerate(hist))) / np.float32(sum(hist))
-        target = min(int(np.floor(mean * np.float32(1.5) + np.float32(0.5))), k)
-        chosen = next((x for x in (pol.draft_buckets or (k,)) if x >= target), k)
+        reach = self.cfg.reach
+        target = min(int(np.floor(mean * np.float32(1.5) + np.float32(0.5))), reach[-1])
+        chosen = next((x for x, r in zip(pol.draft_buckets or (k,), reach) if r >= target), k)
         return min(chosen, k_max)
 
     def _evictable(self) -> int:

@@ -112,6 +112,9 @@ class SchedulerConfig:
         a decode step fills about B * tokens-per-step / S blocks (46 at B=256, 2.9 tokens, S=16).
       prefix_capacity / prefix_ways: the prefix cache's table (default: `PrefixCacheConfig.for_cache`'s, four
         times the usable blocks, in 8-way buckets).
+      draft_reach: per draft bucket, the most drafts a step with that many draft slots can accept (default: the
+        buckets themselves, a chain). A draft tree of d nodes reaches only its depth, so adaptive draft length
+        compares the expected accepted length with the reach, not with the node count.
     """
 
     cache: CacheConfig
@@ -125,6 +128,7 @@ class SchedulerConfig:
     index_rows: int = 0
     prefix_capacity: int | None = None
     prefix_ways: int = 8
+    draft_reach: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -145,6 +149,16 @@ class SchedulerConfig:
             raise ValueError(f"victim must be one of {sorted(VICTIM_RULES)} or a function, got {self.victim!r}")
         if not isinstance(self.victim, str) and not callable(self.victim):
             raise TypeError(f"victim must be a rule name or a function, got {type(self.victim).__name__}")
+        buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
+        if self.draft_reach and (len(self.draft_reach) != len(buckets) or list(self.draft_reach) != sorted(
+                self.draft_reach) or any(not 0 <= r <= k for r, k in zip(self.draft_reach, buckets))):
+            raise ValueError(f"draft_reach must give, per draft bucket {buckets}, a non-decreasing reach <= the "
+                             f"bucket, got {self.draft_reach}")
+
+    @property
+    def reach(self) -> tuple[int, ...]:
+        """Per draft bucket, the most drafts it can accept (see `draft_reach`)."""
+        return self.draft_reach or self.policy.draft_buckets or (self.policy.draft_len,)
 
     @property
     def chunk(self) -> int:
@@ -384,13 +398,14 @@ def priority_order(seqs: SeqTable) -> jax.Array:
     return jnp.lexsort((b_idx, seqs.arrival, seqs.priority)).astype(i32)
 
 
-def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy) -> jax.Array:
+def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int, ...] | None = None) -> jax.Array:
     """int32[B] drafts each sequence would propose (before memory and room limits).
 
-    Fixed: knobs.draft_len. Adaptive: the smallest draft bucket >= round(1.5 * mean accepted count) of the
-    request's histogram, which holds one prior observation of full acceptance (so a new request starts at K).
-    Drafting half again the expected accepted length keeps the chance of extra tokens without paying for K - a
-    rejected slots every step; a request whose drafts keep failing drops to 0 (no speculation).
+    Fixed: knobs.draft_len. Adaptive: the smallest draft bucket whose reach (`SchedulerConfig.draft_reach`;
+    for a chain the bucket itself) is >= round(1.5 * mean accepted count) of the request's histogram, which
+    holds one prior observation of full acceptance (so a new request starts at the largest bucket). Drafting
+    half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
+    slots every step; a request whose drafts keep failing drops to 0 (no speculation).
     """
     k_max = jnp.clip(knobs.draft_len, 0, policy.draft_len).astype(i32)
     if not policy.speculation:
@@ -398,11 +413,12 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy) -> jax.Array:
     if not policy.adaptive_draft_len:
         return jnp.broadcast_to(k_max, seqs.num_tokens.shape)
     k = policy.draft_len
-    hist = seqs.accept_hist.at[:, k].add(1).astype(jnp.float32)  # the prior
+    reach = reach or policy.draft_buckets or (k,)
+    hist = seqs.accept_hist.at[:, reach[-1]].add(1).astype(jnp.float32)  # the prior: everything reachable accepted
     mean = jnp.sum(hist * jnp.arange(k + 1, dtype=jnp.float32)[None, :], axis=1) / jnp.sum(hist, axis=1)
     target = jnp.floor(mean * 1.5 + 0.5).astype(i32)
-    buckets = jnp.asarray(policy.draft_buckets or (k,), i32)
-    fits = buckets[None, :] >= jnp.minimum(target, k)[:, None]
+    buckets, reach_arr = jnp.asarray(policy.draft_buckets or (k,), i32), jnp.asarray(reach, i32)
+    fits = reach_arr[None, :] >= jnp.minimum(target, reach[-1])[:, None]
     chosen = jnp.where(jnp.any(fits, axis=1), buckets[jnp.argmax(fits, axis=1)], k)
     return jnp.minimum(chosen, k_max)
 
@@ -436,7 +452,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     # 1. Draft lengths: decode drafts, bounded by the output room (the bonus token comes on top) and the table.
     k_max = jnp.clip(knobs.draft_len, 0, pol.draft_len).astype(i32)
     out_room = seqs.max_new_tokens - (n - seqs.prompt_len) - 1
-    k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol), out_room), 0, cfg.max_len - n)
+    k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - n)
     k_dec = jnp.where(running & (remaining == 1), k_dec, 0)
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     k_res = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - c - chunk), 0)
@@ -644,7 +660,11 @@ def _update(
     knobs: Knobs,
     *,
     cfg: SchedulerConfig,
+    view_tokens: jax.Array | None = None,
 ) -> tuple[SchedState, StepResult]:
+    """`update` inside jit. view_tokens int32[B, K]: the draft tokens in the order the forward pass placed them in
+    the cache (a draft tree's slot order; default draft_tokens, a chain), which on-fill indexing hashes; the
+    accepted ones are draft_tokens[:accepted], moved into place by the caller."""
     ccfg, pol = cfg.cache, cfg.policy
     s, m, L, k = ccfg.block_size, ccfg.max_blocks_per_seq, cfg.max_len, pol.draft_len
     b = ccfg.max_seqs
@@ -668,7 +688,8 @@ def _update(
     if on_fill:
         kk = jnp.arange(max(k, 1), dtype=i32)[None, :]
         dpos = jnp.where(kk < batch.num_drafts[:, None], n[:, None] + kk, L)
-        view = seqs.tokens.at[b_idx[:, None], dpos].set(draft_tokens[:, : max(k, 1)], mode="drop")
+        view_tokens = draft_tokens if view_tokens is None else view_tokens
+        view = seqs.tokens.at[b_idx[:, None], dpos].set(view_tokens[:, : max(k, 1)], mode="drop")
         prefix, filled = pc._insert(prefix, view[rows], jnp.where(live_sel, filled_to[rows], 0),
                                     batch.block_table[rows], cfg=cfg.prefix)
 
@@ -689,7 +710,14 @@ def _update(
 
     if on_fill:
         ids = filled.block_ids
-        stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_new[rows][:, None])
+        # A block indexed from the view is valid only up to where the view agrees with the committed tokens (a
+        # tree's accepted path can differ from its slot order; for a chain the two agree on every accepted draft).
+        c_valid = c_new
+        if view_tokens is not None:
+            same = (view_tokens[:, : max(k, 1)] == draft_tokens[:, : max(k, 1)]).astype(i32)
+            agree = jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1, dtype=i32), acc)
+            c_valid = c_new - (acc - agree)
+        stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_valid[rows][:, None])
         prefix, removed = pc._remove(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
         kept = jnp.where(stale, 0, ids).reshape(-1)
         alloc = allocator._set_cached(alloc, kept, kept > 0)

@@ -1,0 +1,186 @@
+"""Speculation inside one engine step: draft trees, the layout of the verification call, verification, and moving
+the accepted path's K/V into place.
+
+A chain of K drafts is the tree ((0,), (0, 0), ..., (0,)*K), so the engine has one code path. A `DraftTree` (Medusa's
+"choices" format: node (0, 1) is head 1's second-best token after head 0's best) has its nodes sorted by (depth,
+ranks), so every prefix of d nodes is itself a tree: a step that grants a row d < K draft slots verifies the first
+d nodes. One verification call per step holds, per row, its known tokens (a prompt chunk, or the last committed
+token: the root) followed by its d nodes:
+
+  slot   j < qn: known token start + j, causal;          RoPE position start + j
+  slot   qn - 1 + u (node u >= 1): the node's token;     RoPE position start + qn - 1 + depth(u);
+         sees every known token and its own ancestors;   cache position start + qn - 1 + u.
+
+Verification gives each node a verdict against its parent's distribution and accepts the longest run of accepted
+nodes along some root-to-leaf path; a node is accepted when
+  * "lossless": it equals the target's token at its parent, sampled from p (argmax at temperature 0). The drafts
+    are deterministic (q a point mass), and siblings are distinct tokens, so walking the tree along sampled tokens
+    emits, position by position, tokens distributed exactly as p (Leviathan et al. 2023's rule for a point-mass q;
+    SpecInfer's multi-candidate walk for a tree). With `sample_drafts` (chains only) drafts are sampled from the
+    heads' q and `acceptance.lossless` applies the general min(1, p/q) rule with its residual resampling.
+  * "typical": Medusa's typical acceptance (`acceptance.typical_ok`): p(node) > min(threshold, alpha * exp(-H(p))).
+    Not lossless; at temperature 0 it is greedy.
+After acceptance, node u at depth i of the accepted path holds its K/V at cache position start + qn - 1 + u; it
+belongs at start + qn - 1 + i. `move_accepted` copies every accepted node there (sources read before any write),
+so the cache holds exactly the validated tokens; what lies past the committed length is overwritten later.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from skvs_jax import acceptance
+from skvs_jax.model_runner import DraftTree
+
+i32 = jnp.int32
+RULES = ("lossless", "typical")
+
+
+def chain(k: int) -> DraftTree:
+    """The tree of a chain of k >= 1 drafts: head i's best token at depth i + 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    return DraftTree(tuple((0,) * d for d in range(1, k + 1)))
+
+
+def is_chain(tree: DraftTree) -> bool:
+    return all(c == (0,) * len(c) for c in tree.choices) and len(tree.choices) == int(tree.depth.max())
+
+
+@functools.lru_cache(maxsize=64)
+def parents(tree: DraftTree) -> np.ndarray:
+    """int32[K + 1]: the parent of node u (0 = the root; the root's own entry is 0)."""
+    slot = {c: i + 1 for i, c in enumerate(tree.choices)}
+    return np.array([0] + [slot.get(c[:-1], 0) for c in tree.choices], np.int32)
+
+
+def reach(tree: DraftTree, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """Per draft bucket d (nodes granted), the most drafts its subtree can accept: the depth of its first d nodes."""
+    depth = tree.depth
+    return tuple(int(depth[: d + 1].max()) for d in buckets)
+
+
+def node_tokens(draft_logits: jax.Array, tree: DraftTree) -> jax.Array:
+    """draft_logits float32[B, H, V] -> int32[B, K]: node u's token is rank(u) of head depth(u) - 1."""
+    head, rank = tree.head_and_rank
+    top = jax.lax.top_k(draft_logits, int(rank.max()) + 1)[1].astype(i32)  # [B, H, R]
+    return top[:, jnp.asarray(head), jnp.asarray(rank)]
+
+
+def layout(tree: DraftTree, start: jax.Array, qn: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The verification call's slots. start, qn int32[B] (first query position, known tokens in the query).
+
+    Returns (node int32[B, W]: node index of each slot, 0 for the root and for known slots, -1 past the tree;
+    positions int32[B, W] RoPE positions; mask bool[B, W, W] the tree mask, or None for a chain: causal).
+    """
+    k = tree.num_slots - 1
+    j = jnp.arange(width, dtype=i32)[None, :]
+    u = j - (qn[:, None] - 1)  # node index of slot j when j >= qn - 1
+    node = jnp.where(j < qn[:, None], 0, jnp.where(u <= k, u, -1))
+    depth = jnp.asarray(tree.depth)[jnp.clip(u, 0, k)]
+    positions = jnp.where(j < qn[:, None], start[:, None] + j, start[:, None] + qn[:, None] - 1 + depth)
+    if is_chain(tree):
+        return node, positions, None
+    tmask = jnp.asarray(tree.mask)  # [K + 1, K + 1]
+    ui, uj = jnp.clip(u, 0, k)[:, :, None], jnp.clip(u, 0, k)[:, None, :]
+    row_node = (j >= qn[:, None])[:, :, None]  # query slot i is a tree node
+    col_known = (j < qn[:, None])[:, None, :]
+    ji = jnp.arange(width, dtype=i32)
+    causal = (ji[None, :] <= ji[:, None])[None]  # [1, W, W]: key slot j <= query slot i
+    mask = jnp.where(col_known, causal | row_node, row_node & tmask[ui, uj])
+    return node, positions, mask
+
+
+@struct.dataclass
+class Verified:
+    """What verification decided, per row (B rows, D = tree depth, K nodes)."""
+
+    accepted: jax.Array  # int32[B] accepted drafts (<= num_drafts, <= D)
+    path_nodes: jax.Array  # int32[B, D + 1] node indices of the chosen root-to-leaf path (path_nodes[:, 0] = 0)
+    path_tokens: jax.Array  # int32[B, K] the chosen path's tokens first (accepted ones are [:accepted]), then 0
+    target: jax.Array  # int32[B, W] the target's token after each query slot (sampled, or argmax at T = 0)
+    next_token: jax.Array  # int32[B] the token after the accepted drafts
+
+
+def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, num_drafts: jax.Array,
+           key: jax.Array, temperature: jax.Array, *, rule: str = "lossless", draft_logits: jax.Array | None = None,
+           posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> Verified:
+    """Accept the longest run of drafts along one path of the (first num_drafts nodes of the) tree.
+
+    logits float[B, W, V] the target's logits after each query slot; nodes int32[B, K] node tokens in slot order;
+    qn, num_drafts int32[B]; temperature float32[B] (0 = greedy); draft_logits float32[B, K, V]: the distribution
+    the drafts were sampled from (a chain with sampled drafts: the general lossless rule), or None (point masses).
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    b, w, _ = logits.shape
+    k = tree.num_slots - 1
+    key_target, key_rule = jax.random.split(key)
+    temp = temperature.astype(jnp.float32)
+    scaled = logits.astype(jnp.float32) / jnp.maximum(temp, 1e-6)[:, None, None]
+    sampled = jax.random.categorical(key_target, scaled, axis=-1).astype(i32)
+    target = jnp.where(temp[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, W]
+    b_idx = jnp.arange(b, dtype=i32)[:, None]
+    slot_of = lambda u: jnp.clip(qn[:, None] - 1 + u, 0, w - 1)  # noqa: E731  node index -> query slot
+
+    if draft_logits is not None:  # a chain of sampled drafts: the general speculative-sampling rule
+        if not is_chain(tree):
+            raise ValueError("sampled drafts (draft_logits) need a chain; a tree verifies point-mass drafts")
+        at = slot_of(jnp.arange(k + 1, dtype=i32)[None, :])  # [B, K + 1]
+        v = acceptance.lossless(logits[b_idx, at], draft_logits, nodes, num_drafts, key_rule, temp)
+        path = jnp.broadcast_to(jnp.arange(k + 1, dtype=i32)[None, :], (b, k + 1))
+        return Verified(accepted=v.accepted, path_nodes=path, path_tokens=nodes, target=target,
+                        next_token=v.next_token)
+
+    u = jnp.arange(1, k + 1, dtype=i32)[None, :]  # [1, K]
+    parent_slot = slot_of(jnp.asarray(parents(tree))[1:][None, :])  # [B, K]
+    if rule == "lossless":
+        ok = nodes == target[b_idx, parent_slot]
+    else:
+        ok = acceptance.typical_ok(logits[b_idx, parent_slot], nodes, jnp.broadcast_to(temp[:, None], nodes.shape),
+                                   posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+    ok = ok & (u <= num_drafts[:, None])
+    slots, valid = (jnp.asarray(x) for x in tree.paths)  # [P, D + 1]
+    along = ok[:, jnp.clip(slots[:, 1:] - 1, 0, k - 1)] & valid[None, :, 1:]  # [B, P, D]
+    per_path = jnp.sum(jnp.cumprod(along.astype(i32), axis=2), axis=2, dtype=i32)  # [B, P]
+    best = jnp.argmax(per_path, axis=1)
+    accepted = per_path[jnp.arange(b), best]
+    path = slots[best]  # [B, D + 1]
+    d = path.shape[1] - 1
+    path_tokens = jnp.pad(jnp.take_along_axis(nodes, jnp.clip(path[:, 1:] - 1, 0, k - 1), axis=1),
+                          ((0, 0), (0, k - d)))
+    next_node = jnp.take_along_axis(path, accepted[:, None], axis=1)  # [B, 1]
+    next_token = jnp.take_along_axis(target, slot_of(next_node), axis=1)[:, 0]
+    return Verified(accepted=accepted, path_nodes=path, path_tokens=path_tokens, target=target,
+                    next_token=next_token)
+
+
+def move_accepted(pages: tuple[jax.Array, ...], tree: DraftTree, block_table: jax.Array, start: jax.Array,
+                  qn: jax.Array, path_nodes: jax.Array, accepted: jax.Array) -> tuple[jax.Array, ...]:
+    """Copy the K/V of the accepted path's nodes from their tree slots to their sequence positions.
+
+    pages: the runner's `kv_pages`, arrays [N, S, ...] (K, V and any scales); block_table int32[B, M];
+    start, qn, accepted int32[B]; path_nodes int32[B, D + 1]. A chain is already in place: returned unchanged.
+    """
+    if is_chain(tree):
+        return pages
+    n, s = pages[0].shape[:2]
+    depth = jnp.arange(path_nodes.shape[1], dtype=i32)[None, :]
+    base = (start + qn - 1)[:, None]
+    src_pos, dst_pos = base + path_nodes, base + depth  # [B, D + 1]
+    m = block_table.shape[1]
+    to_slot = lambda pos: (jnp.take_along_axis(block_table, jnp.clip(pos // s, 0, m - 1), axis=1) * s  # noqa: E731
+                           + pos % s)
+    move = (depth >= 1) & (depth <= accepted[:, None]) & (src_pos != dst_pos)
+    src = to_slot(src_pos).reshape(-1)
+    dst = jnp.where(move, to_slot(dst_pos), n * s).reshape(-1)  # n * s: out of range, dropped
+    out = []
+    for p in pages:
+        flat = p.reshape((n * s,) + p.shape[2:])
+        out.append(flat.at[dst].set(flat[src], mode="drop").reshape(p.shape))
+    return tuple(out)

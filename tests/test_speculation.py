@@ -1,0 +1,221 @@
+"""Speculation in the engine: draft trees, acceptance rules and compile buckets, on the shipped tiny model."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from reference_models import checkpoint, greedy_generate, train
+from reference_models.medusa_tree import SMALL_TREE
+from skvs_jax import engine, policies, speculation, workloads
+from skvs_jax.config import CacheConfig
+from skvs_jax.model_runner import DraftTree
+
+# Tight enough that preemption and prefix hits happen (as in test_engine).
+CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
+            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return workloads.make("system_prompts", 8, seed=1, system_prompt_len=40, max_prompt_len=80, max_output_len=20)
+
+
+@pytest.fixture(scope="module")
+def reference(shipped, trace):
+    model, _ = shipped
+    return {r.request_id: greedy_generate(model, np.asarray([r.prompt]), r.max_new_tokens)[0, len(r.prompt):].tolist()
+            for r in trace.requests}
+
+
+def _engine(shipped, policy, trace, **kw):
+    model, heads = shipped
+    temperature = kw.pop("temperature", 0.0)
+    e = engine.Engine(model, heads, policy, kw.pop("cache", CACHE), token_budget=96, prefill_chunk=32, **kw)
+    for r in trace.requests:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens, temperature=temperature),
+                      request_id=r.request_id)
+    return e
+
+
+# ------------------------------------------------------------------------------------------ tree structure
+
+
+def test_every_prefix_of_a_tree_is_a_tree_and_reach_is_its_depth():
+    tree = SMALL_TREE
+    par = speculation.parents(tree)
+    assert all(par[u] < u for u in range(1, tree.num_slots))  # parents come first: any prefix is closed
+    assert speculation.reach(tree, (0, 3, 7, 15)) == (0, 1, 3, 4)
+    chain = speculation.chain(3)
+    assert speculation.is_chain(chain) and not speculation.is_chain(tree)
+    assert speculation.reach(chain, (0, 2, 3)) == (0, 2, 3)
+    with pytest.raises(ValueError, match="k must be"):
+        speculation.chain(0)
+
+
+def test_the_tree_layout_gives_known_tokens_causal_and_nodes_their_ancestors():
+    tree = DraftTree(((0,), (1,), (0, 0)))  # nodes 1: (0,), 2: (1,), 3: (0, 0)
+    start, qn = jnp.asarray([10, 0], jnp.int32), jnp.asarray([1, 3], jnp.int32)
+    node, pos, mask = speculation.layout(tree, start, qn, 6)
+    # Row 0: the root (last token, position 10), then nodes at depths 1, 1, 2.
+    assert pos[0, :4].tolist() == [10, 11, 11, 12] and node[0, :4].tolist() == [0, 1, 2, 3]
+    assert mask[0, 3, :4].tolist() == [True, True, False, True]  # (0, 0) sees the root and (0,), not (1,)
+    assert mask[0, 2, :4].tolist() == [True, False, True, False]
+    # Row 1: three known tokens (causal), the last of them the root of the tree.
+    assert pos[1, :6].tolist() == [0, 1, 2, 3, 3, 4]
+    assert mask[1, 1, :6].tolist() == [True, True, False, False, False, False]
+    assert mask[1, 5, :6].tolist() == [True, True, True, True, False, True]
+
+
+# ------------------------------------------------------------------------------------------ the real step
+
+
+def _cache_holds_exactly(e: engine.Engine) -> int:
+    """Every running row's committed positions hold the K/V a fresh prefill of its tokens computes. Returns the
+    number of rows checked."""
+    sched, runner = e.state.sched, e.runner
+    s, m = e.cfg.sched.cache.block_size, e.cfg.sched.cache.max_blocks_per_seq
+    committed = np.asarray(sched.alloc.seqs.num_committed)
+    table = np.asarray(sched.alloc.seqs.block_table)
+    rows = [b for b in range(len(committed)) if committed[b] > 0]
+    if not rows:
+        return 0
+    width = m * s
+    tokens = np.asarray(sched.seqs.tokens)[rows, :width]
+    fresh = runner.init_cache(1 + len(rows) * m, s, "float32")
+    fresh_table = (1 + np.arange(len(rows) * m, dtype=np.int32)).reshape(len(rows), m)
+    lens = jnp.asarray(committed[rows], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :], (len(rows), width))
+    _, _, fresh = runner.forward(e.params, jnp.asarray(tokens), pos, fresh, jnp.asarray(fresh_table), lens, lens,
+                                 impl="xla")
+    for got_pages, want_pages in zip(runner.kv_pages(e.state.cache), runner.kv_pages(fresh)):
+        for r, b in enumerate(rows):
+            c = committed[b]
+            got = np.asarray(got_pages)[table[b]].reshape(width, -1)[:c]
+            want = np.asarray(want_pages)[fresh_table[r]].reshape(width, -1)[:c]
+            np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+    return len(rows)
+
+
+def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(shipped, trace, reference):
+    # naive_spec verifies all 15 nodes every step and indexes blocks as they fill (the slot-order view).
+    e = _engine(shipped, policies.naive_spec(15), trace, tree=SMALL_TREE)
+    checked = 0
+    while e.has_work():
+        e.step()
+        checked += _cache_holds_exactly(e)
+    assert {rid: r.tokens for rid, r in e.requests.items()} == reference
+    c = e.state.sched.counters
+    assert checked > 20 and int(c.verifications) > 0
+    # A tree accepts more than one draft per verification on this model (a chain of 4 gets ~1).
+    assert int(c.accepted) > int(c.verifications)
+    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0
+
+
+def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(shipped, trace, reference):
+    e = _engine(shipped, policies.skvs(15), trace, tree=SMALL_TREE, acceptance="typical")
+    assert e.run() == reference
+    assert e.cfg.sched.reach == (0, 3, 4)  # buckets {0, 7, 15} nodes reach depths {0, 3, 4}
+    assert int(e.state.sched.counters.accepted) > 0
+
+
+def test_sampled_drafts_with_the_general_lossless_rule(shipped, trace, reference):
+    small = dataclasses.replace(trace, requests=trace.requests[:3])
+    e = _engine(shipped, policies.skvs(4), small, sample_drafts=True)  # temperature 0: argmax drafts, greedy rule
+    assert e.run() == {r.request_id: reference[r.request_id] for r in small.requests}
+    outs = []
+    for seed in (0, 0):
+        e = _engine(shipped, policies.skvs(4), small, sample_drafts=True, seed=seed, temperature=1.0)
+        outs.append(e.run())
+        c = e.state.sched.counters
+        assert int(c.drafted) > 0 and 0 < int(c.accepted) < int(c.drafted)
+    assert outs[0] == outs[1]
+
+
+def test_bad_speculation_arguments_are_refused(shipped):
+    model, heads = shipped
+    with pytest.raises(ValueError, match="nodes but policy.draft_len"):
+        engine.Engine(model, heads, policies.skvs(4), CACHE, tree=SMALL_TREE)
+    with pytest.raises(ValueError, match="draft heads"):
+        engine.Engine(model, heads, policies.naive_spec(5), CACHE, tree=DraftTree(tuple((0,) * d for d in
+                                                                                        range(1, 6))))
+    with pytest.raises(ValueError, match="acceptance"):
+        engine.Engine(model, heads, policies.skvs(4), CACHE, acceptance="always")
+    with pytest.raises(ValueError, match="sample_drafts needs a chain"):
+        engine.Engine(model, heads, policies.skvs(15), CACHE, tree=SMALL_TREE, sample_drafts=True)
+    with pytest.raises(ValueError, match="need a policy that speculates"):
+        engine.Engine(model, None, policies.vllm_default(), CACHE, tree=SMALL_TREE)
+    with pytest.raises(TypeError, match="tree must be a DraftTree"):
+        engine.Engine(model, heads, policies.skvs(2), CACHE, tree=((0,), (0, 0)))
+
+
+# ------------------------------------------------------------------------------------------ compile buckets
+
+
+def _compilations() -> int:
+    return engine._fused_step._cache_size()
+
+
+def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped):
+    """2,000 steps, arrivals in bursts (the batch grows and shrinks), adaptive draft lengths: the number of
+    programs compiled is counted from jax's cache, and stays <= buckets x batch buckets (the batch is one
+    bucket: the state has a fixed B rows, idle rows are masked)."""
+    model, heads = shipped
+    cache = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)
+    e = engine.Engine(model, heads, policies.skvs(4), cache, token_budget=48, prefill_chunk=16, seed=3)
+    rng = np.random.default_rng(0)
+    before, steps = _compilations(), 0
+    drafts_seen = set()
+    while steps < 2000:
+        if steps % 40 == 0:  # a burst of 1..5 requests
+            for _ in range(int(rng.integers(1, 6))):
+                prompt = rng.integers(32, 127, size=int(rng.integers(4, 24))).tolist()
+                e.add_request(prompt, engine.SamplingParams(max_tokens=int(rng.integers(4, 30))))
+        e.step()
+        steps += 1
+        drafts_seen.add(e.step_log[-1]["drafted"])
+    compiled = _compilations() - before
+    batch_buckets = 1
+    assert compiled <= len(e.widths) * batch_buckets, (compiled, e.widths)
+    assert len(e.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
+    assert sum(e.width_hist.values()) == 2000
+
+
+def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
+    model, heads = shipped
+    small = dataclasses.replace(trace, requests=trace.requests[:2])
+    e = _engine(shipped, policies.skvs(4), small)
+    order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
+    assert order == [e.prompt_width, 3, 1, 5] and sorted(order) == list(e.widths)
+    before = _compilations()
+    assert e.run() == {r.request_id: reference[r.request_id] for r in small.requests}
+    assert _compilations() == before
+    assert sum(e.draft_hist.values()) == sum(e.width_hist.values()) > 0
+
+
+def test_adaptive_draft_length_compares_the_expected_acceptance_with_each_buckets_reach():
+    """A tree's bucket of d nodes reaches only the depth of those nodes: with buckets {0, 7, 15} (reach {0, 3, 4})
+    a request that accepts ~1.3 drafts per step wants reach 2 -> 7 nodes, not the 2 nodes a chain would get."""
+    from skvs_jax import scheduler as sc
+
+    policy = policies.skvs(15)
+    cfg = sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96,
+                             draft_reach=speculation.reach(SMALL_TREE, policy.draft_buckets))
+    seqs = sc.init(cfg).seqs
+    hist = np.zeros((8, 16), np.int32)
+    hist[0, 4] = 3  # always the full depth: the largest bucket
+    hist[1, 1], hist[1, 2] = 70, 20  # mean ~1.3: round(1.95) = 2 -> the 7-node bucket (reach 3)
+    hist[2, 0] = 200  # drafts keep failing: bucket 0, no speculation
+    seqs = seqs.replace(accept_hist=jnp.asarray(hist))
+    want = np.asarray(sc.draft_lengths(seqs, policy.knobs(), policy, cfg.reach))
+    assert want[0] == 15 and want[1] == 7 and want[2] == 0
+    assert want[3] == 15  # a new request: only the prior (full depth 4 accepted once)
+    with pytest.raises(ValueError, match="draft_reach"):
+        sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96, draft_reach=(0, 8, 4))
