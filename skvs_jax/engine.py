@@ -277,7 +277,7 @@ class Engine:
 
     def _setup(self, runner: ModelRunner, params, policy: Policy, cache_config: CacheConfig, *,
                max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
-               impl: str = "xla", kv_dtype: str = "float32", swap_blocks: int = 0, seed: int = 0,
+               impl: str = "xla", kv_dtype: str | None = None, swap_blocks: int = 0, seed: int = 0,
                victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
                sample_drafts: bool = False, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
                clock=time.perf_counter) -> None:
@@ -294,6 +294,7 @@ class Engine:
             token_budget=token_budget, prefill_chunk=prefill_chunk, swap_blocks=swap_blocks, victim=victim,
             admit_window=min(cache_config.max_seqs, 32),
             draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else ())
+        kv_dtype = policy.kv_dtype() if kv_dtype is None else kv_dtype  # an explicit dtype overrides the policy's
         self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype, tree=tree, acceptance=acceptance,
                                 sample_drafts=sample_drafts, posterior_threshold=float(posterior_threshold),
                                 posterior_alpha=float(posterior_alpha))

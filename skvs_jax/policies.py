@@ -30,6 +30,8 @@ from skvs_jax.config import SpecConfig
 
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
+BF16_FROM_DRAFT_LEN = 6  # the article's rule (DIGEST section 7.3): bf16 KV from this draft length, fp8 below
 
 
 @struct.dataclass
@@ -67,6 +69,9 @@ class Policy:
         opportunistic, granted only from free memory within `max_spec_ratio`, never at another's expense.
       max_spec_ratio: bound on the share of free blocks that speculative blocks may take, in [0, 1].
       preemption: "recompute" (blocks released, request back to waiting) or "swap" (KV moved to a host tier).
+      kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
+        the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
+        drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
     """
 
     name: str
@@ -84,6 +89,7 @@ class Policy:
     drafts_preempt: bool
     max_spec_ratio: float
     preemption: str
+    kv_precision: str = "float32"
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -96,6 +102,8 @@ class Policy:
             raise ValueError(f"insert must be one of {INSERT_MODES}, got {self.insert!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.kv_precision not in KV_PRECISIONS:
+            raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         # SpecConfig validates draft_len, generation_threshold, max_spec_ratio and release, naming the field.
         self.spec_config()
         if self.speculation and self.draft_len < 1:
@@ -124,6 +132,12 @@ class Policy:
             release=self.release,
             use_spec_pool=self.spec_pool,
         )
+
+    def kv_dtype(self) -> str:
+        """The KV cache dtype this policy asks for (`kv_precision`, with "by_draft_len" resolved)."""
+        if self.kv_precision != "by_draft_len":
+            return self.kv_precision
+        return "bfloat16" if self.draft_len >= BF16_FROM_DRAFT_LEN else "float8_e4m3fn"
 
     def knobs(self) -> Knobs:
         """The numeric knobs at their preset values, as data."""

@@ -91,3 +91,13 @@ def test_knobs_are_data_one_program_serves_a_sweep():
                                                      for t in (0, 2, 5)])
     counts = jax.vmap(lambda k: allocator.reclaim_expired(st, 4, k.generation_threshold)[1])(knobs)
     np.testing.assert_array_equal(counts, [2, 2, 0])  # 4 - 1 = 3 > 0 and > 2, not > 5
+
+
+def test_kv_precision_switch_and_the_articles_draft_length_rule():
+    assert policies.skvs(4).kv_dtype() == "float32"  # presets keep the model's precision
+    rule = policies.skvs(4).replace(kv_precision="by_draft_len")
+    assert rule.kv_dtype() == "float8_e4m3fn"
+    assert policies.naive_spec(6).replace(kv_precision="by_draft_len").kv_dtype() == "bfloat16"
+    assert policies.skvs(4).replace(kv_precision="int8").kv_dtype() == "int8"
+    with pytest.raises(ValueError, match="kv_precision"):
+        policies.skvs(4).replace(kv_precision="fp4")
