@@ -7,6 +7,7 @@ Subcommands grow with the project; each one lives in its own module and is impor
   skvs generate TEXT     stream a continuation, showing accepted drafts
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
+  skvs micro precision   Medusa acceptance with the KV cache in float32 / bfloat16 / fp8 / int8, K = 1..4
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
 """
 
@@ -47,6 +48,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench_scheduler.add_arguments(
         micro_commands.add_parser("scheduler", help="one scheduler step (schedule + update) vs the Python oracle")
+    )
+    from skvs_jax import bench_precision
+
+    bench_precision.add_arguments(
+        micro_commands.add_parser("precision", help="Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)")
     )
     attention = micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)")
     attention.add_argument("args", nargs=argparse.REMAINDER, help="flags passed to the attention benchmark")
@@ -109,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         from skvs_jax import bench_scheduler
 
         return bench_scheduler.run(args)
+    if args.command == "micro" and args.target == "precision":
+        from skvs_jax import bench_precision
+
+        return bench_precision.run(args)
     if args.command == "micro" and args.target == "attention":
         from pallas_kernels import bench_attention
 
