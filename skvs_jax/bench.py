@@ -6,16 +6,31 @@ table has the article's shape (rows = metrics, columns = policies) plus skvs/nai
 ratios measured in this run. It writes `bench.json` (every metric, the config, versions, the trace seed) and
 `bench.png` (throughput and memory over time per policy) to the output folder.
 
-Timings are wall clock on this machine, compile time excluded: each policy first serves a short warm-up trace
-that compiles both of its query buckets. Greedy outputs must be identical across policies (checked). With
-`--rate`, arrivals follow the wall clock, so which requests share a step — and the non-timing metrics — depend
-on timing; with the default (all at t = 0) everything but the timings is reproducible from the seed.
+Timings are wall clock on this machine, compile time excluded: each policy's engine first compiles every one of its
+query buckets (`Engine.warmup`: the prompt width and one width per draft bucket). Greedy outputs must be identical
+across policies (checked). With `--rate`, arrivals follow the wall clock, so which requests share a step — and the
+non-timing metrics — depend on timing; with the default (all at t = 0) everything but the timings is reproducible
+from the seed. A run in which one step takes over a second and over half the run has *stalled* (a program compiled
+inside the timed run, or the machine stopped): it is flagged, and left out of the median when the policy has other
+runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over
+the run hits every policy, and policies of one round can be compared pairwise); each policy's metrics are those of
+its run with the median throughput (the upper median for even N), and its min-max throughput is reported.
+`--ablation` serves naive_spec, skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to
+naive_spec's value ("skvs -<switch>"). After the usual table it prints the decomposition: per switch, the metrics
+with the switch off and their change vs full skvs measured in the same run, the switch's share of the skvs -
+naive_spec gap (in engine steps, which are deterministic, and in throughput), and which switches help, hurt or stay
+within noise. A throughput ratio is noise when the ratios within each round (off / skvs) range over 1, or with one
+round when it is within THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU. bench.json (SCHEMA_VERSION 2): the
+version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
+repeat, "stalled": policy -> a flag per repeat}) and with --ablation "ablation" (see `_ablation`). A plain run has
+the version-1 shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -28,16 +43,31 @@ import numpy as np
 
 import skvs_jax
 from skvs_jax import engine as eng
-from skvs_jax import metrics, policies, workloads
+from skvs_jax import metrics, policies, speculation, workloads
 from skvs_jax.config import CacheConfig
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Run-to-run spread of throughput on a 2-core CPU (docs/benchmarks.md): with one repeat, a smaller change is noise.
+THROUGHPUT_NOISE = 0.20
+# Metrics that depend on the clock; with all arrivals at t = 0 every other metric is reproducible from the seed.
+TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
+                  "scheduler_time_per_step", "scheduler_time_share", "wall_time")
+# The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
+# noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
+ABLATION_METRICS = (("throughput", True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
+                    ("kv_hit_rate", True), ("oom_rate", False), ("preemptions_per_request", False),
+                    ("mean_accepted_length", True))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="system_prompts", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--requests", type=int, default=32, help="requests in the trace")
-    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    which.add_argument("--ablation", action="store_true",
+                       help="naive_spec, skvs and skvs with each switch off in turn, then what each switch buys")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="serve each policy this many times; report median and min-max throughput")
     parser.add_argument("--kv-blocks", type=int, default=65, help="KV budget in blocks (incl. the null block)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-seqs", type=int, default=8, help="sequence slots = max batch size")
@@ -47,11 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=32, help="cap on output tokens per request")
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at 0)")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--tree", default="chain", choices=("chain", "small"),
+                        help="draft tree of the speculating policies: a chain of --draft-len drafts, or the 15-node "
+                             "SMALL_TREE (then --draft-len must be 15)")
+    parser.add_argument("--acceptance", default="lossless", choices=("lossless", "typical"),
+                        help="verification rule at temperature > 0 (both are greedy at 0)")
     parser.add_argument("--impl", default="xla", choices=("xla", "pallas", "reference"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="skvs-results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip bench.png")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _tree(args):
+    return None if args.tree == "chain" else speculation.SMALL_TREE
 
 
 def load_shipped():
@@ -71,12 +110,10 @@ def make_trace(args) -> workloads.Trace:
 def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series."""
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed)
-    # Warm-up: compile both query buckets on a throwaway engine with the same static configuration.
-    warm = eng.Engine(model, heads, policy, cache, **kwargs)
-    for r in trace.requests[:2]:
-        warm.add_request(r.prompt, eng.SamplingParams(max_tokens=2))
-    warm.run()
+    if policy.speculation:
+        kwargs |= dict(tree=_tree(args), acceptance=args.acceptance)
     e = eng.Engine(model, heads, policy, cache, **kwargs)
+    e.warmup()  # every query bucket, so no compilation lands inside the timed run
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
     while pending or e.has_work():
@@ -117,7 +154,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
     outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
     counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
-            "compiled": sorted(e.compiled | warm.compiled)}
+            "compiled": sorted(e.compiled)}
 
 
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
@@ -125,9 +162,7 @@ def _scheduler_time(e: eng.Engine, snapshot) -> float:
     be split by a clock); 0 when the run was too short to snapshot."""
     if snapshot is None:
         return 0.0
-    from skvs_jax import scheduler as sc
-
-    fn = jax.jit(lambda st, k: sc._schedule(st, k, cfg=e.cfg.sched))
+    fn = _jitted_schedule(e.cfg.sched)
     jax.block_until_ready(fn(snapshot, e.knobs))
     times = []
     for _ in range(5):
@@ -135,6 +170,14 @@ def _scheduler_time(e: eng.Engine, snapshot) -> float:
         jax.block_until_ready(fn(snapshot, e.knobs))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@functools.cache
+def _jitted_schedule(cfg):
+    """`schedule` alone, jitted once per scheduler configuration (repeats of a policy reuse the program)."""
+    from skvs_jax import scheduler as sc
+
+    return jax.jit(functools.partial(sc._schedule, cfg=cfg))
 
 
 def _plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
@@ -161,53 +204,99 @@ def _plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> int:
+def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
+    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations."""
+    if args.ablation:
+        named = {n: policies.preset(n, args.draft_len) for n in ("naive_spec", "skvs")}
+        return named | policies.ablations(named["skvs"])
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     for n in names:
         if n not in policies.PRESETS:
             raise SystemExit(f"skvs bench: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
+    return {n: policies.preset(n, args.draft_len) for n in names}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit(f"skvs bench: --repeats must be >= 1, got {args.repeats}")
+    nodes = speculation.SMALL_TREE.num_slots - 1
+    if args.tree == "small" and args.draft_len != nodes:
+        raise SystemExit(f"skvs bench: --tree small has {nodes} nodes, one draft slot each: pass --draft-len {nodes}")
+    chosen = _policies(args)
+    names = list(chosen)
     model, heads = load_shipped()
     trace = make_trace(args)
     max_len = min(1024, -(-(96 + args.max_output) // args.block_size) * args.block_size)
     cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                         max_blocks_per_seq=max_len // args.block_size)
-    total_tokens = sum(r.max_new_tokens for r in trace.requests) * len(names)
+    total_tokens = sum(r.max_new_tokens for r in trace.requests) * len(names) * args.repeats
     bar = None
     if not args.quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=total_tokens, unit="tok", desc="skvs bench")
-    results = {}
+    runs = {n: [] for n in names}
     t_start = time.perf_counter()
-    for name in names:
-        policy = policies.preset(name, args.draft_len)
-        if bar is not None:
-            bar.set_postfix_str(name)
-        results[name] = serve(model, heads, policy, cache, trace, args, progress=bar.update if bar else None)
+    for repeat in range(args.repeats):  # round-robin: load drift over the run shows in every policy's spread
+        for name in names:
+            if bar is not None:
+                bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
+            runs[name].append(serve(model, heads, chosen[name], cache, trace, args,
+                                    progress=bar.update if bar else None))
     if bar is not None:
         bar.close()
+    # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a
+    # shared machine interference only ever slows a run down) among its runs without a stalled step, if any.
+    stalls = {n: [_stall(r) for r in rs] for n, rs in runs.items()}
+    stalled = {n: [bool(st) for st in sts] for n, sts in stalls.items()}
+    valid = {n: [r for r, st in zip(rs, stalled[n], strict=True) if not st] or rs for n, rs in runs.items()}
+    results = {n: sorted(rs, key=lambda r: r["metrics"]["throughput"])[len(rs) // 2] for n, rs in valid.items()}
+    throughputs = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in runs.items()}
 
     same = None
-    if args.temperature == 0 and len(names) > 1:
-        first = results[names[0]]["outputs"]
-        same = all(results[n]["outputs"] == first for n in names[1:])
+    if args.temperature == 0 and len(names) * args.repeats > 1:
+        first = runs[names[0]][0]["outputs"]
+        same = all(r["outputs"] == first for rs in runs.values() for r in rs)
     table = metrics.format_table({n: results[n]["metrics"] for n in names})
     print(f"skvs bench: {len(trace.requests)} requests ({trace.kind}, seed {trace.seed}), shipped tiny Llama + "
           f"Medusa (K={args.draft_len}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
           f"{cache.max_seqs} slots, token budget {args.token_budget}, impl {args.impl}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}; wall time {time.perf_counter() - t_start:.0f} s")
     print(table)
+    if args.repeats > 1:
+        spread = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in valid.items()}
+        print(f"throughput over {args.repeats} repeats, median [min-max] tok/s: " + ", ".join(
+            f"{n} {_fmt(results[n]['metrics']['throughput'])} [{_fmt(min(t))}-{_fmt(max(t))}]"
+            for n, t in spread.items()))
+        if args.rate is None:
+            print(f"non-timing metrics identical across repeats: {_reproducible(runs)}")
+    for n, st in stalls.items():
+        if any(st):
+            worst = max(x for x in st if x)
+            print(f"warning: {sum(map(bool, st))} of {len(st)} runs of {n} had one step of up to {worst[0]:.1f} s "
+                  f"(of {worst[1]:.1f} s in all: a compilation inside the timed run?); "
+                  + ("excluded from its median and range" if not all(st) else
+                     "its timing rows measure that, not the policy; with --repeats 2 or more the later runs reuse "
+                     "the compiled programs"))
     if same is not None:
-        print(f"greedy outputs identical across policies: {same}")
+        print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
+              + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
+    ablation = None
+    if args.ablation:
+        ablation = _ablation(chosen, results, throughputs, stalled, args)
+        print()
+        print(_format_ablation(ablation))
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
+                                            "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
+                                            "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats")}
+    config["policies"] = ",".join(names)
     doc = {
         "schema_version": SCHEMA_VERSION,
-        "command": "skvs bench",
-        "config": {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size",
-                                                 "max_seqs", "draft_len", "token_budget", "prefill_chunk",
-                                                 "max_output", "rate", "temperature", "impl", "seed")},
+        "command": "skvs bench" + (" --ablation" if args.ablation else ""),
+        "config": config,
         "trace": {"kind": trace.kind, "seed": trace.seed, "params": trace.params, "requests": len(trace.requests)},
         "versions": {"skvs_jax": skvs_jax.__version__, "jax": jax.__version__, "python": platform.python_version(),
                      "platform": jax.devices()[0].platform, "machine": platform.machine()},
@@ -216,11 +305,179 @@ def run(args: argparse.Namespace) -> int:
                          "compiled_buckets": results[n]["compiled"], "series": results[n]["series"]}
                      for n in names},
     }
+    if args.repeats > 1 or args.ablation:
+        doc["runs"] = {"throughput": throughputs, "stalled": stalled}
+    if ablation is not None:
+        doc["ablation"] = ablation
     (out / "bench.json").write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
     if not args.no_plot:
         _plot(results, out / "bench.png", cache.usable_blocks)
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
     return 0 if same in (None, True) else 1
+
+
+def _stall(result: dict) -> tuple[float, float] | tuple[()]:
+    """(longest step, wall time) [s] when one step took over a second and over half the run, which is a
+    compilation or the machine stopping, not the policy; () otherwise. Steps end at `series["time"]`."""
+    ends = np.asarray(result["series"]["time"], np.float64)
+    if not ends.size:
+        return ()
+    longest = float(np.diff(ends, prepend=0.0).max())
+    return (longest, float(ends[-1])) if longest > max(1.0, 0.5 * ends[-1]) else ()
+
+
+def _reproducible(runs: dict[str, list[dict]]) -> bool:
+    """Whether every repeat of every policy gave the same non-timing metrics."""
+    def non_timing(r):
+        return {k: v for k, v in r["metrics"].items() if k not in TIMING_METRICS}
+
+    return all(_same_value(non_timing(r), non_timing(rs[0])) for rs in runs.values() for r in rs[1:])
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+# ------------------------------------------------------------------------------------------------ ablation
+
+
+def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: dict[str, list[float]],
+              stalled: dict[str, list[bool]], args) -> dict:
+    """The decomposition as data (bench.json's "ablation" section).
+
+    rows: one per ablated switch in `policies.ablations` order, then "naive_spec" (every switch off at once);
+      each has the policy name, the fields that differ from skvs, and per metric of ABLATION_METRICS
+      {"off": value with the switch off, "skvs": full skvs's value, "change": off - skvs}. For throughput,
+      "change" is off / skvs (reported runs) and "paired" the ratios off / skvs within each round of repeats
+      (both ran under the same load; null where either run stalled), "ratio_min"/"ratio_max" their range.
+      "throughput_effect": "helps" (skvs is faster with the switch), "hurts", "within noise" (the paired range
+      holds 1; with fewer than two pairs, |change - 1| <= THROUGHPUT_NOISE), "none" (the schedule is identical
+      to skvs's: same counters and non-timing metrics, so any difference is noise), "not measured" (every run
+      of either policy stalled). "share_of_gap": (skvs - off) / (skvs - naive_spec) throughput, NaN when that
+      gap is within noise; "steps_share_of_gap" the same with engine steps, which are deterministic.
+      "better"/"worse": the non-throughput metrics the switch improves / worsens.
+    """
+    base = chosen["skvs"]
+    skvs_metrics = results["skvs"]["metrics"]
+    skvs_valid = [t for t, st in zip(throughputs["skvs"], stalled["skvs"], strict=True) if not st]
+
+    def non_timing(name):
+        return {k: v for k, v in results[name]["metrics"].items() if k not in TIMING_METRICS}
+
+    rows = {}
+    for name in [n for n in chosen if n not in ("skvs", "naive_spec")] + ["naive_spec"]:
+        off = results[name]["metrics"]
+        ratio = off["throughput"] / skvs_metrics["throughput"]
+        paired = [None if so or ss else o / t for o, t, so, ss in zip(throughputs[name], throughputs["skvs"],
+                                                                    stalled[name], stalled["skvs"], strict=True)]
+        pairs = [x for x in paired if x is not None]
+        lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
+        noise = lo <= 1.0 <= hi if len(pairs) > 1 else abs(ratio - 1.0) <= THROUGHPUT_NOISE
+        row = {"policy": name,
+               "changes": {f.name: getattr(chosen[name], f.name) for f in dataclasses.fields(base)
+                           if f.name != "name" and getattr(chosen[name], f.name) != getattr(base, f.name)},
+               "metrics": {}, "better": [], "worse": []}
+        for key, higher_is_better in ABLATION_METRICS:
+            row["metrics"][key] = {"off": off[key], "skvs": skvs_metrics[key], "change": off[key] - skvs_metrics[key]}
+            if key == "throughput":
+                row["metrics"][key] |= {"change": ratio, "paired": paired, "ratio_min": lo, "ratio_max": hi}
+            elif not _same_value(off[key], skvs_metrics[key]) and math.isfinite(off[key] - skvs_metrics[key]):
+                # The switch improves a metric when skvs (switch on) is better than the ablation (switch off).
+                improves = (skvs_metrics[key] > off[key]) == higher_is_better
+                row["better" if improves else "worse"].append(key)
+        row["identical_schedule"] = (results[name]["counters"] == results["skvs"]["counters"]
+                                     and _same_value(non_timing(name), non_timing("skvs")))
+        if all(stalled[name]) or all(stalled["skvs"]):
+            row["throughput_effect"] = "not measured"
+        elif row["identical_schedule"]:
+            row["throughput_effect"] = "none"
+        else:
+            row["throughput_effect"] = "within noise" if noise else ("hurts" if ratio > 1 else "helps")
+        rows[name.removeprefix(f"{base.name} -")] = row
+    gap_within_noise = rows["naive_spec"]["throughput_effect"] not in ("helps", "hurts")
+    gap = skvs_metrics["throughput"] - results["naive_spec"]["metrics"]["throughput"]
+    step_gap = skvs_metrics["num_steps"] - results["naive_spec"]["metrics"]["num_steps"]
+    for row in rows.values():
+        off = results[row["policy"]]["metrics"]
+        row["share_of_gap"] = math.nan if gap_within_noise else (skvs_metrics["throughput"] - off["throughput"]) / gap
+        row["steps_share_of_gap"] = (skvs_metrics["num_steps"] - off["num_steps"]) / step_gap if step_gap else math.nan
+    return {"base": "skvs", "reference": "naive_spec", "repeats": args.repeats,
+            "noise_rule": (f"paired per-round ratios hold 1; with fewer than two pairs |ratio - 1| <= "
+                           f"{THROUGHPUT_NOISE}"),
+            "non_timing_deterministic": args.rate is None, "gap_within_noise": gap_within_noise,
+            "skvs_ratio_min": min(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"],
+            "skvs_ratio_max": max(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"], "rows": rows}
+
+
+def _fmt(value: float, key: str = "") -> str:
+    """As the table prints values; counts (engine steps) as whole numbers."""
+    return f"{value:.0f}" if key == "num_steps" and math.isfinite(value) else metrics._format_value(value)
+
+
+def _format_ablation(a: dict) -> str:
+    """The decomposition table and a plain reading of it."""
+    label = {key: (text, factor) for key, text, factor in metrics.METRICS} | {"num_steps": ("engine steps", 1.0)}
+    keys = [key for key, _ in ABLATION_METRICS]
+    header = ["switch off", "throughput vs skvs", *(label[k][0] for k in keys[1:]), "share of gap: steps",
+              "share of gap: throughput"]
+    lines = ["Ablation: skvs with one switch at a time set back to naive_spec's value. Each cell: the value with "
+             "the switch off (change vs full skvs in brackets); throughput as a ratio to full skvs in this run"
+             + (f" [min-max of the ratios within each of the {a['repeats']} rounds]" if a["repeats"] > 1 else "")
+             + "; share of gap = (skvs - switch off) / (skvs - naive_spec), in engine steps and in throughput.",
+             "", "| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    any_row = next(iter(a["rows"].values()))["metrics"]
+    skvs_range = f" [{a['skvs_ratio_min']:.2f}-{a['skvs_ratio_max']:.2f}]" if a["repeats"] > 1 else ""
+    cells = ["(none: skvs)", f"1.00x{skvs_range} = {_fmt(any_row['throughput']['skvs'])} tok/s"]
+    cells += [_fmt(any_row[k]["skvs"] * label[k][1], k) for k in keys[1:]] + ["", ""]
+    lines.append("| " + " | ".join(cells) + " |")
+    for switch, row in a["rows"].items():
+        m = row["metrics"]
+        t = m["throughput"]
+        paired = sum(x is not None for x in t["paired"]) > 1
+        cells = ["all (naive_spec)" if switch == "naive_spec" else switch,
+                 f"{t['change']:.2f}x" + (f" [{t['ratio_min']:.2f}-{t['ratio_max']:.2f}]" if paired else "")]
+        for k in keys[1:]:
+            factor = label[k][1]
+            change = float(f"{m[k]['change'] * factor:.10g}")  # 50.0 - 40.0 prints as +10.0, not +10.00
+            signed = "n/a" if not math.isfinite(change) else ("±0" if change == 0 else
+                                                               ("+" if change > 0 else "") + _fmt(change, k))
+            cells.append(f"{_fmt(m[k]['off'] * factor, k)} ({signed})")
+        for share in (row["steps_share_of_gap"], row["share_of_gap"]):
+            cells.append(f"{share * 100:.0f}%" if math.isfinite(share) else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    naive = a["rows"]["naive_spec"]
+    t = naive["metrics"]["throughput"]
+    overall = metrics._ratio(t["skvs"], t["off"])
+    lines += ["", f"skvs vs naive_spec overall: skvs throughput {overall:.2f}x naive_spec's ("
+              + ("beyond noise" if not a["gap_within_noise"] else naive["throughput_effect"]) + "); skvs is better on "
+              + (", ".join(naive["better"]) or "nothing") + "; worse on " + (", ".join(naive["worse"]) or "nothing")
+              + ("; the gap is within noise, so the shares of it are not meaningful" if a["gap_within_noise"] else
+                 "") + "."]
+    switches = {s: r for s, r in a["rows"].items() if s != "naive_spec"}
+    for effect, verb in (("helps", "help throughput (skvs is faster with them)"),
+                         ("hurts", "hurt throughput (skvs is faster without them)"),
+                         ("within noise", "change throughput within noise"),
+                         ("none", "change nothing on this trace (schedule identical to skvs's; any throughput "
+                                  "difference is noise)"),
+                         ("not measured", "could not be timed (every run stalled, see the warning above)")):
+        members = [s for s, r in switches.items() if r["throughput_effect"] == effect]
+        if members or effect in ("helps", "hurts", "within noise"):
+            lines.append(f"switches that {verb}: {', '.join(members) or 'none'}")
+    for s, r in switches.items():
+        if r["identical_schedule"]:
+            continue
+        lines.append(f"  {s}: with it skvs is better on {', '.join(r['better']) or 'nothing'}; "
+                     f"worse on {', '.join(r['worse']) or 'nothing'}")
+    rule = ("the range of its per-round ratios holds 1" if a["repeats"] > 1 else
+            f"it is within {THROUGHPUT_NOISE:.0%}, this CPU's run-to-run spread (use --repeats N to measure it)")
+    lines.append(f"A throughput change counts as noise when {rule}. "
+                 + ("Non-timing metrics are deterministic for this seed (all arrivals at t = 0): any change in them "
+                    "is real for this trace, though it is one trace." if a["non_timing_deterministic"] else
+                    "With --rate, non-timing metrics depend on timing too."))
+    return "\n".join(lines)
 
 
 def _finite(x):

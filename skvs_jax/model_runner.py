@@ -20,7 +20,7 @@ from flax import nnx
 
 from reference_models.llama import KVCache, Llama, LlamaConfig
 from reference_models.medusa import MedusaHeads
-from reference_models.medusa_tree import DraftTree  # noqa: F401  (re-exported: skvs_jax names trees by it)
+from reference_models.medusa_tree import SMALL_TREE, DraftTree  # noqa: F401  (re-exported for skvs_jax)
 
 
 class ModelRunner(Protocol):
