@@ -445,7 +445,8 @@ class Engine:
         earlier run; pass another engine's to warm up in the order a workload needs). The prompt width comes
         first (every request is prefilled with it), then the draft buckets in order of the observed steps that
         fall into them. Runs each program once on a copy of the state with no requests, so the engine's state is
-        unchanged. Returns the widths in the order compiled.
+        unchanged; an engine warmed up before its first request restarts its clock afterwards (times are measured
+        from when it was ready to serve). Returns the widths in the order compiled.
         """
         hist = self.draft_hist if draft_hist is None else draft_hist
         heat: collections.Counter[int] = collections.Counter()
@@ -464,6 +465,8 @@ class Engine:
                 jax.block_until_ready(_model_only(self.runner, self.params, state, batch, self.knobs, cfg=self.cfg,
                                                   width=w))
             self.compiled.add((w, self.tiers is not None))
+        if not self.requests:
+            self.t0 = self.clock()
         return order
 
     # ------------------------------------------------------------------------------------------------- step
