@@ -111,6 +111,7 @@ class StepOut:
     free_slots: jax.Array  # int32[] EMPTY slots after the step (what the next `add` can fill)
     prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
     next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket)
+    shape: sc.StepShape  # the step's work (prefill / decode tokens, context read): cost-model calibration
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -197,6 +198,7 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
         free_slots=jnp.sum(status == sc.EMPTY, dtype=i32),
         prompt_work=jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
         next_drafts=jnp.max(jnp.where(live, want, 0)),
+        shape=sc.step_shape(batch),
     )
     return st, out
 
@@ -455,6 +457,11 @@ class Engine:
         decode = sorted(set(self.widths) - {self.prompt_width}, key=lambda w: (-heat[w], w))
         order = [self.prompt_width] + decode
         empty = self._empty_state()
+        b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
+        zeros = jnp.zeros((b,), i32)  # all-padding rows: compiles `add` without adding anything
+        jax.block_until_ready(_add(jax.tree.map(lambda x: x.copy(), empty), jnp.zeros((b, max_len), i32), zeros,
+                                   zeros + 1, zeros, zeros - 1, jnp.zeros((b,), jnp.float32),
+                                   jnp.full((b, MAX_STOP), -1, i32), cfg=self.cfg))
         for w in order:
             state = jax.tree.map(lambda x: x.copy(), empty)
             if self.tiers is None:
@@ -549,6 +556,9 @@ class Engine:
             spec_blocks=int(out.spec_blocks), oom=bool(out.oom), preempted=int(np.sum(out.preempted)),
             drafted=int(np.sum(out.num_drafts)), accepted=int(np.sum(out.accepted)),
             verifications=int(np.sum(out.num_drafts > 0)), output_tokens=int(np.sum(out.num_new)),
+            prefill_tokens=int(out.shape.prefill_tokens), decode_tokens=int(out.shape.decode_tokens),
+            kv_tokens_read=int(out.shape.kv_tokens_read), num_seqs=int(out.shape.num_seqs),
+            drafting_rows=int(out.shape.drafting_rows),
         ))
         return results
 

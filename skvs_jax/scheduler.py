@@ -307,6 +307,31 @@ class Batch:
 
 
 @struct.dataclass
+class StepShape:
+    """The work of one step, as a model (or a cost model) sees it: int32 scalars."""
+
+    prefill_tokens: jax.Array  # known tokens of rows that do not sample this step (prompt chunks before the last)
+    decode_tokens: jax.Array  # query tokens of rows that sample: the last chunk or last token, plus draft slots
+    kv_tokens_read: jax.Array  # cached context the attention reads: sum of `start` over scheduled rows
+    num_seqs: jax.Array  # scheduled rows
+    drafting_rows: jax.Array  # rows with draft slots (the draft heads run for them)
+
+
+def step_shape(batch: Batch) -> StepShape:
+    """What `batch` asks of the model: the engine logs it, the simulator prices it with a cost model."""
+    on = batch.scheduled
+    q = jnp.where(on, batch.num_query, 0)
+    d = jnp.where(on, batch.num_drafts, 0)
+    return StepShape(
+        prefill_tokens=jnp.sum(jnp.where(batch.samples, 0, q), dtype=i32),
+        decode_tokens=jnp.sum(jnp.where(batch.samples, q, 0) + d, dtype=i32),
+        kv_tokens_read=jnp.sum(jnp.where(on, batch.start, 0), dtype=i32),
+        num_seqs=jnp.sum(on, dtype=i32),
+        drafting_rows=jnp.sum(d > 0, dtype=i32),
+    )
+
+
+@struct.dataclass
 class StepResult:
     """What `update` did: num_new int32[B] tokens appended; finished bool[B]; accepted int32[B] drafts."""
 

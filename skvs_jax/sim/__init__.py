@@ -1,0 +1,14 @@
+"""The trace simulator: the real scheduler driven by a cost model of the GPU instead of a model forward.
+
+* `cost_model`: the time of one engine step of a large model (Llama-3.1-8B, Llama-3-70B, or the shipped tiny
+  model) on a device (A100, H100, H200, or a CPU device fitted from the real engine's step times), as jittable
+  `jnp` arithmetic.
+* `simulate`: the engine's step (`scheduler._add` / `_schedule` / `_update`, the same code) under `lax.scan`, the
+  model replaced by the cost model, a token table and an acceptance table (a chain acceptance model, or replayed
+  from the model itself for a greedy run).
+"""
+
+from skvs_jax.sim.cost_model import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device
+
+# `skvs_jax.sim.simulate` stays a module (its function of the same name is `simulate.simulate`).
+__all__ = ["DEVICES", "MODELS", "CostModel", "DeviceSpec", "ModelSpec", "StepSample", "fit_cpu_device"]

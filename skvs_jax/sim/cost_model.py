@@ -1,0 +1,502 @@
+"""Roofline cost model of one engine step: how long a step of a given shape takes on a given device.
+
+The trace simulator runs the real scheduler under `lax.scan` and asks this module, once per step, how many
+seconds the model forward of that step would take for a large model on a GPU. It is pure `jnp` arithmetic on
+the step's token counts, so it traces, jits and vmaps with the simulator.
+
+Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...]):
+  prefill_tokens  P, prompt tokens computed this step (chunked prefill included)
+  decode_tokens   D, decode and verification query tokens (a sequence verifying K drafts contributes K + 1)
+  kv_tokens_read  C, cached tokens whose K/V the attention reads, summed over sequences (each sequence's context
+                  is read once per step, whatever its number of query tokens)
+  num_seqs        B, sequences in the step (used only to share the query tokens among sequences)
+  medusa_rows     R, hidden states the Medusa heads draft from (typically one per speculating sequence)
+
+Formula, with T = P + D, t the tensor-parallel degree, and everything per device:
+  flops   = T * 2 * W_mm / t                                    (weight matmuls, LM head included)
+          + (T / B) * C * 4 L Hq D / t + T (T / B + 1) / 2 * 4 L Hq D / t       (attention scores and values)
+          + R * 2 * W_medusa_mm / t                              (Medusa heads: residual blocks + vocab projection)
+  bytes   = W_bytes / t + [R > 0] * W_medusa_bytes / t           (all weights read once per step)
+          + (C + T) * kv_bytes_per_token / min(t, Hkv)            (KV read, and KV written for the T new tokens)
+  compute = flops / (peak_flops * compute_efficiency);  memory = bytes / (hbm_bandwidth * bandwidth_efficiency)
+  step    = compute + memory - overlap * min(compute, memory)   (overlap = 1: the roofline max(compute, memory))
+          + [t > 1] * 2 L * (allreduce_latency + 2 (t - 1) / t * T * Dm * act_bytes / link_bandwidth)
+          + host_overhead
+and a step with T = R = 0 takes 0 seconds (the simulator advances its clock to the next arrival itself).
+
+Assumptions (each one a simplification a reader should know about):
+- The attention term uses mean-field sharing of query tokens: sum_i q_i * ctx_i ~ (T / B) * C, exact for decode
+  (q_i = 1) and for equal query counts; the new tokens attend causally to each other, T (T / B + 1) / 2 pairs for
+  equal chunks. One (query, key) pair costs 4 Hq D FLOPs per layer (QK^T and PV, 2 FLOPs per multiply-add).
+- All weights count as read once per step, the embedding table included, though a step really gathers only T
+  of its rows. This is the convention of the issue's 7.9 ms roofline (16.06 GB / 2.039 TB/s) and of the bandwidth
+  efficiency fitted to it; for Llama-3.1-8B it charges 1.05 GB (6.5%) that a gather does not read.
+- The LM head runs on every token of the step (an engine computes logits for the last prompt token only; at
+  128k vocab the LM head is 7% of Llama-3.1-8B's matmul FLOPs, so prefill compute is overstated by <= 7%).
+- Activations, logits, norms, rotary embeddings and sampling move bytes and FLOPs we ignore: at small T they
+  are tiny next to the weights, at large T the step is compute-bound and the matmuls dominate.
+- Tensor parallelism (Megatron-style) splits weights, FLOPs and Medusa heads t ways and KV heads min(t, Hkv)
+  ways (beyond Hkv the KV heads are replicated); each decoder layer all-reduces its [T, Dm] activations twice
+  (after attention and after the MLP), as a ring: 2 (t - 1) / t of the bytes cross the link, plus a fixed
+  latency per call. Communication is not overlapped with compute. The embedding's and LM head's collectives
+  (two of 2 L + 2 calls) are ignored.
+- Efficiencies are constant: they do not vary with T or the context length.
+- Medusa weights are read once per step when any row drafts; Medusa FLOPs scale with the drafting rows.
+
+Sources: model shapes from the `config.json` of the Hugging Face repositories named at each preset; device
+numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant. The
+`cpu-measured` device is not a preset: `fit_cpu_device` fits it from the real engine's logged step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTYPE_BYTES = (1, 2, 4)  # fp8/int8, bf16/fp16, fp32
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: object, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
+    """low <= value <= high (low < value with open_low); +inf is allowed when high is inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < low or (open_low and value == low) or value > high:
+        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
+        raise ValueError(f"{name} must lie in {bound}, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------------------------ model
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-architecture decoder (GQA attention, SwiGLU MLP, RMSNorm) with optional Medusa-1 heads.
+
+    Attributes:
+      name: label for tables.
+      num_layers: L.  hidden_size: Dm.  num_heads: Hq.  num_kv_heads: Hkv (divides Hq).  head_dim: D.
+      intermediate_size: F, the MLP width.  vocab_size: V.
+      num_medusa_heads: Medusa heads (0: none).  medusa_layers: residual blocks `x + SiLU(W x + b)` per head,
+        each head ending in its own [V, Dm] vocab projection (FasterDecoding/Medusa; `reference_models/medusa.py`).
+      tie_word_embeddings: the LM head is the embedding matrix (counted once in the parameters).
+      weight_dtype_bytes: bytes per weight (and per activation element): 2 for bf16, 4 for fp32.
+      kv_dtype_bytes: bytes per cached K or V element.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_medusa_heads: int = 0
+    medusa_layers: int = 1
+    tie_word_embeddings: bool = False
+    weight_dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                      "vocab_size"):
+            _check_int(field, getattr(self, field), 1)
+        _check_int("num_medusa_heads", self.num_medusa_heads, 0)
+        _check_int("medusa_layers", self.medusa_layers, 0)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        for field in ("weight_dtype_bytes", "kv_dtype_bytes"):
+            if getattr(self, field) not in DTYPE_BYTES or isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be one of {DTYPE_BYTES}, got {getattr(self, field)!r}")
+
+    @classmethod
+    def from_hf_config(cls, name: str, config: dict[str, Any], medusa: dict[str, Any] | None = None, *,
+                       weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2) -> ModelSpec:
+        """From an HF Llama `config.json` dict and, optionally, a Medusa `config.json` dict."""
+        heads = config["num_attention_heads"]
+        return cls(
+            name=name,
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            num_medusa_heads=medusa["medusa_num_heads"] if medusa else 0,
+            medusa_layers=medusa["medusa_num_layers"] if medusa else 1,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            weight_dtype_bytes=weight_dtype_bytes,
+            kv_dtype_bytes=kv_dtype_bytes,
+        )
+
+    # Parameters ------------------------------------------------------------------------------------------
+    @property
+    def _layer_matmul_params(self) -> int:
+        """q, k, v, o projections + gate, up, down: the weights a token is multiplied by in one layer."""
+        dm, d = self.hidden_size, self.head_dim
+        return dm * d * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * dm * self.intermediate_size
+
+    @property
+    def param_count(self) -> int:
+        """Base model parameters: embedding (+ LM head unless tied), L layers (with two norms each), final norm."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * (self._layer_matmul_params + 2 * self.hidden_size) + self.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights multiplied per token: all decoder projections and the LM head (the embedding is a gather)."""
+        return self.num_layers * self._layer_matmul_params + self.vocab_size * self.hidden_size
+
+    @property
+    def medusa_param_count(self) -> int:
+        """All Medusa heads: per head, `medusa_layers` blocks of [Dm, Dm] + bias, and a [V, Dm] projection."""
+        dm = self.hidden_size
+        return self.num_medusa_heads * (self.medusa_layers * (dm * dm + dm) + self.vocab_size * dm)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.param_count * self.weight_dtype_bytes
+
+    @property
+    def medusa_weight_bytes(self) -> int:
+        return self.medusa_param_count * self.weight_dtype_bytes
+
+    # Per-token costs -------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer: 2 * L * Hkv * D * kv_dtype_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """FLOPs of one query token against one key token, all layers: 4 * L * Hq * D (QK^T and PV)."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim
+
+    def flops_per_token(self, context_len: int = 0) -> int:
+        """Forward FLOPs of one token attending to `context_len` tokens: 2 * matmul_params + attention."""
+        return 2 * self.matmul_params + self.attention_flops_per_pair * context_len
+
+    @property
+    def medusa_flops_per_row(self) -> int:
+        """FLOPs of all Medusa heads on one hidden state (bias adds ignored); a real cost at 128k vocab."""
+        dm = self.hidden_size
+        return 2 * self.num_medusa_heads * (self.medusa_layers * dm * dm + self.vocab_size * dm)
+
+
+# The article's drafter is Medusa with K = 4 heads (DIGEST section 2, scenario 1); one residual block per head is
+# the FasterDecoding/Medusa default (medusa_num_layers=1) and what the shipped tiny heads use.
+MEDUSA_HEADS = 4
+MEDUSA_LAYERS = 1
+
+MODELS: dict[str, ModelSpec] = {
+    # huggingface.co/meta-llama/Llama-3.1-8B, config.json: num_hidden_layers 32, hidden_size 4096,
+    # num_attention_heads 32, num_key_value_heads 8, head_dim 128, intermediate_size 14336, vocab_size 128256,
+    # tie_word_embeddings false, torch_dtype bfloat16. 8,030,261,248 parameters.
+    "llama-3.1-8b": ModelSpec("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
+                              head_dim=128, intermediate_size=14336, vocab_size=128256,
+                              num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
+    # huggingface.co/meta-llama/Meta-Llama-3-70B, config.json: num_hidden_layers 80, hidden_size 8192,
+    # num_attention_heads 64, num_key_value_heads 8, (head_dim 8192 / 64 = 128), intermediate_size 28672,
+    # vocab_size 128256, tie_word_embeddings false, torch_dtype bfloat16. 70,553,706,496 parameters.
+    "llama-3-70b": ModelSpec("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
+                             head_dim=128, intermediate_size=28672, vocab_size=128256,
+                             num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
+    # The shipped model: reference_models/weights/tiny_llama/config.json (4 layers, 128 wide, 4 heads, 2 KV heads,
+    # head_dim 32, intermediate 352, vocab 256, tied, float32) and tiny_llama_medusa/config.json (4 heads of 1
+    # block). The engine keeps weights and KV in float32.
+    "tiny": ModelSpec("tiny", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
+                      intermediate_size=352, vocab_size=256, num_medusa_heads=4, medusa_layers=1,
+                      tie_word_embeddings=True, weight_dtype_bytes=4, kv_dtype_bytes=4),
+}
+
+
+# ----------------------------------------------------------------------------------------------------- device
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (and its link to its tensor-parallel peers).
+
+    Attributes:
+      name: label for tables.
+      peak_flops_per_s: dense (not 2:4-sparse) peak of the matmul dtype, FLOP/s.
+      hbm_bytes_per_s: peak memory bandwidth, bytes/s.
+      hbm_capacity_bytes: memory per device, bytes (for `CostModel.max_kv_tokens`).
+      compute_efficiency: achieved / peak FLOP/s on the step's matmuls, in (0, 1].
+      bandwidth_efficiency: achieved / peak bytes/s on the step's weight and KV reads, in (0, 1].
+      link_bytes_per_s: per-direction bandwidth of the link a ring all-reduce uses (NVLink), bytes/s.
+      allreduce_latency_s: fixed time of one small all-reduce call, seconds.
+      tp_degree: default tensor-parallel degree (a `CostModel` may override it).
+      host_overhead_s: fixed time per step spent outside the forward pass (scheduling, launch, sync), seconds.
+      compute_memory_overlap: in [0, 1]; 1 = the roofline max(compute, memory) (GPU: loads overlap math), 0 = their
+        sum (what `fit_cpu_device` fits: the CPU engine's time is additive in its terms).
+    """
+
+    name: str
+    peak_flops_per_s: float
+    hbm_bytes_per_s: float
+    hbm_capacity_bytes: float
+    compute_efficiency: float
+    bandwidth_efficiency: float
+    link_bytes_per_s: float
+    allreduce_latency_s: float
+    tp_degree: int = 1
+    host_overhead_s: float = 0.0
+    compute_memory_overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        for field in ("peak_flops_per_s", "hbm_bytes_per_s", "hbm_capacity_bytes", "link_bytes_per_s"):
+            _check_float(field, getattr(self, field), 0.0, open_low=True)
+        for field in ("compute_efficiency", "bandwidth_efficiency"):
+            _check_float(field, getattr(self, field), 0.0, 1.0, open_low=True)
+        _check_float("allreduce_latency_s", self.allreduce_latency_s, 0.0, 1.0)
+        _check_float("host_overhead_s", self.host_overhead_s, 0.0, 1e3)
+        _check_float("compute_memory_overlap", self.compute_memory_overlap, 0.0, 1.0)
+        _check_int("tp_degree", self.tp_degree, 1)
+
+
+# Efficiency assumptions shared by the GPU presets (none of them measured here; GPU runs should refine them).
+# BANDWIDTH_EFFICIENCY: the issue's check, a Llama-3.1-8B batch-1 decode on A100 takes ~10 ms against a 7.9 ms
+# roofline (16.06 GB / 2.039 TB/s), i.e. ~78% of peak bandwidth end to end. The same figure is used for H100/H200
+# for want of a measurement. It is an end-to-end figure (kernel gaps included), hence host_overhead_s = 0 below.
+BANDWIDTH_EFFICIENCY = 0.78
+# COMPUTE_EFFICIENCY: large bf16 GEMMs at a forward pass's shapes (T x 4096 x 14336, T >= 256) reach roughly
+# 70-80% of dense peak in cuBLAS on A100/H100; whole-model training utilisation is lower (Megatron-LM: 52% of A100
+# peak, Narayanan et al., SC'21) because it includes attention, norms and communication, which this model charges
+# separately or ignores. We take 0.7. Prefill time and the compute knee scale with it.
+COMPUTE_EFFICIENCY = 0.7
+# ALLREDUCE_LATENCY_S: sgl-project/sglang PR #2904 measured vLLM's custom all-reduce on H100 at tp = 2 at
+# 8.7-9.5 us for 512 B - 32 KB messages (NCCL is no faster for small messages). Assumed equal on A100.
+ALLREDUCE_LATENCY_S = 9e-6
+# HOST_OVERHEAD_S: 0 for the GPU presets because BANDWIDTH_EFFICIENCY is fitted end to end (a CUDA-graph engine's
+# per-step host time is inside the 10 ms). Set it to model an engine whose CPU-side scheduling is not hidden.
+HOST_OVERHEAD_S = 0.0
+# Memory capacities: `memory.total` as nvidia-smi reports it (A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB,
+# H200 143771 MiB); the datasheets' "80GB" and "141GB" are these, rounded.
+MIB = 2**20
+
+DEVICES: dict[str, DeviceSpec] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 312 TFLOPS BF16 dense (624 with sparsity), 2,039 GB/s HBM2e,
+    # 80GB, NVLink 600 GB/s (total of both directions: 300 GB/s each way, what a ring all-reduce can use).
+    "a100-80gb": DeviceSpec("a100-80gb", peak_flops_per_s=312e12, hbm_bytes_per_s=2.039e12,
+                            hbm_capacity_bytes=81920 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
+                            bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=300e9,
+                            allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16 dense (1,979 with sparsity), 3.35 TB/s HBM3,
+    # 80GB, NVLink 900 GB/s (450 GB/s each way).
+    "h100-sxm": DeviceSpec("h100-sxm", peak_flops_per_s=989e12, hbm_bytes_per_s=3.35e12,
+                           hbm_capacity_bytes=81559 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
+                           bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
+                           allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141GB,
+    # NVLink 900 GB/s (450 GB/s each way).
+    "h200": DeviceSpec("h200", peak_flops_per_s=989e12, hbm_bytes_per_s=4.8e12,
+                       hbm_capacity_bytes=143771 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
+                       bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
+                       allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
+    # "cpu-measured" is deliberately absent: it must come from measurements, `fit_cpu_device(engine_steps)`.
+}
+
+
+# ------------------------------------------------------------------------------------------------- cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Step time of `model` on `device` with tensor parallelism `tp` (None: `device.tp_degree`).
+
+    Static (hashable): close over it, or pass it to jitted functions as a static argument.
+    """
+
+    model: ModelSpec
+    device: DeviceSpec
+    tp: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelSpec):
+            raise ValueError(f"model must be a ModelSpec, got {type(self.model).__name__}")
+        if not isinstance(self.device, DeviceSpec):
+            raise ValueError(f"device must be a DeviceSpec, got {type(self.device).__name__}")
+        if self.tp is None:
+            object.__setattr__(self, "tp", self.device.tp_degree)
+        _check_int("tp", self.tp, 1)
+        m, t = self.model, self.tp
+        if m.num_heads % t or m.intermediate_size % t:
+            raise ValueError(f"tp ({t}) must divide num_heads ({m.num_heads}) and intermediate_size "
+                             f"({m.intermediate_size})")
+        if m.num_kv_heads % t and t % m.num_kv_heads:
+            raise ValueError(f"tp ({t}) must divide num_kv_heads ({m.num_kv_heads}) or be a multiple of it")
+
+    # Rates (Python floats: static) -----------------------------------------------------------------------
+    @property
+    def _flops_per_s(self) -> float:
+        return self.device.peak_flops_per_s * self.device.compute_efficiency
+
+    @property
+    def _bytes_per_s(self) -> float:
+        return self.device.hbm_bytes_per_s * self.device.bandwidth_efficiency
+
+    @property
+    def kv_bytes_per_token_per_device(self) -> float:
+        return self.model.kv_bytes_per_token / min(self.tp, self.model.num_kv_heads)
+
+    def breakdown(self, prefill_tokens: jax.Array, decode_tokens: jax.Array, kv_tokens_read: jax.Array,
+                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> dict[str, jax.Array]:
+        """The terms of `step_time`, each float32 of the inputs' broadcast shape [...].
+
+        Keys: flops and bytes (per device), compute_s, memory_s, roofline_s (compute and memory combined),
+        allreduce_s, host_overhead_s, step_s (the total; 0 where the step has no tokens).
+        """
+        m, t = self.model, self.tp
+        p, d, c, b, r = jnp.broadcast_arrays(*(jnp.asarray(x, dtype=jnp.float32) for x in (
+            prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)))
+        tokens = p + d  # T
+        queries_per_seq = tokens / jnp.maximum(b, 1.0)  # T / B
+        attention_pairs = queries_per_seq * c + tokens * (queries_per_seq + 1.0) / 2.0
+        drafting = r > 0.0
+        flops = (tokens * (2.0 * m.matmul_params / t)
+                 + attention_pairs * (m.attention_flops_per_pair / t)
+                 + r * (m.medusa_flops_per_row / t))
+        nbytes = (m.weight_bytes / t
+                  + jnp.where(drafting, m.medusa_weight_bytes / t, 0.0)
+                  + (c + tokens) * self.kv_bytes_per_token_per_device)
+        compute_s = flops / self._flops_per_s
+        memory_s = nbytes / self._bytes_per_s
+        roofline_s = compute_s + memory_s - self.device.compute_memory_overlap * jnp.minimum(compute_s, memory_s)
+        active = (tokens + r) > 0.0
+        if t > 1:  # 2 L ring all-reduces of [T, Dm] activations
+            ring_s_per_token = 2.0 * (t - 1) / t * m.hidden_size * m.weight_dtype_bytes / self.device.link_bytes_per_s
+            per_call_s = self.device.allreduce_latency_s + tokens * ring_s_per_token
+            allreduce_s = jnp.where(active, 2 * m.num_layers * per_call_s, 0.0)
+        else:
+            allreduce_s = jnp.zeros_like(tokens)
+        host_s = jnp.where(active, self.device.host_overhead_s, 0.0)
+        step_s = jnp.where(active, roofline_s + allreduce_s + host_s, 0.0)
+        return {"flops": flops, "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
+                "roofline_s": roofline_s, "allreduce_s": allreduce_s, "host_overhead_s": host_s, "step_s": step_s}
+
+    def step_time(self, prefill_tokens: jax.Array, decode_tokens: jax.Array, kv_tokens_read: jax.Array,
+                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> jax.Array:
+        """Seconds for one step: float32 [...] from int32/float32 inputs of one broadcastable shape [...].
+
+        Pure `jnp` arithmetic without data-dependent Python branches: works under jit, vmap and lax.scan.
+        Non-decreasing in prefill_tokens, decode_tokens, kv_tokens_read and medusa_rows; non-increasing in
+        num_seqs (the same query tokens spread over more sequences attend to less context each).
+        """
+        return self.breakdown(prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)["step_s"]
+
+    def knee_tokens(self) -> float:
+        """Tokens per step at which matmul compute time equals weight-read time (efficiencies included).
+
+        Below it a step is memory-bound (time ~ flat in T), above it compute-bound (time ~ linear in T). Equal
+        to (peak_flops * compute_eff) / (hbm_bw * bandwidth_eff) * weight_bytes / (2 * matmul_params); the
+        tensor-parallel degree cancels.
+        """
+        weight_read_s = self.model.weight_bytes / self._bytes_per_s
+        compute_per_token_s = 2.0 * self.model.matmul_params / self._flops_per_s
+        return weight_read_s / compute_per_token_s
+
+    def max_kv_tokens(self, memory_utilization: float = 0.9) -> int:
+        """KV tokens that fit beside the weights (Medusa's included) in `memory_utilization` of each device's
+        memory (vLLM's default `gpu_memory_utilization` is 0.9); 0 when the weights alone do not fit.
+        Activation memory is ignored."""
+        _check_float("memory_utilization", memory_utilization, 0.0, 1.0, open_low=True)
+        weights = (self.model.weight_bytes + self.model.medusa_weight_bytes) / self.tp
+        free = self.device.hbm_capacity_bytes * memory_utilization - weights
+        if free <= 0:
+            return 0
+        if math.isinf(free):
+            raise ValueError(f"device {self.device.name!r} has unbounded memory; no KV capacity to derive")
+        return int(free // self.kv_bytes_per_token_per_device)
+
+
+# ------------------------------------------------------------------------------------------ CPU calibration
+
+
+class StepSample(NamedTuple):
+    """One logged engine step. A plain 4-tuple (prefill, decode, kv_read, seconds) is read as one sequence."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    kv_tokens_read: int
+    seconds: float
+    num_seqs: int = 1
+    medusa_rows: int = 0
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few columns, exactly: the best least-squares fit over every support set
+    whose solution is non-negative (the optimum's support is one of them)."""
+    best, best_residual = np.zeros(a.shape[1]), float(np.sum(y * y))
+    for k in range(1, a.shape[1] + 1):
+        for support in itertools.combinations(range(a.shape[1]), k):
+            cols = list(support)
+            coef = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+            if np.all(coef >= 0):
+                residual = float(np.sum((a[:, cols] @ coef - y) ** 2))
+                if residual < best_residual:
+                    best, best_residual = np.zeros(a.shape[1]), residual
+                    best[cols] = coef
+    return best
+
+
+def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS["tiny"], *,
+                   name: str = "cpu-measured", memory_bytes: float = math.inf) -> DeviceSpec:
+    """Fit a device to measured engine steps of `model`: the `cpu-measured` device.
+
+    Model fitted, per step (additive: on the CPU engine compute and memory traffic do not overlap):
+        seconds ~ host_overhead + flops / flops_per_s + bytes / bytes_per_s
+    where flops and bytes are exactly what `CostModel` computes for the step (matmuls, attention pairs and
+    Medusa rows; weights, KV read and KV written). It is affine in the step's tokens and KV bytes: a per-step
+    overhead, a per-token cost and a per-KV-byte cost. The three constants are fitted by least squares under the
+    constraint that each is >= 0 (a zero rate maps to an infinite speed). The returned device has both efficiencies
+    1, `compute_memory_overlap` 0 and tp 1, so `CostModel(model, fit_cpu_device(samples, model))` reproduces the
+    fit. Steps with no tokens are skipped (the cost model gives them 0).
+
+    Args:
+      samples: `StepSample`s, or tuples (prefill_tokens, decode_tokens, kv_tokens_read, seconds[, num_seqs
+        [, medusa_rows]]), e.g. the engine's per-step log. Needs steps of varied size and context to separate the
+        per-token from the per-KV-byte cost.
+      model: the model the engine ran (the shipped tiny model by default).
+      name: the device's name.  memory_bytes: its memory, for `max_kv_tokens` (unbounded by default).
+    """
+    rows = [StepSample(*s) for s in samples]
+    rows = [s for s in rows if s.prefill_tokens + s.decode_tokens + s.medusa_rows > 0]
+    if len(rows) < 3:
+        raise ValueError(f"samples must hold at least 3 steps with tokens, got {len(rows)}")
+    unit = DeviceSpec("unit", peak_flops_per_s=1.0, hbm_bytes_per_s=1.0, hbm_capacity_bytes=math.inf,
+                      compute_efficiency=1.0, bandwidth_efficiency=1.0, link_bytes_per_s=math.inf,
+                      allreduce_latency_s=0.0, compute_memory_overlap=0.0)
+    columns = [np.asarray([getattr(s, f) for s in rows]) for f in StepSample._fields]
+    terms = CostModel(model, unit, tp=1).breakdown(*(columns[i] for i in (0, 1, 2, 4, 5)))
+    a = np.stack([np.ones(len(rows)), np.asarray(terms["flops"], np.float64), np.asarray(terms["bytes"], np.float64)],
+                 axis=1)
+    y = np.asarray(columns[3], np.float64)
+    if not np.all(np.isfinite(y)) or np.any(y < 0):
+        raise ValueError("samples' seconds must be finite and >= 0")
+    scale = np.linalg.norm(a, axis=0)  # equilibrate columns (1, ~1e9 FLOPs, ~1e6 bytes) before solving
+    overhead, s_per_flop, s_per_byte = _nnls(a / scale, y) / scale
+    return DeviceSpec(name, peak_flops_per_s=1.0 / s_per_flop if s_per_flop > 0 else math.inf,
+                      hbm_bytes_per_s=1.0 / s_per_byte if s_per_byte > 0 else math.inf,
+                      hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
+                      link_bytes_per_s=math.inf, allreduce_latency_s=0.0, tp_degree=1,
+                      host_overhead_s=float(overhead), compute_memory_overlap=0.0)

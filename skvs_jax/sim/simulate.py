@@ -1,0 +1,273 @@
+"""`simulate`: the engine's scheduler stepped under `lax.scan` against a cost model, with no model execution.
+
+Each scan iteration is one engine step, exactly as `Engine.step` does it, with the model replaced:
+
+  admit arrived requests into EMPTY slots (in arrival order, as many as there are EMPTY slots)
+  → `scheduler._schedule` → accepted drafts from the trace's acceptance table → `scheduler._update`
+  → step time from `CostModel.step_time(scheduler.step_shape(batch))` → simulated clock.
+
+It calls the *same* `_add` / `_schedule` / `_update` as the engine (no second copy of the scheduler), so with the
+same trace, output tokens and acceptance the scheduling is the engine's, step for step. What replaces the model:
+
+* `SimTrace.tokens` [R, W]: each request's full token sequence (prompt, then its outputs). The scheduler appends
+  these as the "model's" tokens, so the prefix cache hashes what a real run would. Synthetic outputs
+  (`synthetic_outputs`) or, to replay a real run, the engine's outputs.
+* `SimTrace.accept_run` [R, W]: at a sequence holding n tokens, how many of its next drafts the target accepts
+  if offered K (a row granted d drafts accepts min(d, run)). From an acceptance model (`chain_acceptance`) or,
+  for a greedy engine run, from the model itself (`replay_acceptance`): with greedy Medusa verification the
+  accepted run depends only on the text, not on the schedule.
+
+Arrivals: a request enters the engine's queue at `arrival`; when nothing runs and nothing has arrived, the clock
+jumps to the next arrival. Everything is one jitted program; `vmap` it over knobs or traces for sweeps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from skvs_jax import metrics, workloads
+from skvs_jax import scheduler as sc
+from skvs_jax.policies import Knobs
+from skvs_jax.sim.cost_model import CostModel
+
+i32, f32 = jnp.int32, jnp.float32
+
+
+@struct.dataclass
+class SimTrace:
+    """A trace as arrays, R requests in arrival order (ties by request id), W = max_len + K + 1 columns.
+
+    prompts int32[R, L] (prompt tokens, 0-padded); prompt_len, max_new, priority int32[R]; arrival float32[R]
+    seconds; tokens int32[R, W] prompt then outputs; accept_run int32[R, W] (see the module docstring);
+    request_id int32[R] the trace's ids (the simulator itself numbers requests 0..R-1)."""
+
+    prompts: jax.Array
+    prompt_len: jax.Array
+    max_new: jax.Array
+    priority: jax.Array
+    arrival: jax.Array
+    tokens: jax.Array
+    accept_run: jax.Array
+    request_id: jax.Array
+
+
+@struct.dataclass
+class SimLog:
+    """Per step [T] (entries with active False are padding after the trace finished) and per request [R]."""
+
+    active: jax.Array  # bool[T]
+    start_time: jax.Array  # float32[T] simulated seconds
+    duration: jax.Array
+    blocks_used: jax.Array  # int32[T]
+    spec_blocks: jax.Array
+    oom: jax.Array  # bool[T]
+    preempted: jax.Array
+    drafted: jax.Array
+    accepted: jax.Array
+    verifications: jax.Array
+    output_tokens: jax.Array
+    first_token_time: jax.Array  # float32[R], NaN if none
+    finish_time: jax.Array  # float32[R], NaN if unfinished
+    admitted_tokens: jax.Array  # int32[R] tokens looked up at admissions (prompt + output so far)
+    cached_tokens: jax.Array  # int32[R] of those, prefix hits
+    preemptions: jax.Array
+    req_drafted: jax.Array
+    req_accepted: jax.Array
+    req_output: jax.Array
+
+
+def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[int, list[int]] | None = None,
+               accept_runs: dict[int, np.ndarray] | None = None, *, vocab_size: int = 256) -> SimTrace:
+    """A `workloads.Trace` as `SimTrace` arrays. outputs: request id -> output tokens (default synthetic); accept_runs:
+    request id -> int array over sequence lengths (default: no draft is ever accepted; see `chain_acceptance`)."""
+    reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
+    k, big_l = cfg.policy.draft_len, cfg.max_len
+    w = big_l + k + 1
+    r_n = len(reqs)
+    prompts = np.zeros((r_n, big_l), np.int32)
+    tokens = np.zeros((r_n, w), np.int32)
+    runs = np.zeros((r_n, w), np.int32)
+    for i, r in enumerate(reqs):
+        if len(r.prompt) + r.max_new_tokens > big_l:
+            raise ValueError(f"request {r.request_id}: prompt + max_new_tokens exceeds max_len {big_l}")
+        prompts[i, : len(r.prompt)] = r.prompt
+        out = outputs[r.request_id] if outputs is not None else synthetic_outputs(r, vocab_size)
+        seq = list(r.prompt) + list(out)
+        tokens[i, : min(len(seq), w)] = seq[:w]
+        if accept_runs is not None:
+            run = np.asarray(accept_runs[r.request_id], np.int32)[:w]
+            runs[i, : len(run)] = run
+    col = lambda f, dt: np.asarray([f(r) for r in reqs], dt)  # noqa: E731
+    return SimTrace(
+        prompts=jnp.asarray(prompts), prompt_len=jnp.asarray(col(lambda r: len(r.prompt), np.int32)),
+        max_new=jnp.asarray(col(lambda r: r.max_new_tokens, np.int32)),
+        priority=jnp.asarray(col(lambda r: r.priority, np.int32)),
+        arrival=jnp.asarray(col(lambda r: r.arrival_time, np.float32)), tokens=jnp.asarray(tokens),
+        accept_run=jnp.asarray(runs), request_id=jnp.asarray(col(lambda r: r.request_id, np.int32)))
+
+
+def synthetic_outputs(request: workloads.Request, vocab_size: int) -> list[int]:
+    """Deterministic stand-in output tokens (a hash of request id and position): distinct across requests."""
+    rid, n = request.request_id, request.max_new_tokens
+    return [int((rid * 7919 + j * 104729 + 17) % vocab_size) for j in range(n)]
+
+
+def chain_acceptance(alphas, shape: tuple[int, int], key: jax.Array) -> jax.Array:
+    """int32[shape] accepted runs of a chain acceptance model: draft i is accepted with probability alphas[i] given
+    drafts < i were (conditional per-position acceptance), independently at every (request, length)."""
+    alphas = jnp.asarray(alphas, f32)
+    u = jax.random.uniform(key, (*shape, alphas.shape[0]), f32)
+    return jnp.sum(jnp.cumprod((u < alphas[None, None, :]).astype(i32), axis=-1), axis=-1, dtype=i32)
+
+
+def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *, block_size: int = 16,
+                      impl: str = "xla") -> dict[int, np.ndarray]:
+    """Accepted runs of greedy chain verification, from the model itself: request id -> int32[len + K + 1].
+
+    sequences: request id -> its full token sequence (prompt + output of a greedy run). With n tokens known, the
+    engine drafts from the hidden state at position n - 2 (the one that produced token n - 1), head j proposing
+    token n + j; greedy verification accepts the leading drafts equal to the text. That depends only on the text,
+    so a schedule replayed with these runs accepts what the engine accepted. runner: a `ModelRunner`.
+    """
+    ids = list(sequences)
+    lengths = [len(sequences[r]) for r in ids]
+    m = -(-max(lengths) // block_size)
+    width = m * block_size
+    tokens = np.zeros((len(ids), width), np.int32)
+    for row, r in enumerate(ids):
+        tokens[row, : lengths[row]] = sequences[r]
+    cache = runner.init_cache(1 + len(ids) * m, block_size, "float32")
+    table = jnp.asarray(1 + np.arange(len(ids) * m, dtype=np.int32).reshape(len(ids), m))
+    lens = jnp.asarray(lengths, i32)
+    positions = jnp.broadcast_to(jnp.arange(width, dtype=i32)[None, :], (len(ids), width))
+    _, hidden, _ = runner.forward(params, jnp.asarray(tokens), positions, cache, table, lens, lens, impl=impl)
+    drafts = np.asarray(jax.vmap(lambda h: runner.draft(params, h))(hidden))[:, :, :k]  # [R, width, K]
+    out = {}
+    for row, r in enumerate(ids):
+        t, seq = lengths[row], tokens[row]
+        run = np.zeros(t + k + 1, np.int32)
+        for n in range(2, t + 1):
+            target = seq[n: min(n + k, t)]
+            match = drafts[row, n - 2, : len(target)] == target
+            run[n] = int(np.cumprod(match).sum()) if len(target) else 0
+        out[r] = run
+    return out
+
+
+def _gather(table, rows, cols):
+    cols = jnp.clip(cols, 0, table.shape[1] - 1)
+    return table[rows[:, None], cols] if cols.ndim == 2 else table[rows, cols]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
+def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
+             max_steps: int) -> tuple[sc.SchedState, SimLog]:
+    """Run the trace to completion (or max_steps steps). Returns the final scheduler state and the log."""
+    b, k = cfg.cache.max_seqs, cfg.policy.draft_len
+    r_n = trace.prompt_len.shape[0]
+    b_idx = jnp.arange(b, dtype=i32)
+    nan = jnp.full((r_n,), jnp.nan, f32)
+    zr = jnp.zeros((r_n,), i32)
+    per_req = dict(first_token_time=nan, finish_time=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
+                   req_drafted=zr, req_accepted=zr, req_output=zr)
+
+    def step(carry):
+        st, clock, nxt, req = carry
+        status = st.seqs.status
+        live = jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
+        pending = nxt < r_n
+        clock = jnp.where(~live & pending, jnp.maximum(clock, trace.arrival[jnp.minimum(nxt, r_n - 1)]), clock)
+        # Admission: the next arrivals, as many as there are EMPTY slots (what the engine's host loop does).
+        free = jnp.sum(status == sc.EMPTY, dtype=i32)
+        idx = nxt + b_idx
+        ok = (idx < r_n) & (b_idx < free) & (trace.arrival[jnp.clip(idx, 0, r_n - 1)] <= clock)
+        ci = jnp.clip(idx, 0, r_n - 1)
+        st, _ = sc._add(st, jnp.where(ok[:, None], trace.prompts[ci], 0), jnp.where(ok, trace.prompt_len[ci], 0),
+                        jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)
+        nxt = nxt + jnp.sum(ok, dtype=i32)
+
+        st, batch = sc._schedule(st, knobs, cfg=cfg)
+        rid = jnp.clip(st.seqs.request_id, 0, r_n - 1)
+        n = st.seqs.num_tokens
+        accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))
+        seq = trace.tokens[rid]  # [B, W]
+        j = jnp.arange(max(k, 1), dtype=i32)[None, :]
+        drafts = jnp.take_along_axis(seq, jnp.clip(n[:, None] + j, 0, seq.shape[1] - 1), axis=1)
+        drafts = jnp.where(j < accepted[:, None], drafts, drafts + 1)  # rejected drafts differ from the text
+        next_token = jnp.take_along_axis(seq, jnp.clip(n + accepted, 0, seq.shape[1] - 1)[:, None], axis=1)[:, 0]
+        admitted_len = n  # the row's tokens at admission (prompt, plus output so far after a recompute)
+        st, res = sc._update(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
+
+        shape = sc.step_shape(batch)
+        dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,
+                            shape.drafting_rows).astype(f32)
+        end = clock + dt
+        on = batch.scheduled | batch.admitted | batch.preempted | batch.swap_out
+        dst = jnp.where(on | (res.num_new > 0) | res.finished, rid, r_n)  # r_n: dropped
+        first = req["first_token_time"]
+        new_first = (res.num_new > 0) & jnp.isnan(first[rid])
+        req = dict(
+            first_token_time=first.at[jnp.where(new_first, rid, r_n)].set(end, mode="drop"),
+            finish_time=req["finish_time"].at[jnp.where(res.finished, rid, r_n)].set(end, mode="drop"),
+            admitted_tokens=req["admitted_tokens"].at[dst].add(jnp.where(batch.admitted, admitted_len, 0),
+                                                               mode="drop"),
+            cached_tokens=req["cached_tokens"].at[dst].add(jnp.where(batch.admitted, batch.hit_tokens, 0),
+                                                           mode="drop"),
+            preemptions=req["preemptions"].at[dst].add((batch.preempted | batch.swap_out).astype(i32), mode="drop"),
+            req_drafted=req["req_drafted"].at[dst].add(batch.num_drafts, mode="drop"),
+            req_accepted=req["req_accepted"].at[dst].add(res.accepted, mode="drop"),
+            req_output=req["req_output"].at[dst].add(res.num_new, mode="drop"),
+        )
+        row = dict(active=jnp.asarray(True), start_time=clock, duration=dt, blocks_used=batch.blocks_used,
+                   spec_blocks=batch.spec_blocks, oom=batch.oom,
+                   preempted=jnp.sum(batch.preempted | batch.swap_out, dtype=i32),
+                   drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
+                   verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
+                   output_tokens=jnp.sum(res.num_new, dtype=i32))
+        return (st, end, nxt, req), row
+
+    def idle(carry):
+        zero = jnp.zeros((), i32)
+        row = dict(active=jnp.asarray(False), start_time=carry[1], duration=jnp.zeros((), f32), blocks_used=zero,
+                   spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero, accepted=zero,
+                   verifications=zero, output_tokens=zero)
+        return carry, row
+
+    def body(carry, _):
+        st, _, nxt, _ = carry
+        status = st.seqs.status
+        work = (nxt < r_n) | jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
+        return jax.lax.cond(work, step, idle, carry)
+
+    st0 = sc.init(cfg)
+    carry, rows = jax.lax.scan(body, (st0, jnp.zeros((), f32), jnp.zeros((), i32), per_req), None, length=max_steps)
+    return carry[0], SimLog(**rows, **carry[3])
+
+
+def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
+    """The DESIGN.md metrics of a simulated run (`metrics.summarize`), times in simulated seconds."""
+    log = jax.device_get(log)
+    act = np.asarray(log.active)
+    steps = metrics.StepRecord(
+        start_time=log.start_time[act], duration=log.duration[act], blocks_used=log.blocks_used[act],
+        blocks_total=np.full(int(act.sum()), cfg.cache.usable_blocks), spec_waste_blocks=log.spec_blocks[act],
+        oom=log.oom[act], num_preempted=log.preempted[act], num_drafted=log.drafted[act],
+        num_accepted=log.accepted[act], num_verifications=log.verifications[act],
+        num_output_tokens=log.output_tokens[act])
+    arrival, plen = np.asarray(trace.arrival), np.asarray(trace.prompt_len)
+    records = [metrics.RequestRecord(
+        request_id=int(trace.request_id[i]), arrival_time=float(arrival[i]),
+        first_token_time=float(log.first_token_time[i]),
+        finish_time=float(log.finish_time[i]) if np.isfinite(log.finish_time[i]) else float(np.nanmax(
+            log.start_time + log.duration)),
+        num_prompt_tokens=int(plen[i]), num_output_tokens=int(log.req_output[i]),
+        num_cached_prompt_tokens=int(log.cached_tokens[i]), num_admitted_prompt_tokens=int(log.admitted_tokens[i]),
+        num_preemptions=int(log.preemptions[i]), num_drafted=int(log.req_drafted[i]),
+        num_accepted=int(log.req_accepted[i]), aborted=not np.isfinite(log.finish_time[i]),
+    ) for i in range(len(arrival))]
+    return metrics.summarize(records, steps)

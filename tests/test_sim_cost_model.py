@@ -1,0 +1,251 @@
+"""Tests of the simulator's cost model: published shapes, the issue's A100 numbers, jit/vmap, and the CPU fit."""
+
+import dataclasses
+import json
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device
+
+KIB = 1024
+WEIGHTS = pathlib.Path(__file__).resolve().parents[1] / "reference_models" / "weights"
+A100 = DEVICES["a100-80gb"]
+LLAMA_8B, LLAMA_70B, TINY = MODELS["llama-3.1-8b"], MODELS["llama-3-70b"], MODELS["tiny"]
+
+
+def ideal(device: DeviceSpec) -> DeviceSpec:
+    """The pure roofline: efficiencies 1, no host overhead."""
+    return dataclasses.replace(device, compute_efficiency=1.0, bandwidth_efficiency=1.0, host_overhead_s=0.0)
+
+
+def decode_batch1(cm: CostModel, context: int = 512) -> dict[str, float]:
+    """One sequence decoding one token against `context` cached tokens, no drafting."""
+    return {k: float(v) for k, v in cm.breakdown(0, 1, context, 1, 0).items()}
+
+
+# ------------------------------------------------------------------------------------------------ model shapes
+
+
+def test_kv_bytes_per_token_match_the_issue():
+    assert LLAMA_8B.kv_bytes_per_token == 128 * KIB  # 2 * 32 layers * 8 KV heads * 128 * 2 bytes
+    assert LLAMA_70B.kv_bytes_per_token == 320 * KIB  # 2 * 80 * 8 * 128 * 2
+
+
+def test_param_counts_match_published_sizes():
+    # Published: 8.03B (Llama-3.1-8B) and 70.6B (Meta-Llama-3-70B); tolerance 0.5%.
+    assert LLAMA_8B.param_count == pytest.approx(8.03e9, rel=5e-3)
+    assert LLAMA_70B.param_count == pytest.approx(70.6e9, rel=5e-3)
+    assert LLAMA_8B.param_count == 8_030_261_248  # the safetensors total of meta-llama/Llama-3.1-8B
+    assert LLAMA_8B.weight_bytes == 2 * LLAMA_8B.param_count
+
+
+def test_param_counts_agree_with_the_reference_model_config():
+    from reference_models.llama import LlamaConfig
+
+    for spec in (LLAMA_8B, LLAMA_70B, TINY):
+        config = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                             intermediate_size=spec.intermediate_size, num_layers=spec.num_layers,
+                             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                             tie_word_embeddings=spec.tie_word_embeddings)
+        assert spec.param_count == config.num_params, spec.name
+
+
+def test_tiny_preset_is_the_shipped_model():
+    config = json.loads((WEIGHTS / "tiny_llama" / "config.json").read_text())
+    medusa = json.loads((WEIGHTS / "tiny_llama_medusa" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32"
+    assert ModelSpec.from_hf_config("tiny", config, medusa, weight_dtype_bytes=4, kv_dtype_bytes=4) == TINY
+
+
+def test_medusa_params_match_the_reference_heads():
+    from flax import nnx
+
+    from reference_models.medusa import MedusaConfig, MedusaHeads
+
+    heads = MedusaHeads(MedusaConfig(hidden_size=TINY.hidden_size, vocab_size=TINY.vocab_size,
+                                     num_heads=TINY.num_medusa_heads, num_layers=TINY.medusa_layers))
+    assert TINY.medusa_param_count == sum(x.size for x in jax.tree.leaves(nnx.state(heads, nnx.Param)))
+
+
+def test_medusa_vocab_projection_is_a_real_cost_at_128k_vocab():
+    # 4 heads each with a [128256, 4096] projection: ~2.2B parameters, ~29% of the base model's matmul FLOPs.
+    assert LLAMA_8B.medusa_param_count == pytest.approx(2.17e9, rel=1e-2)
+    assert LLAMA_8B.medusa_flops_per_row / LLAMA_8B.flops_per_token() == pytest.approx(0.289, abs=2e-3)
+    cm = CostModel(LLAMA_8B, A100)
+    assert float(cm.step_time(0, 1, 512, 1, 1)) > float(cm.step_time(0, 1, 512, 1, 0)) + 2e-3
+
+
+# -------------------------------------------------------------------------------------------- A100 numbers
+
+
+def test_llama8b_a100_batch1_decode_is_about_10ms_and_memory_bound():
+    terms = decode_batch1(CostModel(LLAMA_8B, A100))
+    assert terms["step_s"] == pytest.approx(10e-3, rel=0.10)
+    assert terms["memory_s"] > 10 * terms["compute_s"]
+    assert terms["allreduce_s"] == 0.0
+
+
+def test_llama8b_a100_pure_roofline_is_7_9ms():
+    terms = decode_batch1(CostModel(LLAMA_8B, ideal(A100)))
+    assert terms["step_s"] == pytest.approx(7.9e-3, rel=0.02)  # 16.06 GB weights + 64 MiB KV at 2.039 TB/s
+
+
+def test_knee_between_128_and_256_tokens():
+    # Definition: tokens per step at which matmul compute time equals weight-read time. Both with the preset's
+    # efficiencies (0.7 compute, 0.78 bandwidth) and on the pure roofline.
+    assert 128 <= CostModel(LLAMA_8B, A100).knee_tokens() <= 256
+    assert 128 <= CostModel(LLAMA_8B, ideal(A100)).knee_tokens() <= 256
+
+
+def test_step_shape_changes_from_memory_to_compute_bound_around_the_knee():
+    cm = CostModel(LLAMA_8B, A100)
+    small = cm.breakdown(0, 64, 64 * 512, 64)
+    large = cm.breakdown(1024, 0, 0, 1)
+    assert float(small["memory_s"]) > float(small["compute_s"])
+    assert float(large["compute_s"]) > float(large["memory_s"])
+    # Flat below the knee: 64 decode tokens cost far less than 64 single-token steps.
+    assert float(small["step_s"]) < 2 * float(cm.step_time(0, 1, 512, 1))
+
+
+def test_llama70b_needs_tp2_on_a100_and_pays_allreduce():
+    tp1, tp2 = CostModel(LLAMA_70B, A100, tp=1), CostModel(LLAMA_70B, A100, tp=2)
+    assert tp1.max_kv_tokens() == 0  # 141 GB of bf16 weights do not fit in 80 GiB
+    # Per GPU, 0.9 * 80 GiB = 77.3 GB hold 70.6 GB of base weights and 4.5 GB of Medusa heads; the rest at
+    # 160 KiB per token (half the KV heads): ~14k tokens, ~41k without Medusa.
+    assert 10_000 < tp2.max_kv_tokens() < 20_000
+    assert CostModel(dataclasses.replace(LLAMA_70B, num_medusa_heads=0), A100, tp=2).max_kv_tokens() > 35_000
+    for args in ((0, 1, 512, 1), (0, 64, 64 * 1024, 64), (2048, 0, 0, 1)):
+        t1, t2 = tp1.breakdown(*args), tp2.breakdown(*args)
+        assert float(t2["step_s"]) < float(t1["step_s"])
+        assert float(t2["allreduce_s"]) > 0.0 and float(t1["allreduce_s"]) == 0.0
+    # Batch-1 decode: 70.6 GB of weights per GPU at 78% of 2.039 TB/s, plus 160 all-reduces of ~9 us.
+    assert float(tp2.step_time(0, 1, 512, 1)) == pytest.approx(45.9e-3, rel=0.02)
+
+
+def test_empty_step_costs_nothing():
+    cm = CostModel(LLAMA_70B, A100, tp=2)
+    assert float(cm.step_time(0, 0, 4096, 3, 0)) == 0.0
+
+
+# ------------------------------------------------------------------------------------------ traced behaviour
+
+
+COST_MODELS = [
+    CostModel(LLAMA_8B, A100),
+    CostModel(LLAMA_70B, A100, tp=2),
+    CostModel(LLAMA_8B, dataclasses.replace(DEVICES["h100-sxm"], host_overhead_s=1e-4, compute_memory_overlap=0.5)),
+]
+_JITTED = [jax.jit(cm.step_time) for cm in COST_MODELS]
+
+
+@pytest.mark.parametrize("index", range(len(COST_MODELS)))
+@given(base=st.tuples(*(st.integers(0, 4096) for _ in range(3)), st.integers(1, 64), st.integers(0, 64)),
+       step=st.integers(1, 2048))
+def test_step_time_is_monotone(index, base, step):
+    """Non-decreasing in prefill, decode, KV read and Medusa rows; non-increasing in num_seqs."""
+    variants = [base] + [tuple(v + step * (i == j) for j, v in enumerate(base)) for i in range(5)]
+    inputs = np.asarray(variants, np.int32).T  # [5 inputs, 6 variants]
+    times = np.asarray(_JITTED[index](*inputs))
+    assert np.all(np.isfinite(times)) and np.all(times >= 0)
+    slack = 1e-6 * times[0]  # float32 rounding
+    for i in (0, 1, 2, 4):
+        assert times[1 + i] >= times[0] - slack, (i, times)
+    assert times[4] <= times[0] + slack, times
+
+
+def test_jit_vmap_and_scan_match_eager():
+    cm = CostModel(LLAMA_70B, A100, tp=2)
+    rng = np.random.default_rng(0)
+    inputs = [jnp.asarray(rng.integers(lo, hi, size=16), jnp.int32)
+              for lo, hi in ((0, 2048), (0, 256), (0, 100_000), (1, 64), (0, 64))]
+    eager = cm.step_time(*inputs)
+    assert eager.dtype == jnp.float32 and eager.shape == (16,)
+    np.testing.assert_allclose(jax.jit(cm.step_time)(*inputs), eager, rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(cm.step_time)(*inputs), eager, rtol=1e-6)
+
+    def body(clock, step_inputs):
+        dt = cm.step_time(*step_inputs)
+        return clock + dt, dt
+
+    clock, per_step = jax.lax.scan(body, jnp.float32(0.0), tuple(inputs))
+    np.testing.assert_allclose(per_step, eager, rtol=1e-6)
+    np.testing.assert_allclose(clock, np.sum(np.asarray(eager, np.float64)), rtol=1e-5)
+    # Float32 inputs and broadcasting of a scalar against an array work too.
+    np.testing.assert_allclose(cm.step_time(inputs[0].astype(jnp.float32), inputs[1], inputs[2], 8, 0),
+                               cm.step_time(inputs[0], inputs[1], inputs[2], jnp.full(16, 8), jnp.zeros(16)),
+                               rtol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_layers", 0), ("hidden_size", -1), ("num_kv_heads", 3), ("head_dim", 1.5), ("vocab_size", True),
+    ("num_medusa_heads", -1), ("weight_dtype_bytes", 3), ("kv_dtype_bytes", 0), ("tie_word_embeddings", 1),
+    ("name", ""),
+])
+def test_bad_model_spec_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(LLAMA_8B, **{field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("peak_flops_per_s", 0.0), ("hbm_bytes_per_s", -1.0), ("hbm_capacity_bytes", math.nan),
+    ("compute_efficiency", 1.5), ("bandwidth_efficiency", 0.0), ("link_bytes_per_s", "fast"),
+    ("allreduce_latency_s", -1e-6), ("tp_degree", 0), ("host_overhead_s", -1.0), ("compute_memory_overlap", 2.0),
+])
+def test_bad_device_spec_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(A100, **{field: value})
+
+
+def test_bad_tp_degree_names_the_field():
+    with pytest.raises(ValueError, match="tp"):
+        CostModel(LLAMA_8B, A100, tp=3)  # 32 heads are not divisible by 3
+    with pytest.raises(ValueError, match="tp"):
+        CostModel(LLAMA_8B, A100, tp=0)
+    assert CostModel(LLAMA_8B, dataclasses.replace(A100, tp_degree=4)).tp == 4
+
+
+# ----------------------------------------------------------------------------------------------- CPU fit
+
+
+def test_fit_cpu_device_recovers_known_constants():
+    known = DeviceSpec("known", peak_flops_per_s=20e9, hbm_bytes_per_s=4e9, hbm_capacity_bytes=math.inf,
+                       compute_efficiency=1.0, bandwidth_efficiency=1.0, link_bytes_per_s=math.inf,
+                       allreduce_latency_s=0.0, host_overhead_s=3e-3, compute_memory_overlap=0.0)
+    truth = CostModel(TINY, known)
+    rng = np.random.default_rng(1)
+    n = 300
+    prefill = rng.integers(0, 512, n) * (rng.random(n) < 0.3)
+    num_seqs = rng.integers(1, 16, n)
+    decode = num_seqs * rng.integers(1, 6, n)
+    kv_read = num_seqs * rng.integers(0, 1024, n)
+    medusa = num_seqs * (rng.random(n) < 0.5)
+    seconds = np.asarray(truth.step_time(prefill, decode, kv_read, num_seqs, medusa), np.float64)
+    seconds *= 1.0 + 0.01 * rng.standard_normal(n)  # 1% measurement noise
+    samples = [StepSample(*row) for row in zip(prefill.tolist(), decode.tolist(), kv_read.tolist(),
+                                                seconds.tolist(), num_seqs.tolist(), medusa.tolist())]
+    fitted = fit_cpu_device(samples, TINY)
+    assert fitted.name == "cpu-measured" and fitted.compute_memory_overlap == 0.0
+    assert fitted.host_overhead_s == pytest.approx(3e-3, rel=0.05)
+    assert fitted.peak_flops_per_s == pytest.approx(20e9, rel=0.05)
+    assert fitted.hbm_bytes_per_s == pytest.approx(4e9, rel=0.05)
+    predicted = np.asarray(CostModel(TINY, fitted).step_time(prefill, decode, kv_read, num_seqs, medusa))
+    np.testing.assert_allclose(predicted, seconds, rtol=0.05)
+
+
+def test_fit_cpu_device_accepts_plain_tuples_and_clamps_negative_constants():
+    # Time independent of KV: the per-byte cost must come out 0 (infinite bandwidth), never negative.
+    samples = [(0, d, kv, 1e-3 + 1e-5 * d) for d in (1, 2, 4, 8) for kv in (0, 100, 1000)]
+    fitted = fit_cpu_device(samples, TINY)
+    assert fitted.host_overhead_s >= 0 and fitted.peak_flops_per_s > 0 and fitted.hbm_bytes_per_s > 0
+    with pytest.raises(ValueError, match="samples"):
+        fit_cpu_device([(0, 0, 10, 1.0)] * 5, TINY)
