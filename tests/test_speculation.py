@@ -125,6 +125,32 @@ def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(s
     assert int(e.state.sched.counters.accepted) > 0
 
 
+def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped):
+    """2,000 steps, arrivals in bursts (the batch grows and shrinks), adaptive draft lengths: the number of
+    programs compiled is counted from jax's cache, and stays <= buckets x batch buckets (the batch is one
+    bucket: the state has a fixed B rows, idle rows are masked)."""
+    model, heads = shipped
+    # The configuration the sampled-drafts and warm-up tests below reuse (their programs are compiled here).
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32, seed=3,
+                      sample_drafts=True)
+    rng = np.random.default_rng(0)
+    before, steps = _compilations(), 0
+    drafts_seen = set()
+    while steps < 2000:
+        if steps % 40 == 0:  # a burst of 1..5 requests
+            for _ in range(int(rng.integers(1, 6))):
+                prompt = rng.integers(32, 127, size=int(rng.integers(4, 24))).tolist()
+                e.add_request(prompt, engine.SamplingParams(max_tokens=int(rng.integers(4, 30))))
+        e.step()
+        steps += 1
+        drafts_seen.add(e.step_log[-1]["drafted"])
+    compiled = _compilations() - before
+    batch_buckets = 1
+    assert compiled <= len(e.widths) * batch_buckets, (compiled, e.widths)
+    assert len(e.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
+    assert sum(e.width_hist.values()) == 2000
+
+
 def test_sampled_drafts_with_the_general_lossless_rule(shipped, trace, reference):
     small = dataclasses.replace(trace, requests=trace.requests[:3])
     e = _engine(shipped, policies.skvs(4), small, sample_drafts=True)  # temperature 0: argmax drafts, greedy rule
@@ -162,35 +188,10 @@ def _compilations() -> int:
     return engine._fused_step._cache_size()
 
 
-def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped):
-    """2,000 steps, arrivals in bursts (the batch grows and shrinks), adaptive draft lengths: the number of
-    programs compiled is counted from jax's cache, and stays <= buckets x batch buckets (the batch is one
-    bucket: the state has a fixed B rows, idle rows are masked)."""
-    model, heads = shipped
-    cache = CacheConfig(num_blocks=40, block_size=8, max_seqs=4, max_blocks_per_seq=8)
-    e = engine.Engine(model, heads, policies.skvs(4), cache, token_budget=48, prefill_chunk=16, seed=3)
-    rng = np.random.default_rng(0)
-    before, steps = _compilations(), 0
-    drafts_seen = set()
-    while steps < 2000:
-        if steps % 40 == 0:  # a burst of 1..5 requests
-            for _ in range(int(rng.integers(1, 6))):
-                prompt = rng.integers(32, 127, size=int(rng.integers(4, 24))).tolist()
-                e.add_request(prompt, engine.SamplingParams(max_tokens=int(rng.integers(4, 30))))
-        e.step()
-        steps += 1
-        drafts_seen.add(e.step_log[-1]["drafted"])
-    compiled = _compilations() - before
-    batch_buckets = 1
-    assert compiled <= len(e.widths) * batch_buckets, (compiled, e.widths)
-    assert len(e.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
-    assert sum(e.width_hist.values()) == 2000
-
-
 def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
     model, heads = shipped
     small = dataclasses.replace(trace, requests=trace.requests[:2])
-    e = _engine(shipped, policies.skvs(4), small)
+    e = _engine(shipped, policies.skvs(4), small, sample_drafts=True)  # at temperature 0: greedy
     order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
     assert order == [e.prompt_width, 3, 1, 5] and sorted(order) == list(e.widths)
     before = _compilations()
