@@ -38,7 +38,7 @@ settings.load_profile(os.environ.get("SKVS_HYPOTHESIS_PROFILE", "ci"))
 # The suite compiles a few hundred programs (one per scheduler configuration and shape), so drop the caches
 # whenever the count gets high. Costs a recompile of what later tests share; only triggers when needed.
 _MAPS = "/proc/self/maps"
-_MAX_MAPS = 30_000
+_MAX_MAPS = 45_000  # leaves room for ~200 more executables within one test
 
 
 @pytest.fixture(autouse=True)
