@@ -55,7 +55,8 @@ class ModelRunner(Protocol):
         """Copy whole blocks src[X] -> dst[X] (copy-on-write)."""
 
     def kv_pages(self, cache: Any) -> tuple[jax.Array, ...]:
-        """The cache as a tuple of arrays with a leading block axis (what `tiers` swaps)."""
+        """The cache as a tuple of arrays [N, S, ...] (block, token in block, ...): K/V pages and any quantisation
+        scales. `tiers` swaps them by block; the engine's tree verification moves tokens within them."""
 
     def with_kv_pages(self, cache: Any, pages: tuple[jax.Array, ...]) -> Any:
         """The inverse of `kv_pages`."""
