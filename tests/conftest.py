@@ -50,3 +50,12 @@ def _bounded_compile_cache():
         if count > _MAX_MAPS:
             jax.clear_caches()
             gc.collect()
+
+
+@pytest.fixture(scope="session")
+def shipped():
+    """The shipped tiny Llama and its Medusa heads (read-only: tests split them, never mutate them)."""
+    from reference_models import checkpoint, train
+
+    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
+            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from reference_models import checkpoint, greedy_generate, train
+from reference_models import greedy_generate
 from skvs_jax import bench, engine, policies, workloads
 from skvs_jax.config import CacheConfig
 from skvs_jax.model_runner import LlamaMedusaRunner
@@ -17,12 +17,6 @@ from skvs_jax.sim import simulate as sim
 
 # Tight on purpose: 8 slots of up to 128 tokens against 47 blocks of 8 (376 tokens) forces preemption.
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dequantize_kv
-from reference_models import checkpoint, corpus, train
+from reference_models import corpus
 from reference_models.llama import KVCache
 from reference_models.medusa_tree import _move_kv
 from skvs_jax import cli, engine, policies, tiers
@@ -31,12 +31,6 @@ LOGIT_TOLERANCE = {"bfloat16": 1e-2, "int8": 1e-2, "float8_e4m3fn": 6e-2}
 B, C, Q, S, M = 3, 10, 5, 8, 8  # sequences, calls, tokens per call, block size, blocks per sequence
 T = C * Q  # tokens written per sequence
 N = 1 + B * M + 4  # the null block, the sequences' blocks and 4 never used
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from reference_models import checkpoint, corpus, train
+from reference_models import corpus, train
 from reference_models.generate import greedy_generate, greedy_reference, medusa_generate
 from reference_models.medusa_tree import SMALL_TREE, medusa_tree_generate
 
 WEIGHTS = train.WEIGHTS_DIR
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return checkpoint.load_llama(WEIGHTS / "tiny_llama"), checkpoint.load_medusa(WEIGHTS / "tiny_llama_medusa")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from reference_models import checkpoint, greedy_generate, train
+from reference_models import greedy_generate
 from reference_models.medusa_tree import SMALL_TREE
 from skvs_jax import engine, policies, speculation, workloads
 from skvs_jax.config import CacheConfig
@@ -14,12 +14,6 @@ from skvs_jax.model_runner import DraftTree
 
 # Tight enough that preemption and prefix hits happen (as in test_engine).
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
-
-
-@pytest.fixture(scope="module")
-def shipped():
-    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
 
 
 @pytest.fixture(scope="module")
