@@ -38,25 +38,3 @@ def test_a_synthetic_trace_with_arrivals_runs_to_completion():
     arrival = np.asarray(st_trace.arrival)
     assert np.all(arrival <= first) and np.all(first <= finish)
     assert 0 < m["acceptance_rate"] < 1 and m["throughput"] > 0
-
-
-def test_one_compiled_call_sweeps_policy_knobs_and_matches_separate_runs():
-    """Knobs are data: `vmap` over draft length and max_spec_ratio runs four simulations in one program, each
-    identical to its own run."""
-    cfg = engine.sc.SchedulerConfig(cache=CACHE, policy=policies.skvs(4), max_running=8, token_budget=64)
-    trace = workloads.make("sharegpt", 16, seed=2, rate=20.0, max_prompt_len=60, max_output_len=30)
-    reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
-    runs = sim.chain_acceptance([0.7, 0.5, 0.4, 0.3], (16, cfg.max_len + 5), jax.random.key(1))
-    st_trace = sim.make_trace(trace, cfg, accept_runs={r.request_id: np.asarray(runs[i]) for i, r in enumerate(reqs)})
-    cost = cm.CostModel(cm.MODELS["llama-3.1-8b"], cm.DEVICES["h100-sxm"])
-    base = policies.skvs(4).knobs()
-    ks, ratios = jnp.asarray([0, 2, 4, 4], jnp.int32), jnp.asarray([0.3, 0.3, 0.3, 1.0], jnp.float32)
-    sweep = base.replace(draft_len=ks, max_spec_ratio=ratios, generation_threshold=jnp.full((4,), 8, jnp.int32))
-    states, logs = jax.vmap(lambda kn: sim.simulate(st_trace, kn, cfg=cfg, cost=cost, max_steps=400))(sweep)
-    assert np.all(np.asarray(states.counters.finished) == 16)
-    assert int(states.counters.drafted[0]) == 0 < int(states.counters.drafted[2])  # draft length 0: no speculation
-    for i in (1, 3):
-        _, alone = sim.simulate(st_trace, base.replace(draft_len=ks[i], max_spec_ratio=ratios[i]), cfg=cfg,
-                                cost=cost, max_steps=400)
-        for field in ("blocks_used", "drafted", "accepted", "output_tokens", "duration"):
-            np.testing.assert_array_equal(np.asarray(getattr(alone, field)), np.asarray(getattr(logs, field))[i])

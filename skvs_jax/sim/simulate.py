@@ -58,7 +58,8 @@ class SimTrace:
 
 @struct.dataclass
 class SimLog:
-    """Per step [T] (entries with active False are padding after the trace finished) and per request [R]."""
+    """Per step [T] (entries with active False are padding after the trace finished) and per request [R].
+    blocks_used counts blocks held out of the run's KV budget `kv_blocks` (withheld blocks are not counted)."""
 
     active: jax.Array  # bool[T]
     start_time: jax.Array  # float32[T] simulated seconds
@@ -71,6 +72,7 @@ class SimLog:
     accepted: jax.Array
     verifications: jax.Array
     output_tokens: jax.Array
+    num_seqs: jax.Array  # int32[T] sequences in the step (`scheduler.step_shape`)
     first_token_time: jax.Array  # float32[R], NaN if none
     finish_time: jax.Array  # float32[R], NaN if unfinished
     admitted_tokens: jax.Array  # int32[R] tokens looked up at admissions (prompt + output so far)
@@ -79,6 +81,7 @@ class SimLog:
     req_drafted: jax.Array
     req_accepted: jax.Array
     req_output: jax.Array
+    kv_blocks: jax.Array  # int32[] the KV budget the run had (`simulate`'s kv_blocks)
 
 
 def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[int, list[int]] | None = None,
@@ -159,25 +162,67 @@ def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *
     return out
 
 
+def with_kv_budget(st: sc.SchedState, kv_blocks: jax.Array) -> sc.SchedState:
+    """A fresh state whose free stack holds only blocks 1..kv_blocks (int32[], 1 <= kv_blocks <= usable).
+
+    The KV budget is data, so one compiled simulation sweeps it: the allocator pops blocks 1, 2, ... in order
+    either way, so a run with budget k allocates exactly the block ids a pool of k + 1 blocks would, and blocks
+    above k are never on the free stack (they stay FREE and untouched). Only for a state from `sc.init`."""
+    blocks = st.alloc.blocks
+    idx = jnp.arange(blocks.free_stack.shape[0], dtype=i32)
+    stack = jnp.where(idx < kv_blocks, kv_blocks - idx, 0).astype(i32)
+    return st.replace(alloc=st.alloc.replace(blocks=blocks.replace(free_stack=stack,
+                                                                   free_top=jnp.asarray(kv_blocks, i32))))
+
+
 def _gather(table, rows, cols):
     cols = jnp.clip(cols, 0, table.shape[1] - 1)
     return table[rows[:, None], cols] if cols.ndim == 2 else table[rows, cols]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
-def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
-             max_steps: int) -> tuple[sc.SchedState, SimLog]:
-    """Run the trace to completion (or max_steps steps). Returns the final scheduler state and the log."""
+@struct.dataclass
+class SimCarry:
+    """What one simulation carries from step to step: the scheduler state, the simulated clock, the next request
+    to admit (requests nxt.. have not entered the engine) and the per-request fields of `SimLog`."""
+
+    st: sc.SchedState
+    clock: jax.Array  # float32[] simulated seconds
+    nxt: jax.Array  # int32[]
+    req: dict
+    kv_blocks: jax.Array  # int32[]
+
+
+def start(trace: SimTrace, cfg: sc.SchedulerConfig, kv_blocks: jax.Array | None = None) -> SimCarry:
+    """The carry before the first step. kv_blocks: int32[] usable KV blocks, 1..cfg.cache.usable_blocks (default
+    all): a budget below the static pool, as data (see `with_kv_budget`)."""
+    r_n = trace.prompt_len.shape[0]
+    kv_blocks = jnp.asarray(cfg.cache.usable_blocks if kv_blocks is None else kv_blocks, i32)
+    nan = jnp.full((r_n,), jnp.nan, f32)
+    zr = jnp.zeros((r_n,), i32)
+    req = dict(first_token_time=nan, finish_time=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
+               req_drafted=zr, req_accepted=zr, req_output=zr)
+    return SimCarry(st=with_kv_budget(sc.init(cfg), kv_blocks), clock=jnp.zeros((), f32), nxt=jnp.zeros((), i32),
+                    req=req, kv_blocks=kv_blocks)
+
+
+def done(carry: SimCarry) -> jax.Array:
+    """bool[] every request has arrived, entered the engine and left it (finished or aborted)."""
+    status = carry.st.seqs.status
+    live = jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
+    return (carry.nxt >= carry.req["req_output"].shape[0]) & ~live
+
+
+def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
+            steps: int) -> tuple[SimCarry, dict]:
+    """`steps` more engine steps (steps after `done` are idle rows with active False). Returns the carry and the
+    per-step rows [steps] of `SimLog`. Traceable: jit it, or vmap it over lanes."""
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     r_n = trace.prompt_len.shape[0]
     b_idx = jnp.arange(b, dtype=i32)
-    nan = jnp.full((r_n,), jnp.nan, f32)
-    zr = jnp.zeros((r_n,), i32)
-    per_req = dict(first_token_time=nan, finish_time=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
-                   req_drafted=zr, req_accepted=zr, req_output=zr)
+    withheld = cfg.cache.usable_blocks - carry.kv_blocks
 
-    def step(carry):
-        st, clock, nxt, req = carry
+    def step(c: SimCarry):
+        st, clock, nxt, req = c.st, c.clock, c.nxt, c.req
         status = st.seqs.status
         live = jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
         pending = nxt < r_n
@@ -223,39 +268,47 @@ def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: Co
             req_accepted=req["req_accepted"].at[dst].add(res.accepted, mode="drop"),
             req_output=req["req_output"].at[dst].add(res.num_new, mode="drop"),
         )
-        row = dict(active=jnp.asarray(True), start_time=clock, duration=dt, blocks_used=batch.blocks_used,
+        row = dict(active=jnp.asarray(True), start_time=clock, duration=dt, blocks_used=batch.blocks_used - withheld,
                    spec_blocks=batch.spec_blocks, oom=batch.oom,
                    preempted=jnp.sum(batch.preempted | batch.swap_out, dtype=i32),
                    drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
                    verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
-                   output_tokens=jnp.sum(res.num_new, dtype=i32))
-        return (st, end, nxt, req), row
+                   output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32))
+        return c.replace(st=st, clock=end, nxt=nxt, req=req), row
 
-    def idle(carry):
+    def idle(c: SimCarry):
         zero = jnp.zeros((), i32)
-        row = dict(active=jnp.asarray(False), start_time=carry[1], duration=jnp.zeros((), f32), blocks_used=zero,
+        row = dict(active=jnp.asarray(False), start_time=c.clock, duration=jnp.zeros((), f32), blocks_used=zero,
                    spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero, accepted=zero,
-                   verifications=zero, output_tokens=zero)
-        return carry, row
+                   verifications=zero, output_tokens=zero, num_seqs=zero)
+        return c, row
 
-    def body(carry, _):
-        st, _, nxt, _ = carry
-        status = st.seqs.status
-        work = (nxt < r_n) | jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
-        return jax.lax.cond(work, step, idle, carry)
+    return jax.lax.scan(lambda c, _: jax.lax.cond(done(c), idle, step, c), carry, None, length=steps)
 
-    st0 = sc.init(cfg)
-    carry, rows = jax.lax.scan(body, (st0, jnp.zeros((), f32), jnp.zeros((), i32), per_req), None, length=max_steps)
-    return carry[0], SimLog(**rows, **carry[3])
+
+def finish(carry: SimCarry, rows: dict) -> SimLog:
+    """The log of a run from its final carry and its per-step rows (concatenated over `advance` calls)."""
+    return SimLog(**rows, **carry.req, kv_blocks=carry.kv_blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
+def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
+             kv_blocks: jax.Array | None = None) -> tuple[sc.SchedState, SimLog]:
+    """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
+    and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation.
+    For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done."""
+    carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps)
+    return carry.st, finish(carry, rows)
 
 
 def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
-    """The DESIGN.md metrics of a simulated run (`metrics.summarize`), times in simulated seconds."""
+    """The DESIGN.md metrics of a simulated run (`metrics.summarize`), times in simulated seconds; the scheduler
+    time metrics are left out (the simulated clock has no host time)."""
     log = jax.device_get(log)
     act = np.asarray(log.active)
     steps = metrics.StepRecord(
         start_time=log.start_time[act], duration=log.duration[act], blocks_used=log.blocks_used[act],
-        blocks_total=np.full(int(act.sum()), cfg.cache.usable_blocks), spec_waste_blocks=log.spec_blocks[act],
+        blocks_total=np.full(int(act.sum()), int(log.kv_blocks)), spec_waste_blocks=log.spec_blocks[act],
         oom=log.oom[act], num_preempted=log.preempted[act], num_drafted=log.drafted[act],
         num_accepted=log.accepted[act], num_verifications=log.verifications[act],
         num_output_tokens=log.output_tokens[act])
@@ -270,4 +323,7 @@ def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str
         num_preemptions=int(log.preemptions[i]), num_drafted=int(log.req_drafted[i]),
         num_accepted=int(log.req_accepted[i]), aborted=not np.isfinite(log.finish_time[i]),
     ) for i in range(len(arrival))]
-    return metrics.summarize(records, steps)
+    out = metrics.summarize(records, steps)
+    for key in ("scheduler_time_per_step", "scheduler_time_share"):  # the simulator has no host scheduler time
+        out.pop(key, None)
+    return out

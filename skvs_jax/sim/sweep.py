@@ -1,0 +1,198 @@
+"""Sweeps: many simulations of one policy in one compiled call, vmapped (and sharded over devices) by lane.
+
+A lane is one simulation. Everything that differs between lanes is data, so all lanes share one program:
+
+  knobs          the policy's numeric knobs (draft length, max_spec_ratio, generation threshold)
+  kv_blocks      the KV budget in blocks (`simulate.with_kv_budget`)
+  arrival_scale  arrival times are multiplied by it: a Poisson trace at rate r becomes one at rate r / scale with
+                 the same requests in the same order (exponential gaps scale with their mean)
+  trace          which of the stacked traces to run (traces of different seeds, or workloads, stacked by
+                 `stack`; they must share R requests and the table widths)
+
+What is static (and so needs its own compiled program): the policy's switches, the cache geometry and the
+batch-size bound (`SchedulerConfig`), the cost model, and the number of steps. Comparing policies is therefore
+one call per policy; sweeping load, memory, knobs and seeds within a policy is one call.
+
+`run(..., mesh=mesh)` shards the lanes over the mesh's `dp` axis with `jax.shard_map`: each device vmaps its own
+lanes and no data crosses devices. Lanes are padded to a multiple of the axis size by repeating the last lane.
+
+Under `vmap` the simulator's `lax.cond` (step or idle once the trace is done) runs both branches for every lane, so
+give every lane a similar amount of work (max_steps close to what the slowest lane needs).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from skvs_jax import scheduler as sc
+from skvs_jax.policies import Knobs
+from skvs_jax.sim import simulate
+from skvs_jax.sim.cost_model import CostModel
+from skvs_jax.sim.simulate import SimLog, SimTrace, summarize
+
+DP = "dp"  # the mesh axis lanes are sharded over
+
+
+@struct.dataclass
+class Lane:
+    """One simulation's data; batch every leaf along a leading axis [P] for a sweep."""
+
+    knobs: Knobs
+    kv_blocks: jax.Array  # int32[]
+    arrival_scale: jax.Array  # float32[]
+    trace: jax.Array  # int32[] index into the stacked traces
+
+
+def stack(traces: Sequence[SimTrace]) -> SimTrace:
+    """Stack traces of equal shapes (same request count and `SchedulerConfig`) along a new leading axis [S]."""
+    if not traces:
+        raise ValueError("traces must hold at least one SimTrace")
+    shapes = {tuple(x.shape for x in jax.tree.leaves(t)) for t in traces}
+    if len(shapes) != 1:
+        raise ValueError("traces must have equal shapes: the same number of requests and the same SchedulerConfig")
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *traces)
+
+
+def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | None = None,
+         max_spec_ratio: Sequence[float] | None = None, kv_blocks: Sequence[int] | None = None,
+         arrival_scale: Sequence[float] = (1.0,), traces: Sequence[int] = (0,)) -> tuple[Lane, list[dict]]:
+    """The Cartesian product of the given values as batched lanes [P], and one label dict per lane (same order).
+    Omitted knobs keep `base`'s value; kv_blocks defaults to the whole pool."""
+    axes = {
+        "draft_len": list(draft_len) if draft_len is not None else [int(base.draft_len)],
+        "max_spec_ratio": list(max_spec_ratio) if max_spec_ratio is not None else [float(base.max_spec_ratio)],
+        "kv_blocks": list(kv_blocks) if kv_blocks is not None else [cfg.cache.usable_blocks],
+        "arrival_scale": list(arrival_scale),
+        "trace": list(traces),
+    }
+    for name, values in axes.items():
+        if not values:
+            raise ValueError(f"{name} must hold at least one value")
+    k = cfg.policy.draft_len
+    if any(not 0 <= int(d) <= k for d in axes["draft_len"]):
+        raise ValueError(f"draft_len values must lie in [0, {k}] (the policy's static K), got {axes['draft_len']}")
+    if any(not 0.0 <= float(r) <= 1.0 for r in axes["max_spec_ratio"]):
+        raise ValueError(f"max_spec_ratio values must lie in [0, 1], got {axes['max_spec_ratio']}")
+    if any(not 1 <= int(b) <= cfg.cache.usable_blocks for b in axes["kv_blocks"]):
+        raise ValueError(f"kv_blocks values must lie in [1, {cfg.cache.usable_blocks}] (the static pool), "
+                         f"got {axes['kv_blocks']}")
+    if any(not float(s) > 0 for s in axes["arrival_scale"]):
+        raise ValueError(f"arrival_scale values must be > 0, got {axes['arrival_scale']}")
+    labels = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+    col = lambda name, dtype: jnp.asarray(np.asarray([lab[name] for lab in labels], dtype))  # noqa: E731
+    lanes = Lane(
+        knobs=Knobs(draft_len=col("draft_len", np.int32), max_spec_ratio=col("max_spec_ratio", np.float32),
+                    generation_threshold=jnp.full((len(labels),), base.generation_threshold, jnp.int32)),
+        kv_blocks=col("kv_blocks", np.int32), arrival_scale=col("arrival_scale", np.float32),
+        trace=col("trace", np.int32))
+    return lanes, labels
+
+
+def _lane_trace(traces: SimTrace, ln: Lane) -> SimTrace:
+    trace = jax.tree.map(lambda x: x[ln.trace], traces)
+    return trace.replace(arrival=trace.arrival * ln.arrival_scale)
+
+
+def _start(traces, lanes, *, cfg):
+    return jax.vmap(lambda ln: simulate.start(_lane_trace(traces, ln), cfg, ln.kv_blocks))(lanes)
+
+
+def _advance(carry, traces, lanes, *, cfg, cost, steps):
+    def one(c, ln):
+        return simulate.advance(c, _lane_trace(traces, ln), ln.knobs, cfg=cfg, cost=cost, steps=steps)
+
+    carry, rows = jax.vmap(one)(carry, lanes)
+    return carry, rows, jax.vmap(simulate.done)(carry)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _start_jit(traces, lanes, *, cfg, mesh):
+    if mesh is None:
+        return _start(traces, lanes, cfg=cfg)
+    body = functools.partial(_start, cfg=cfg)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(DP)), out_specs=P(DP), check_vma=False)(traces, lanes)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "steps", "mesh"), donate_argnums=(0,))
+def _advance_jit(carry, traces, lanes, *, cfg, cost, steps, mesh):
+    body = functools.partial(_advance, cfg=cfg, cost=cost, steps=steps)
+    if mesh is None:
+        return body(carry, traces, lanes)
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(DP), P(), P(DP)), out_specs=(P(DP), P(DP), P(DP)),
+                         check_vma=False)(carry, traces, lanes)
+
+
+def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
+        chunk: int | None = None, mesh: Mesh | None = None) -> tuple[sc.SchedState, SimLog]:
+    """Simulate every lane: final states and logs batched [P, ...] in lane order. traces: stacked [S, ...].
+
+    The lanes advance together `chunk` steps per compiled call (default: max_steps in one call) until every lane
+    is done or max_steps (rounded up to a whole chunk) have run; the log has one row per step run, inactive
+    rows (active False) after a lane is done. Under vmap a done lane still costs a step's work, so a chunk near
+    the expected run length wastes the least. `finished(states)` says which lanes completed their trace.
+
+    mesh: a `jax.sharding.Mesh` with a `dp` axis; lanes are split over it (padded to a multiple of its size,
+    the padding dropped from the result). Any other mesh axes see replicated work."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+    chunk = max_steps if chunk is None else chunk
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    num = int(lanes.kv_blocks.shape[0])
+    bad = [int(t) for t in np.asarray(lanes.trace) if not 0 <= int(t) < traces.arrival.shape[0]]
+    if bad:
+        raise ValueError(f"lane trace indices {bad} out of range for {traces.arrival.shape[0]} stacked traces")
+    pad = 0
+    if mesh is not None:
+        if not isinstance(mesh, Mesh) or DP not in mesh.axis_names:
+            raise ValueError(f"mesh must be a jax.sharding.Mesh with a {DP!r} axis, got {mesh!r}")
+        pad = -num % mesh.shape[DP]
+        if pad:
+            lanes = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), lanes)
+        lanes = jax.device_put(lanes, NamedSharding(mesh, P(DP)))
+        traces = jax.device_put(traces, NamedSharding(mesh, P()))
+    carry = _start_jit(traces, lanes, cfg=cfg, mesh=mesh)
+    parts, steps = [], 0
+    while steps < max_steps:
+        carry, rows, all_done = _advance_jit(carry, traces, lanes, cfg=cfg, cost=cost, steps=chunk, mesh=mesh)
+        parts.append(rows)
+        steps += chunk
+        if bool(np.all(np.asarray(all_done))):
+            break
+    rows = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
+    out = carry.st, simulate.finish(carry, rows)
+    return jax.tree.map(lambda x: x[:num], out) if pad else out
+
+
+def lane(tree, i: int):
+    """Lane i of a batched pytree (a state, log or `Lane`)."""
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def summaries(logs: SimLog, traces: SimTrace, lanes: Lane, cfg: sc.SchedulerConfig) -> list[dict[str, float]]:
+    """`simulate.summarize` of every lane (host side), its trace's arrival times scaled as simulated, plus
+    `mean_batch`: sequences per step, averaged over the lane's steps."""
+    logs, traces, lanes = jax.device_get((logs, traces, lanes))
+    out = []
+    for i in range(len(lanes.kv_blocks)):
+        trace = lane(traces, int(lanes.trace[i]))
+        trace = trace.replace(arrival=trace.arrival * lanes.arrival_scale[i])
+        log = lane(logs, i)
+        m = summarize(log, trace, cfg)
+        m["mean_batch"] = float(np.mean(log.num_seqs[log.active])) if log.active.any() else float("nan")
+        out.append(m)
+    return out
+
+
+def finished(states: sc.SchedState) -> np.ndarray:
+    """int[P] requests each lane finished (compare with the trace's R: a lane short of it ran out of steps)."""
+    return np.asarray(states.counters.finished)

@@ -1,0 +1,126 @@
+"""Sweeps (`sim.sweep`): many lanes in one compiled call, each identical to its own run; acceptance models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from skvs_jax import policies, workloads
+from skvs_jax import scheduler as sc
+from skvs_jax.config import CacheConfig
+from skvs_jax.sim import acceptance_model as am
+from skvs_jax.sim import cost_model as cm
+from skvs_jax.sim import simulate as sim
+from skvs_jax.sim import sweep
+
+CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+SMALL = CacheConfig(num_blocks=25, block_size=8, max_seqs=8, max_blocks_per_seq=16)  # 24 usable blocks
+COST = cm.CostModel(cm.MODELS["llama-3.1-8b"], cm.DEVICES["h100-sxm"])
+POLICY = policies.skvs(4)
+
+
+def _cfg(cache):  # one prefix-table size for both pools, so a budget lane and a small pool hash identically
+    return sc.SchedulerConfig(cache=cache, policy=POLICY, max_running=8, token_budget=64, prefix_capacity=256)
+
+
+def _trace(cfg, seed):
+    trace = workloads.make("sharegpt", 16, seed=seed, rate=20.0, max_prompt_len=60, max_output_len=30)
+    reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
+    runs = sim.chain_acceptance([0.7, 0.5, 0.4, 0.3], (16, cfg.max_len + 5), jax.random.key(seed))
+    return sim.make_trace(trace, cfg, accept_runs={r.request_id: np.asarray(runs[i]) for i, r in enumerate(reqs)})
+
+
+FIELDS = ("blocks_used", "spec_blocks", "drafted", "accepted", "output_tokens", "duration", "oom", "preempted",
+          "num_seqs")
+
+
+def _assert_same_run(alone: sim.SimLog, lanes_log: sim.SimLog, i: int) -> None:
+    n = int(np.asarray(alone.active).sum())
+    assert int(np.asarray(lanes_log.active)[i].sum()) == n
+    for field in FIELDS:
+        got = np.asarray(getattr(lanes_log, field))[i, :n]
+        np.testing.assert_array_equal(np.asarray(getattr(alone, field))[:n], got, err_msg=field)
+    for field in ("first_token_time", "finish_time", "cached_tokens", "preemptions", "req_output"):
+        np.testing.assert_array_equal(np.asarray(getattr(alone, field)), np.asarray(getattr(lanes_log, field))[i],
+                                      err_msg=field)
+
+
+def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs():
+    """16 lanes (draft length x KV budget x arrival rate x trace) in one compiled call, advanced in chunks until
+    every lane is done. A lane equals its own run: a KV budget of 24 blocks schedules exactly as a pool of 25
+    blocks, and an arrival scale of 0.25 exactly as the trace with its arrival times scaled."""
+    cfg = _cfg(CACHE)
+    traces = sweep.stack([_trace(cfg, 1), _trace(cfg, 2)])
+    base = POLICY.knobs()
+    lanes, labels = sweep.grid(base, cfg=cfg, draft_len=[0, 4], kv_blocks=[24, 47], arrival_scale=[1.0, 0.25],
+                               traces=[0, 1])
+    assert len(labels) == 16 and labels[0] == dict(draft_len=0, max_spec_ratio=pytest.approx(0.3), kv_blocks=24,
+                                                   arrival_scale=1.0, trace=0)
+    states, logs = sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=512, chunk=64)
+    assert np.all(sweep.finished(states) == 16)
+    assert logs.active.shape[1] < 512  # stopped once every lane was done
+    drafted = np.asarray(states.counters.drafted)
+    assert all((drafted[i] == 0) == (lab["draft_len"] == 0) for i, lab in enumerate(labels))
+    # Memory pressure shows: the 24-block lanes use a larger share of their budget and preempt more.
+    ms = sweep.summaries(logs, traces, lanes, cfg)
+    tight = [m for m, lab in zip(ms, labels) if lab["kv_blocks"] == 24]
+    roomy = [m for m, lab in zip(ms, labels) if lab["kv_blocks"] == 47]
+    assert np.mean([m["memory_utilisation"] for m in tight]) > np.mean([m["memory_utilisation"] for m in roomy])
+    assert all(0 < m["mean_batch"] <= 8 for m in ms)
+
+    i = labels.index(dict(draft_len=4, max_spec_ratio=pytest.approx(0.3), kv_blocks=24, arrival_scale=0.25, trace=1))
+    small = _cfg(SMALL)
+    tr = _trace(small, 2)
+    _, alone = sim.simulate(tr.replace(arrival=tr.arrival * 0.25), base, cfg=small, cost=COST, max_steps=300)
+    _assert_same_run(alone, logs, i)
+    j = labels.index(dict(draft_len=4, max_spec_ratio=pytest.approx(0.3), kv_blocks=47, arrival_scale=1.0, trace=0))
+    _, alone = sim.simulate(_trace(cfg, 1), base, cfg=cfg, cost=COST, max_steps=300)
+    _assert_same_run(alone, logs, j)
+    assert ms[j] == pytest.approx(sim.summarize(alone, _trace(cfg, 1), cfg) | {"mean_batch": ms[j]["mean_batch"]},
+                                  nan_ok=True)
+
+
+def test_sweep_inputs_are_checked_at_the_boundary():
+    cfg = _cfg(CACHE)
+    base = POLICY.knobs()
+    with pytest.raises(ValueError, match="draft_len"):
+        sweep.grid(base, cfg=cfg, draft_len=[5])
+    with pytest.raises(ValueError, match="kv_blocks"):
+        sweep.grid(base, cfg=cfg, kv_blocks=[48])
+    with pytest.raises(ValueError, match="arrival_scale"):
+        sweep.grid(base, cfg=cfg, arrival_scale=[0.0])
+    with pytest.raises(ValueError, match="at least one"):
+        sweep.grid(base, cfg=cfg, traces=[])
+    traces = sweep.stack([_trace(cfg, 1)])
+    lanes, _ = sweep.grid(base, cfg=cfg, traces=[1])
+    with pytest.raises(ValueError, match="out of range"):
+        sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=8)
+    lanes, _ = sweep.grid(base, cfg=cfg)
+    with pytest.raises(ValueError, match="max_steps"):
+        sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=0)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
+    with pytest.raises(ValueError, match="'dp' axis"):
+        sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=8, mesh=mesh)
+    with pytest.raises(ValueError, match="equal shapes"):
+        sweep.stack([_trace(cfg, 1), _trace(_cfg(CacheConfig(num_blocks=48, block_size=8, max_seqs=8,
+                                                              max_blocks_per_seq=12)), 1)])
+
+
+def test_acceptance_presets_and_the_chain_fit():
+    assert am.alphas("medusa-1", 4).tolist() == pytest.approx([0.6] * 4)
+    # A constant alpha gives the geometric series (1 - a^(K+1)) / (1 - a) tokens per verification.
+    assert am.tokens_per_step([0.6] * 4) == pytest.approx((1 - 0.6**5) / 0.4)
+    assert am.tokens_per_step(am.alphas("medusa-2", 4)) >= 2.83  # the bound the preset is derived from
+    assert am.tokens_per_step([0.71] * 4) < 2.83  # and it is the smallest such alpha
+    with pytest.raises(ValueError, match="unknown acceptance model"):
+        am.alphas("eagle", 4)
+    with pytest.raises(ValueError, match="gives 4 probabilities"):
+        am.alphas([0.5] * 4, 5)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        am.alphas([0.5, 1.5], 2)
+    # fit_chain recovers the conditional probabilities a chain model was drawn from.
+    truth = jnp.asarray([0.8, 0.6, 0.5, 0.3], jnp.float32)
+    runs = np.asarray(sim.chain_acceptance(truth, (400, 100), jax.random.key(3))).ravel()
+    np.testing.assert_allclose(am.fit_chain(runs, 4), np.asarray(truth), atol=0.02)
+    # Each position counts only the verifications that reached it; one nobody reached is NaN, not a guess.
+    np.testing.assert_array_equal(am.fit_chain(np.asarray([0, 1]), np.asarray([1, 3])), [0.5, 0.0, np.nan])
