@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import acceptance
+from skvs_jax import acceptance, distributed
 from skvs_jax import scheduler as sc
 from skvs_jax import speculation as spec
 from skvs_jax import tiers as tiers_mod
@@ -78,6 +78,7 @@ class EngineConfig:
     sample_drafts: bool = False  # chains: drafts sampled from the heads' distribution (general lossless rule)
     posterior_threshold: float = 0.09  # typical acceptance (Medusa's defaults)
     posterior_alpha: float = 0.3
+    kv_shardings: tuple | None = None  # on a mesh: a NamedSharding per `runner.kv_pages` array, else None
 
 
 @struct.dataclass
@@ -180,6 +181,9 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
         moved = spec.move_accepted(runner.kv_pages(cache), cfg.tree, batch.block_table, batch.start, qn, path,
                                    jnp.where(batch.samples, accepted, 0))
         cache = runner.with_kv_pages(cache, moved)
+    if cfg.kv_shardings is not None:  # on a mesh: the cache leaves the step split over tp as it came in
+        cache = runner.with_kv_pages(cache, tuple(jax.lax.with_sharding_constraint(x, s) for x, s in
+                                                  zip(runner.kv_pages(cache), cfg.kv_shardings)))
 
     sched, res = sc._update(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=scfg,
                             view_tokens=None if k == 0 or spec.is_chain(cfg.tree) else nodes)
@@ -261,7 +265,8 @@ class Engine:
     model: the base `reference_models.Llama`; heads: its `MedusaHeads` (required when the policy speculates;
     the first K heads draft); cache_config: the paged cache (its max_seqs slots hold waiting, running and
     swapped requests). Any other model: `Engine.from_runner(runner, params, policy, cache_config, ...)` with a
-    `model_runner.ModelRunner`.
+    `model_runner.ModelRunner`. mesh: a `jax.sharding.Mesh` with a "tp" axis (`distributed.make_mesh`) shards
+    the weights and the KV cache over KV heads (tensor parallelism; docs/distributed.md); None: one device.
     """
 
     def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, **kwargs):
@@ -282,7 +287,7 @@ class Engine:
                impl: str = "xla", kv_dtype: str | None = None, swap_blocks: int = 0, seed: int = 0,
                victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
                sample_drafts: bool = False, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-               clock=time.perf_counter) -> None:
+               clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         tree = self._check_speculation(runner, policy, tree, acceptance, sample_drafts, posterior_threshold,
@@ -297,10 +302,15 @@ class Engine:
             admit_window=min(cache_config.max_seqs, 32),
             draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else ())
         kv_dtype = policy.kv_dtype() if kv_dtype is None else kv_dtype  # an explicit dtype overrides the policy's
+        kv_shardings, self.mesh = None, mesh
+        self.policy, self.knobs = policy, policy.knobs()
+        if mesh is not None:
+            params, kv_shardings = self._shard(runner, params, mesh, impl, cache_config, kv_dtype,
+                                               policy.preemption == "swap" and swap_blocks > 0)
+            self.knobs = jax.device_put(self.knobs, distributed.replicated(mesh))
         self.cfg = EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype, tree=tree, acceptance=acceptance,
                                 sample_drafts=sample_drafts, posterior_threshold=float(posterior_threshold),
-                                posterior_alpha=float(posterior_alpha))
-        self.policy, self.knobs = policy, policy.knobs()
+                                posterior_alpha=float(posterior_alpha), kv_shardings=kv_shardings)
         self.runner, self.params = runner, params
         b = cache_config.max_seqs
         self._seed = seed
@@ -330,13 +340,42 @@ class Engine:
     def _empty_state(self) -> EngineState:
         scfg, runner = self.cfg.sched, self.runner
         b = scfg.cache.max_seqs
-        cache = runner.init_cache(scfg.cache.num_blocks, scfg.cache.block_size, self.cfg.kv_dtype)
+        make_cache = functools.partial(runner.init_cache, scfg.cache.num_blocks, scfg.cache.block_size,
+                                       self.cfg.kv_dtype)
+        if self.mesh is None:
+            cache = make_cache()
+        else:  # created split over tp, never whole on one device
+            cache = jax.jit(make_cache, out_shardings=runner.with_kv_pages(jax.eval_shape(make_cache),
+                                                                           self.cfg.kv_shardings))()
         state = EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
             temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, MAX_STOP), -1, i32),
             rng=jax.random.key(self._seed))
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
-        return jax.tree.map(lambda x: x.copy(), state)
+        state = jax.tree.map(lambda x: x.copy(), state)
+        if self.mesh is None:
+            return state
+        # On a mesh: everything but the cache replicated (a few KB; every rank reads the block tables).
+        return jax.device_put(state.replace(cache=None), distributed.replicated(self.mesh)).replace(cache=state.cache)
+
+    def _shard(self, runner: ModelRunner, params, mesh, impl: str, cache_config: CacheConfig, kv_dtype,
+               swaps: bool):
+        """Validate `mesh` and place the weights on it; returns (params, the cache arrays' shardings)."""
+        distributed.tp_size(mesh)
+        if impl == "pallas":
+            raise ValueError("mesh: impl='pallas' does not run sharded yet (its kernels would need shard_map); "
+                             "use impl='xla' with a mesh")
+        if swaps and jax.process_count() > 1:
+            raise ValueError("mesh: swap preemption reads the cache to this host, which holds only part of it "
+                             "when the mesh spans several processes; use preemption='recompute'")
+        cache = jax.eval_shape(lambda: runner.init_cache(cache_config.num_blocks, cache_config.block_size,
+                                                         kv_dtype))
+        params_sh, kv_sh = distributed.runner_shardings(runner, params, cache, mesh)
+        return jax.device_put(params, params_sh), kv_sh
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """Host data into the step: replicated over the mesh if there is one (every process passes the same)."""
+        return jnp.asarray(x) if self.mesh is None else jax.device_put(x, distributed.replicated(self.mesh))
 
     @staticmethod
     def _check_speculation(runner: ModelRunner, policy: Policy, tree, acceptance_rule: str, sample_drafts: bool,
@@ -421,9 +460,9 @@ class Engine:
                 r.sampling.max_tokens, rid
             temp[row] = r.sampling.temperature
             stops[row, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
-        self.state, slots = _add(self.state, jnp.asarray(prompts), jnp.asarray(lens), jnp.asarray(new),
-                                 jnp.asarray(prio), jnp.asarray(ids), jnp.asarray(temp), jnp.asarray(stops),
-                                 cfg=self.cfg)
+        put = self._put
+        self.state, slots = _add(self.state, put(prompts), put(lens), put(new), put(prio), put(ids), put(temp),
+                                 put(stops), cfg=self.cfg)
         slots = np.asarray(slots)
         for row, rid in enumerate(take):
             assert slots[row] >= 0, "a free slot was expected"
@@ -458,10 +497,11 @@ class Engine:
         order = [self.prompt_width] + decode
         empty = self._empty_state()
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
-        zeros = jnp.zeros((b,), i32)  # all-padding rows: compiles `add` without adding anything
-        jax.block_until_ready(_add(jax.tree.map(lambda x: x.copy(), empty), jnp.zeros((b, max_len), i32), zeros,
-                                   zeros + 1, zeros, zeros - 1, jnp.zeros((b,), jnp.float32),
-                                   jnp.full((b, MAX_STOP), -1, i32), cfg=self.cfg))
+        zeros, put = np.zeros((b,), np.int32), self._put  # all-padding rows: compiles `add` without adding anything
+        jax.block_until_ready(_add(jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)),
+                                   put(zeros), put(zeros + 1), put(zeros), put(zeros - 1),
+                                   put(np.zeros((b,), np.float32)), put(np.full((b, MAX_STOP), -1, np.int32)),
+                                   cfg=self.cfg))
         for w in order:
             state = jax.tree.map(lambda x: x.copy(), empty)
             if self.tiers is None:
@@ -482,6 +522,8 @@ class Engine:
         return self.runner.kv_pages(self.state.cache)
 
     def _set_kv_pages(self, pages: tuple) -> None:
+        if self.mesh is not None:  # the tier's scatter may come back laid out otherwise: split over tp again
+            pages = jax.device_put(pages, self.cfg.kv_shardings)
         self.state = self.state.replace(cache=self.runner.with_kv_pages(self.state.cache, pages))
 
     def step(self) -> list[tuple[int, list[int], bool]]:

@@ -21,6 +21,7 @@ from flax import nnx
 from reference_models.llama import KVCache, Llama, LlamaConfig
 from reference_models.medusa import MedusaHeads
 from reference_models.medusa_tree import SMALL_TREE, DraftTree  # noqa: F401  (re-exported for skvs_jax)
+from skvs_jax import distributed
 
 
 class ModelRunner(Protocol):
@@ -135,3 +136,15 @@ class LlamaMedusaRunner:
         if len(pages) != treedef.num_leaves:
             raise ValueError(f"pages must hold {treedef.num_leaves} arrays for this cache, got {len(pages)}")
         return jax.tree.unflatten(treedef, pages)
+
+    # Optional hooks (not in `ModelRunner`): a runner with them can be sharded over a mesh (see `distributed`).
+
+    def param_specs(self, params, tp: int):
+        """PartitionSpecs of `params` for a mesh whose "tp" axis has `tp` devices (Megatron column / row / vocab
+        parallel, see `distributed`); ValueError naming the mesh when tp does not divide the heads."""
+        distributed.check_llama_dims(self.config, tp)
+        return distributed.megatron_specs(params)
+
+    def cache_specs(self, cache: KVCache) -> tuple:
+        """One PartitionSpec per `kv_pages` array: every page and scale array split on its Hkv axis."""
+        return tuple(distributed.kv_spec(x) for x in self.kv_pages(cache))
