@@ -9,6 +9,8 @@ Subcommands grow with the project; each one lives in its own module and is impor
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro precision   Medusa acceptance with the KV cache in float32 / bfloat16 / fp8 / int8, K = 1..4
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
+  skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
+  skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench.add_arguments(commands.add_parser(
         "bench", help="vllm_default vs naive_spec vs skvs on the same trace, shipped tiny model (the main job)"))
+    from skvs_jax.sim import command as sim_command
+
+    sim_command.add_arguments(commands.add_parser(
+        "simulate", help="vllm_default vs naive_spec vs skvs simulated for a large model on a GPU (cost model)"))
     gen = commands.add_parser("generate", help="stream a continuation from the shipped tiny model")
     gen.add_argument("text", help="the prompt (bytes of UTF-8 text)")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -54,6 +60,10 @@ def _build_parser() -> argparse.ArgumentParser:
     bench_precision.add_arguments(
         micro_commands.add_parser("precision", help="Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)")
     )
+    from skvs_jax import bench_simulate
+
+    bench_simulate.add_arguments(
+        micro_commands.add_parser("simulate", help="simulated steps/s, and a vmapped sweep vs sequential runs"))
     attention = micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)")
     attention.add_argument("args", nargs=argparse.REMAINDER, help="flags passed to the attention benchmark")
     return parser
@@ -107,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         return bench.run(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "simulate":
+        from skvs_jax.sim import command as sim_command
+
+        return sim_command.run(args)
     if args.command == "micro" and args.target == "allocator":
         from skvs_jax import bench_allocator
 
@@ -119,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         from skvs_jax import bench_precision
 
         return bench_precision.run(args)
+    if args.command == "micro" and args.target == "simulate":
+        from skvs_jax import bench_simulate
+
+        return bench_simulate.run(args)
     if args.command == "micro" and args.target == "attention":
         from pallas_kernels import bench_attention
 

@@ -45,7 +45,8 @@ Assumptions (each one a simplification a reader should know about):
 
 Sources: model shapes from the `config.json` of the Hugging Face repositories named at each preset; device
 numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant. The
-`cpu-measured` device is not a preset: `fit_cpu_device` fits it from the real engine's logged step times.
+`cpu-measured` device is fitted by `fit_cpu_device` to the real engine's logged step times on this machine
+(`python -m skvs_jax.sim.calibrate` re-fits it and checks the simulator against the engine).
 """
 
 from __future__ import annotations
@@ -313,7 +314,15 @@ DEVICES: dict[str, DeviceSpec] = {
                        hbm_capacity_bytes=143771 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
                        bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
                        allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
-    # "cpu-measured" is deliberately absent: it must come from measurements, `fit_cpu_device(engine_steps)`.
+    # This machine's CPU running the real engine on the shipped tiny model (2 cores, jax 0.10.2, XLA defaults),
+    # fitted 2026-11-30 by `python -m skvs_jax.sim.calibrate` on 103 steps of vllm_default, naive_spec and skvs
+    # (each engine warmed up first): 8.0 ms per step (the host loop, dispatch and the scheduler dominate a model
+    # this small) plus 16.3 GFLOP/s; the per-byte term fitted to 0 (the tiny model's weights and KV sit in cache).
+    # Only meaningful with MODELS["tiny"]; re-run the command on another machine to re-calibrate.
+    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=1.631e10, hbm_bytes_per_s=math.inf,
+                               hbm_capacity_bytes=math.inf, compute_efficiency=1.0, bandwidth_efficiency=1.0,
+                               link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=8.037e-3,
+                               compute_memory_overlap=0.0),
 }
 
 

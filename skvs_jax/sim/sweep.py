@@ -102,29 +102,39 @@ def _lane_trace(traces: SimTrace, ln: Lane) -> SimTrace:
     return trace.replace(arrival=trace.arrival * ln.arrival_scale)
 
 
-def _start(traces, lanes, *, cfg):
-    return jax.vmap(lambda ln: simulate.start(_lane_trace(traces, ln), cfg, ln.kv_blocks))(lanes)
+STRATEGIES = ("vmap", "map")
 
 
-def _advance(carry, traces, lanes, *, cfg, cost, steps):
+def _over_lanes(fn, strategy: str):
+    """fn over the leading lane axis of its arguments: vectorised (vmap) or one lane after another (lax.map)."""
+    if strategy == "vmap":
+        return jax.vmap(fn)
+    return lambda *args: jax.lax.map(lambda a: fn(*a), args)
+
+
+def _start(traces, lanes, *, cfg, strategy):
+    return _over_lanes(lambda ln: simulate.start(_lane_trace(traces, ln), cfg, ln.kv_blocks), strategy)(lanes)
+
+
+def _advance(carry, traces, lanes, *, cfg, cost, steps, strategy):
     def one(c, ln):
-        return simulate.advance(c, _lane_trace(traces, ln), ln.knobs, cfg=cfg, cost=cost, steps=steps)
+        c, rows = simulate.advance(c, _lane_trace(traces, ln), ln.knobs, cfg=cfg, cost=cost, steps=steps)
+        return c, rows, simulate.done(c)
 
-    carry, rows = jax.vmap(one)(carry, lanes)
-    return carry, rows, jax.vmap(simulate.done)(carry)
+    return _over_lanes(one, strategy)(carry, lanes)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
-def _start_jit(traces, lanes, *, cfg, mesh):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "strategy"))
+def _start_jit(traces, lanes, *, cfg, mesh, strategy):
+    body = functools.partial(_start, cfg=cfg, strategy=strategy)
     if mesh is None:
-        return _start(traces, lanes, cfg=cfg)
-    body = functools.partial(_start, cfg=cfg)
+        return body(traces, lanes)
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(DP)), out_specs=P(DP), check_vma=False)(traces, lanes)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cost", "steps", "mesh"), donate_argnums=(0,))
-def _advance_jit(carry, traces, lanes, *, cfg, cost, steps, mesh):
-    body = functools.partial(_advance, cfg=cfg, cost=cost, steps=steps)
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "steps", "mesh", "strategy"), donate_argnums=(0,))
+def _advance_jit(carry, traces, lanes, *, cfg, cost, steps, mesh, strategy):
+    body = functools.partial(_advance, cfg=cfg, cost=cost, steps=steps, strategy=strategy)
     if mesh is None:
         return body(carry, traces, lanes)
     return jax.shard_map(body, mesh=mesh, in_specs=(P(DP), P(), P(DP)), out_specs=(P(DP), P(DP), P(DP)),
@@ -132,7 +142,7 @@ def _advance_jit(carry, traces, lanes, *, cfg, cost, steps, mesh):
 
 
 def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
-        chunk: int | None = None, mesh: Mesh | None = None) -> tuple[sc.SchedState, SimLog]:
+        chunk: int | None = None, mesh: Mesh | None = None, strategy: str = "vmap") -> tuple[sc.SchedState, SimLog]:
     """Simulate every lane: final states and logs batched [P, ...] in lane order. traces: stacked [S, ...].
 
     The lanes advance together `chunk` steps per compiled call (default: max_steps in one call) until every lane
@@ -141,7 +151,13 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
     the expected run length wastes the least. `finished(states)` says which lanes completed their trace.
 
     mesh: a `jax.sharding.Mesh` with a `dp` axis; lanes are split over it (padded to a multiple of its size,
-    the padding dropped from the result). Any other mesh axes see replicated work."""
+    the padding dropped from the result). Any other mesh axes see replicated work.
+    strategy: how a device runs its lanes: "vmap" (vectorised: the scheduler's branches become selects that run
+    both sides, and gathers/scatters gain a batch axis; pays where many lanes fill wide hardware) or "map"
+    (`lax.map`: one lane after another inside the same program, each with its real branches; on a CPU this is
+    the faster one, see docs/simulator.md). Results are identical."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     chunk = max_steps if chunk is None else chunk
@@ -160,13 +176,14 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
             lanes = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), lanes)
         lanes = jax.device_put(lanes, NamedSharding(mesh, P(DP)))
         traces = jax.device_put(traces, NamedSharding(mesh, P()))
-    carry = _start_jit(traces, lanes, cfg=cfg, mesh=mesh)
+    carry = _start_jit(traces, lanes, cfg=cfg, mesh=mesh, strategy=strategy)
     parts, steps = [], 0
     while steps < max_steps:
-        carry, rows, all_done = _advance_jit(carry, traces, lanes, cfg=cfg, cost=cost, steps=chunk, mesh=mesh)
+        carry, rows, lane_done = _advance_jit(carry, traces, lanes, cfg=cfg, cost=cost, steps=chunk, mesh=mesh,
+                                              strategy=strategy)
         parts.append(rows)
         steps += chunk
-        if bool(np.all(np.asarray(all_done))):
+        if bool(np.all(np.asarray(lane_done))):
             break
     rows = parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
     out = carry.st, simulate.finish(carry, rows)

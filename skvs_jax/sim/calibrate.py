@@ -1,0 +1,106 @@
+"""Calibrate the `cpu-measured` device on the real engine, then check the simulator's fidelity against it.
+
+    python -m skvs_jax.sim.calibrate [--policies vllm_default,naive_spec,skvs] [--requests 10]
+
+1. Serves one trace with the shipped tiny model under each policy (each engine warmed up first, so no step
+   includes a compilation), and logs every step's shape and wall time.
+2. Fits one device to the steps of all policies together (`cost_model.fit_cpu_device`): a per-step overhead, a
+   per-FLOP and a per-byte cost. Printed as the `DeviceSpec` literal that `cost_model.DEVICES["cpu-measured"]`
+   holds (paste it there to re-calibrate).
+3. Replays each run in the simulator (the engine's outputs as the token table, `replay_acceptance` for the
+   accepted runs) with the fitted device, and prints, per policy: whether every scheduler counter and the
+   per-step block / draft / token series are equal, and the P50 end-to-end latency, engine vs simulator.
+
+The step time fitted is the start-to-start interval of consecutive steps (what a request waits), so host-side
+work between steps is included.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import numpy as np
+
+from skvs_jax import bench, engine, policies, workloads
+from skvs_jax.config import CacheConfig
+from skvs_jax.model_runner import LlamaMedusaRunner
+from skvs_jax.sim import cost_model as cm
+from skvs_jax.sim import simulate as sim
+
+# Tight enough that recompute preemptions and prefix hits happen (as in tests/test_engine.py).
+CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+
+
+def serve(model, heads, policy: policies.Policy, trace: workloads.Trace) -> engine.Engine:
+    e = engine.Engine(model, heads, policy, CACHE, token_budget=96, prefill_chunk=32)
+    e.warmup()
+    for r in trace.requests:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id,
+                      arrival_time=0.0)
+    e.run()
+    return e
+
+
+def samples(e: engine.Engine) -> list[cm.StepSample]:
+    log = e.step_log
+    gaps = [b["start"] - a["start"] for a, b in zip(log, log[1:])] + [log[-1]["duration"]]
+    return [cm.StepSample(s["prefill_tokens"], s["decode_tokens"], s["kv_tokens_read"], g, s["num_seqs"],
+                          s["drafting_rows"]) for s, g in zip(log, gaps)]
+
+
+def replay(e: engine.Engine, trace: workloads.Trace, device: cm.DeviceSpec, runner, params) -> dict:
+    """Simulate the engine's run; compare schedules and latency."""
+    outputs = {i: e.requests[i].tokens for i in e.requests}
+    cfg = e.cfg.sched
+    runs = None
+    if cfg.policy.speculation:
+        seqs = {r.request_id: list(r.prompt) + outputs[r.request_id] for r in trace.requests}
+        runs = sim.replay_acceptance(runner, params, seqs, cfg.policy.draft_len)
+    st_trace = sim.make_trace(trace, cfg, outputs=outputs, accept_runs=runs)
+    st, log = sim.simulate(st_trace, e.knobs, cfg=cfg, cost=cm.CostModel(cm.MODELS["tiny"], device),
+                           max_steps=4 * len(e.step_log) + 16)
+    ce, cs = jax.device_get((e.state.sched.counters, st.counters))
+    differ = {f: (int(getattr(ce, f)), int(getattr(cs, f))) for f in ce.__dataclass_fields__
+              if int(getattr(ce, f)) != int(getattr(cs, f))}
+    act = np.asarray(log.active)
+    series = {k: (np.asarray(getattr(log, k))[act].tolist(), [s[key] for s in e.step_log])
+              for k, key in (("blocks_used", "blocks_used"), ("spec_blocks", "spec_blocks"))}
+    e2e_engine = float(np.median([r.finish_time - r.arrival_time for r in e.requests.values()]))
+    e2e_sim = sim.summarize(log, st_trace, cfg)["e2e_p50"]
+    return {"steps": (len(e.step_log), int(act.sum())), "counters_differ": differ,
+            "series_equal": all(a == b for a, b in series.values()), "e2e_p50": (e2e_engine, e2e_sim)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m skvs_jax.sim.calibrate", description=__doc__.split("\n")[0])
+    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs")
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    model, heads = bench.load_shipped()
+    runner, params = LlamaMedusaRunner.create(model, heads)
+    trace = workloads.make("system_prompts", args.requests, seed=args.seed, system_prompt_len=40, max_prompt_len=80,
+                           max_output_len=20)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    engines = {n: serve(model, heads, policies.preset(n), trace) for n in names}
+    device = cm.fit_cpu_device([s for e in engines.values() for s in samples(e)])
+    print(f"fitted on {sum(len(e.step_log) for e in engines.values())} steps of {', '.join(names)} "
+          f"(jax {jax.__version__}, {jax.devices()[0].platform}):")
+    print(f'    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s={device.peak_flops_per_s:.4g}, '
+          f'hbm_bytes_per_s={device.hbm_bytes_per_s:.4g}, hbm_capacity_bytes=math.inf, compute_efficiency=1.0, '
+          f'bandwidth_efficiency=1.0, link_bytes_per_s=math.inf, allreduce_latency_s=0.0, '
+          f'host_overhead_s={device.host_overhead_s:.4g}, compute_memory_overlap=0.0),')
+    for name, e in engines.items():
+        preset = cm.DEVICES.get("cpu-measured")
+        for dev_name, dev in (("fitted now", device), ("preset", preset)) if preset else (("fitted now", device),):
+            r = replay(e, trace, dev, runner, params)
+            eng, simulated = r["e2e_p50"]
+            print(f"{name} ({dev_name}): steps engine/sim {r['steps']}, counters differ: "
+                  f"{r['counters_differ'] or 'none'}, series equal: {r['series_equal']}, e2e P50 engine "
+                  f"{eng * 1e3:.0f} ms vs sim {simulated * 1e3:.0f} ms ({(simulated - eng) / eng:+.1%})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

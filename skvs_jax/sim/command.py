@@ -1,0 +1,243 @@
+"""`skvs simulate`: vllm_default vs naive_spec vs skvs on one trace, simulated for a large model on a GPU.
+
+Each policy is one compiled simulation (`sweep.run`); its lanes are the seeds (and with `--sweep` the arrival
+rates), all in one call. Every policy sees the same requests, the same arrival times and the same acceptance
+draws (the acceptance table depends on the seed only), so differences between columns come from scheduling.
+
+Output: the table of `skvs bench` (rows = DESIGN.md metrics, columns = policies, ratios to the baselines), in
+simulated time, averaged over seeds; with `--sweep`, a table per load of throughput, TPOT and mean batch with each
+speculating policy's speedup over vllm_default, and where naive speculation stops paying. JSON (every lane's
+metrics, the configuration) and a plot of metric vs load go to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+from skvs_jax import metrics, policies, workloads
+from skvs_jax import scheduler as sc
+from skvs_jax.config import CacheConfig
+from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
+
+SCHEMA_VERSION = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(cost_model.MODELS))
+    parser.add_argument("--device", default="a100-80gb", choices=sorted(cost_model.DEVICES))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices per replica)")
+    parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
+    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at t = 0)")
+    parser.add_argument("--seeds", type=int, default=2, help="traces (seeds 0..N-1), one lane each")
+    parser.add_argument("--scale", type=float, default=1.0, help="length scale of the workload (1: published means)")
+    parser.add_argument("--max-prompt-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--acceptance", default="medusa-1",
+                        help=f"chain acceptance model: a preset ({', '.join(sorted(acceptance_model.PRESETS))}) "
+                             "or comma-separated conditional probabilities, one per draft position")
+    parser.add_argument("--max-seqs", type=int, default=256, help="sequence slots = most running sequences")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="KV budget in blocks (default: what fits beside the weights in 90%% of device memory, "
+                             "capped at what max-seqs sequences of the longest request can hold)")
+    parser.add_argument("--token-budget", type=int, default=2048, help="most tokens computed per step")
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--sweep", action="store_true", help="sweep arrival rates (--rates) in one call per policy")
+    parser.add_argument("--rates", default="1,2,4,8,16,32,64", help="arrival rates of --sweep, requests/s")
+    parser.add_argument("--chunk", type=int, default=512, help="simulated steps per compiled call")
+    parser.add_argument("--strategy", default="map", choices=sweep.STRATEGIES,
+                        help="how a device runs its lanes: one after another (map; fastest on a CPU) or vectorised "
+                             "(vmap); with several devices visible the lanes are also split over them")
+    parser.add_argument("--max-steps", type=int, default=200_000)
+    parser.add_argument("--out", default="skvs-sim-results", help="output folder")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def _acceptance(spec: str, k: int) -> np.ndarray:
+    values = spec if spec in acceptance_model.PRESETS else [float(x) for x in spec.split(",") if x.strip()]
+    return acceptance_model.alphas(values, k)
+
+
+def _geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
+    s = args.block_size
+    m = -(-(args.max_prompt_len + args.max_output_len + k + 1) // s)
+    blocks = args.kv_blocks
+    if blocks is None:
+        blocks = min(cost.max_kv_tokens() // s, args.max_seqs * m)
+        if blocks < m:
+            raise SystemExit(f"skvs simulate: {args.model} on {args.tp} x {args.device} leaves room for {blocks} KV "
+                             f"blocks, fewer than one request needs ({m})")
+    return CacheConfig(num_blocks=blocks + 1, block_size=s, max_seqs=args.max_seqs, max_blocks_per_seq=m)
+
+
+def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray) -> tuple[list[workloads.Trace], simulate.SimTrace]:
+    kw = dict(rate=None if math.isinf(args.rate) else args.rate, max_prompt_len=args.max_prompt_len,
+              max_output_len=args.max_output_len, scale=args.scale)
+    raw, sims = [], []
+    for seed in range(args.seeds):
+        trace = workloads.make(args.workload, args.requests, seed=seed, **kw)
+        reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
+        w = cfg.max_len + cfg.policy.draft_len + 1
+        # One acceptance table per seed, independent of the policy: every policy meets the same draws.
+        runs = np.asarray(simulate.chain_acceptance(alphas, (len(reqs), w), jax.random.key(seed)))
+        raw.append(trace)
+        sims.append(simulate.make_trace(trace, cfg, accept_runs={r.request_id: runs[i] for i, r in enumerate(reqs)},
+                                        vocab_size=cost_model.MODELS[args.model].vocab_size))
+    return raw, sweep.stack(sims)
+
+
+def _mean(ms: list[dict]) -> dict[str, float]:
+    keys = ms[0].keys()
+    return {k: float(np.nanmean([m[k] for m in ms])) if any(np.isfinite(m[k]) for m in ms) else math.nan
+            for k in keys}
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    for n in names:
+        if n not in policies.PRESETS:
+            raise SystemExit(f"skvs simulate: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
+    for flag in ("requests", "seeds", "max_seqs", "block_size", "chunk", "max_steps", "draft_len"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"skvs simulate: --{flag.replace('_', '-')} must be >= 1")
+    if args.sweep and math.isinf(args.rate):
+        raise SystemExit("skvs simulate: --sweep scales arrival times, so it needs a finite --rate")
+    rates = [float(r) for r in args.rates.split(",")] if args.sweep else [args.rate]
+    if any(not r > 0 for r in rates):
+        raise SystemExit("skvs simulate: --rates must be > 0")
+    try:
+        alphas = _acceptance(args.acceptance, args.draft_len)
+        cost = cost_model.CostModel(cost_model.MODELS[args.model], cost_model.DEVICES[args.device], tp=args.tp)
+    except ValueError as err:
+        raise SystemExit(f"skvs simulate: {err}") from None
+    cache = _geometry(args, cost, args.draft_len)
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # Several devices (GPUs, or CPU devices forced with XLA_FLAGS): the lanes are split over all of them.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), (sweep.DP,)) if jax.device_count() > 1 else None
+    t_start = time.perf_counter()
+    per_policy: dict[str, list[dict]] = {}
+    labels = None
+    steps_run = 0
+    for name in names:
+        policy = policies.preset(name, args.draft_len)
+        cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=args.token_budget,
+                                 prefill_chunk=min(args.prefill_chunk, args.token_budget))
+        raw, traces = _traces(args, cfg, alphas)
+        lanes, labels = sweep.grid(policy.knobs(), cfg=cfg, arrival_scale=[args.rate / r for r in rates],
+                                   traces=list(range(args.seeds)))
+        t0 = time.perf_counter()
+        states, logs = sweep.run(traces, lanes, cfg=cfg, cost=cost, max_steps=args.max_steps, chunk=args.chunk,
+                                 mesh=mesh, strategy=args.strategy)
+        jax.block_until_ready(logs)
+        elapsed = time.perf_counter() - t0
+        done = sweep.finished(states)
+        if np.any(done < args.requests):
+            print(f"warning: {name}: {int(np.sum(done < args.requests))} of {len(done)} lanes did not finish in "
+                  f"{args.max_steps} steps (raise --max-steps); their metrics cover what ran")
+        ms = sweep.summaries(logs, traces, lanes, cfg)
+        for lab, m in zip(labels, ms, strict=True):
+            m["rate"] = args.rate / lab["arrival_scale"]
+            m["seed"] = lab["trace"]
+        per_policy[name] = ms
+        steps = int(np.asarray(logs.active).sum())
+        steps_run += steps
+        print(f"  {name}: {len(ms)} lanes, {steps} simulated steps in {elapsed:.1f} s (compilation included)")
+
+    by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
+    spec = cost.model
+    print(f"skvs simulate: {args.requests} requests ({args.workload}, seeds 0..{args.seeds - 1}, scale {args.scale}), "
+          f"{spec.name} on {args.tp} x {args.device}, acceptance {args.acceptance} (K={args.draft_len}, "
+          f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
+          f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "
+          f"{args.token_budget}; {steps_run} simulated steps in {time.perf_counter() - t_start:.0f} s wall on "
+          f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    if not args.sweep:
+        print(metrics.format_table(by_rate[rates[0]]))
+    else:
+        print(_sweep_table(by_rate, names))
+        for line in _verdicts(by_rate, names):
+            print(line)
+    doc = {"schema_version": SCHEMA_VERSION, "command": "skvs simulate", "config": vars(args) | {
+        "kv_blocks": cache.usable_blocks, "max_blocks_per_seq": cache.max_blocks_per_seq,
+        "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}},
+        "lanes": {n: per_policy[n] for n in names},
+        "by_rate": {str(r): by_rate[r] for r in rates}}
+    (out_dir / "simulate.json").write_text(json.dumps(doc, indent=1, default=float))
+    if not args.no_plot:
+        _plot(by_rate, names, out_dir / "simulate.png")
+    print(f"wrote {out_dir / 'simulate.json'}" + ("" if args.no_plot else f" and {out_dir / 'simulate.png'}"))
+    return 0
+
+
+def _speedup(by_rate, rate, name, key="tpot_p50") -> float:
+    """vllm_default's value over the policy's (latency: > 1 means the policy is faster)."""
+    base, mine = by_rate[rate].get("vllm_default", {}).get(key, math.nan), by_rate[rate][name].get(key, math.nan)
+    return base / mine if mine > 0 else math.nan
+
+
+def _sweep_table(by_rate, names) -> str:
+    head = ["rate (req/s)"] + [f"{n} {c}" for n in names for c in ("tok/s", "TPOT P50 ms", "batch")]
+    spec_names = [n for n in names if n != "vllm_default" and "vllm_default" in names]
+    head += [f"{n} TPOT speedup" for n in spec_names]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for r, res in by_rate.items():
+        cells = [f"{r:g}"]
+        for n in names:
+            m = res[n]
+            cells += [f"{m['throughput']:.0f}", f"{m['tpot_p50'] * 1e3:.1f}", f"{m['mean_batch']:.1f}"]
+        cells += [f"{_speedup(by_rate, r, n):.2f}x" for n in spec_names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _verdicts(by_rate, names) -> list[str]:
+    if "vllm_default" not in names:
+        return []
+    out = []
+    for n in names:
+        if n == "vllm_default":
+            continue
+        ups = {r: _speedup(by_rate, r, n) for r in by_rate}
+        below = [r for r, u in ups.items() if u < 1.0]
+        if below:
+            r = min(below)
+            out.append(f"{n}: TPOT speedup over vllm_default falls below 1.0x from rate {r:g} req/s "
+                       f"(mean batch {by_rate[r][n]['mean_batch']:.1f}): speculation stops paying there")
+        else:
+            out.append(f"{n}: TPOT speedup over vllm_default >= 1.0x at every rate swept "
+                       f"(min {min(ups.values()):.2f}x)")
+    return out
+
+
+def _plot(by_rate, names, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(by_rate)
+    panels = (("throughput", "throughput (tok/s)", 1.0), ("tpot_p50", "TPOT P50 (ms)", 1e3),
+              ("e2e_p50", "end-to-end P50 (s)", 1.0), ("mean_batch", "mean batch (sequences)", 1.0))
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label, factor) in zip(axes.flat, panels, strict=True):
+        for n in names:
+            ax.plot(rates, [by_rate[r][n][key] * factor for r in rates], marker="o", label=n)
+        ax.set_xscale("log")
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(label)
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
