@@ -163,19 +163,21 @@ def _assert_sweep_split(report: dict, devices: int) -> None:
     assert even["spec"] == ["dp"] and even["shard_rows"] == [2]  # two lanes per device, not replicated
 
 
-def test_two_devices_give_the_same_tokens_and_metrics():
-    report = _run(2)
-    _assert_same_as_one_device(report, 2)
-    _assert_sweep_split(report, 2)
+def test_four_devices_give_the_same_tokens_and_metrics():
+    report = _run(4)
+    _assert_same_as_one_device(report, 4)
+    _assert_sweep_split(report, 4)
+    assert "mesh" in report["tp4_error"] and "num_kv_heads" in report["tp4_error"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [4, 8])
-def test_four_and_eight_devices_give_the_same_tokens_and_metrics(devices):
+@pytest.mark.parametrize("devices", [2, 8])
+def test_two_and_eight_devices_give_the_same_tokens_and_metrics(devices):
     report = _run(devices)
     _assert_same_as_one_device(report, devices)
     _assert_sweep_split(report, devices)
-    assert "mesh" in report["tp4_error"] and "num_kv_heads" in report["tp4_error"]
+    if devices >= 4:
+        assert "mesh" in report["tp4_error"] and "num_kv_heads" in report["tp4_error"]
 
 
 @pytest.mark.slow

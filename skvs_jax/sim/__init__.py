@@ -5,7 +5,11 @@
   `jnp` arithmetic.
 * `simulate`: the engine's step (`scheduler._add` / `_schedule` / `_update`, the same code) under `lax.scan`, the
   model replaced by the cost model, a token table and an acceptance table (a chain acceptance model, or replayed
-  from the model itself for a greedy run).
+  from the model itself for a greedy run). `start` / `advance` / `finish` are the same loop in pieces.
+* `acceptance_model`: chain acceptance presets (Medusa's published numbers; the tiny model's measured heads).
+* `sweep`: many simulations of one policy in one compiled call (knobs, KV budget, arrival rate, trace as data),
+  vmapped or mapped per device, and split over a `dp` mesh axis.
+* `command`: `skvs simulate`; `calibrate`: fits the `cpu-measured` device and checks fidelity against the engine.
 """
 
 from skvs_jax.sim.cost_model import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device

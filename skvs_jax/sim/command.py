@@ -86,12 +86,9 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray) -> tuple[list[wor
     raw, sims = [], []
     for seed in range(args.seeds):
         trace = workloads.make(args.workload, args.requests, seed=seed, **kw)
-        reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
-        w = cfg.max_len + cfg.policy.draft_len + 1
-        # One acceptance table per seed, independent of the policy: every policy meets the same draws.
-        runs = np.asarray(simulate.chain_acceptance(alphas, (len(reqs), w), jax.random.key(seed)))
         raw.append(trace)
-        sims.append(simulate.make_trace(trace, cfg, accept_runs={r.request_id: runs[i] for i, r in enumerate(reqs)},
+        # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
+        sims.append(simulate.make_trace(trace, cfg, alphas=alphas, seed=seed,
                                         vocab_size=cost_model.MODELS[args.model].vocab_size))
     return raw, sweep.stack(sims)
 

@@ -85,13 +85,21 @@ class SimLog:
 
 
 def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[int, list[int]] | None = None,
-               accept_runs: dict[int, np.ndarray] | None = None, *, vocab_size: int = 256) -> SimTrace:
+               accept_runs: dict[int, np.ndarray] | None = None, *, alphas=None, seed: int = 0,
+               vocab_size: int = 256) -> SimTrace:
     """A `workloads.Trace` as `SimTrace` arrays. outputs: request id -> output tokens (default synthetic); accept_runs:
-    request id -> int array over sequence lengths (default: no draft is ever accepted; see `chain_acceptance`)."""
+    request id -> int array over sequence lengths; or alphas: a chain acceptance model (`chain_acceptance`, drawn
+    with `jax.random.key(seed)`; the draws depend on the trace, K and seed only, so policies with the same K meet
+    the same ones). Neither: no draft is ever accepted."""
     reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
     k, big_l = cfg.policy.draft_len, cfg.max_len
     w = big_l + k + 1
     r_n = len(reqs)
+    if alphas is not None:
+        if accept_runs is not None:
+            raise ValueError("pass accept_runs or alphas, not both")
+        drawn = np.asarray(chain_acceptance(alphas, (r_n, w), jax.random.key(seed)))
+        accept_runs = {r.request_id: drawn[i] for i, r in enumerate(reqs)}
     prompts = np.zeros((r_n, big_l), np.int32)
     tokens = np.zeros((r_n, w), np.int32)
     runs = np.zeros((r_n, w), np.int32)
