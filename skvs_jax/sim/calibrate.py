@@ -1,15 +1,16 @@
 """Calibrate the `cpu-measured` device on the real engine, then check the simulator's fidelity against it.
 
-    python -m skvs_jax.sim.calibrate [--policies vllm_default,naive_spec,skvs] [--requests 10]
+    python -m skvs_jax.sim.calibrate [--policies vllm_default,naive_spec,skvs] [--requests 10] [--repeats 3]
 
-1. Serves one trace with the shipped tiny model under each policy (each engine warmed up first, so no step
-   includes a compilation), and logs every step's shape and wall time.
-2. Fits one device to the steps of all policies together (`cost_model.fit_cpu_device`): a per-step overhead, a
+1. Serves one trace with the shipped tiny model under each policy, `--repeats` times round-robin (each engine
+   warmed up first, so no step includes a compilation), and logs every step's shape and wall time.
+2. Fits one device to the steps of all runs together (`cost_model.fit_cpu_device`): a per-step overhead, a
    per-FLOP and a per-byte cost. Printed as the `DeviceSpec` literal that `cost_model.DEVICES["cpu-measured"]`
    holds (paste it there to re-calibrate).
 3. Replays each run in the simulator (the engine's outputs as the token table, `replay_acceptance` for the
    accepted runs) with the fitted device, and prints, per policy: whether every scheduler counter and the
-   per-step block / draft / token series are equal, and the P50 end-to-end latency, engine vs simulator.
+   per-step block / draft / token series are equal, and the P50 end-to-end latency, engine (median over the
+   repeats: on a shared machine one run's wall clock moves by 15%) vs simulator.
 
 The step time fitted is the start-to-start interval of consecutive steps (what a request waits), so host-side
 work between steps is included.
@@ -77,28 +78,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs")
     parser.add_argument("--requests", type=int, default=10)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="serve each policy this many times (round-robin); the engine's latency is the median "
+                             "over repeats, and the fit uses every run's steps")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     model, heads = bench.load_shipped()
     runner, params = LlamaMedusaRunner.create(model, heads)
     trace = workloads.make("system_prompts", args.requests, seed=args.seed, system_prompt_len=40, max_prompt_len=80,
                            max_output_len=20)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    engines = {n: serve(model, heads, policies.preset(n), trace) for n in names}
-    device = cm.fit_cpu_device([s for e in engines.values() for s in samples(e)])
-    print(f"fitted on {sum(len(e.step_log) for e in engines.values())} steps of {', '.join(names)} "
-          f"(jax {jax.__version__}, {jax.devices()[0].platform}):")
+    runs = {n: [] for n in names}
+    for _ in range(args.repeats):  # round-robin, so a slow spell of the machine touches every policy
+        for n in names:
+            runs[n].append(serve(model, heads, policies.preset(n), trace))
+    device = cm.fit_cpu_device([s for es in runs.values() for e in es for s in samples(e)])
+    print(f"fitted on {sum(len(e.step_log) for es in runs.values() for e in es)} steps of {', '.join(names)}, "
+          f"{args.repeats} run(s) each (jax {jax.__version__}, {jax.devices()[0].platform}):")
     print(f'    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s={device.peak_flops_per_s:.4g}, '
           f'hbm_bytes_per_s={device.hbm_bytes_per_s:.4g}, hbm_capacity_bytes=math.inf, compute_efficiency=1.0, '
           f'bandwidth_efficiency=1.0, link_bytes_per_s=math.inf, allreduce_latency_s=0.0, '
           f'host_overhead_s={device.host_overhead_s:.4g}, compute_memory_overlap=0.0),')
-    for name, e in engines.items():
+    for name, es in runs.items():
+        p50s = [float(np.median([r.finish_time - r.arrival_time for r in e.requests.values()])) for e in es]
+        eng = float(np.median(p50s))
+        spread = f" (runs {min(p50s) * 1e3:.0f}-{max(p50s) * 1e3:.0f} ms)" if len(es) > 1 else ""
         preset = cm.DEVICES.get("cpu-measured")
         for dev_name, dev in (("fitted now", device), ("preset", preset)) if preset else (("fitted now", device),):
-            r = replay(e, trace, dev, runner, params)
-            eng, simulated = r["e2e_p50"]
+            r = replay(es[0], trace, dev, runner, params)  # greedy: every repeat has the same outputs and schedule
+            simulated = r["e2e_p50"][1]
             print(f"{name} ({dev_name}): steps engine/sim {r['steps']}, counters differ: "
                   f"{r['counters_differ'] or 'none'}, series equal: {r['series_equal']}, e2e P50 engine "
-                  f"{eng * 1e3:.0f} ms vs sim {simulated * 1e3:.0f} ms ({(simulated - eng) / eng:+.1%})")
+                  f"{eng * 1e3:.0f} ms{spread} vs sim {simulated * 1e3:.0f} ms ({(simulated - eng) / eng:+.1%})")
     return 0
 
 

@@ -315,13 +315,13 @@ DEVICES: dict[str, DeviceSpec] = {
                        bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
                        allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
     # This machine's CPU running the real engine on the shipped tiny model (2 cores, jax 0.10.2, XLA defaults),
-    # fitted 2026-11-30 by `python -m skvs_jax.sim.calibrate` on 103 steps of vllm_default, naive_spec and skvs
-    # (each engine warmed up first): 8.0 ms per step (the host loop, dispatch and the scheduler dominate a model
-    # this small) plus 16.3 GFLOP/s; the per-byte term fitted to 0 (the tiny model's weights and KV sit in cache).
-    # Only meaningful with MODELS["tiny"]; re-run the command on another machine to re-calibrate.
-    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=1.631e10, hbm_bytes_per_s=math.inf,
+    # fitted 2026-11-30 by `python -m skvs_jax.sim.calibrate --repeats 3` on a quiet machine: 309 steps of
+    # vllm_default, naive_spec and skvs, three runs each (each engine warmed up first): 2.2 ms per step (the host
+    # loop, dispatch and the scheduler) + 20.9 GFLOP/s + 0.89 GB/s. Only meaningful with MODELS["tiny"]; re-run
+    # the command on another machine to re-calibrate.
+    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=2.095e10, hbm_bytes_per_s=8.949e8,
                                hbm_capacity_bytes=math.inf, compute_efficiency=1.0, bandwidth_efficiency=1.0,
-                               link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=8.037e-3,
+                               link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=2.206e-3,
                                compute_memory_overlap=0.0),
 }
 
