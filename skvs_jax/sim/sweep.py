@@ -1,4 +1,4 @@
-"""Sweeps: many simulations of one policy in one compiled call, vmapped (and sharded over devices) by lane.
+"""Sweeps: many simulations of one policy in one compiled call, lanes vmapped or mapped, and split over devices.
 
 A lane is one simulation. Everything that differs between lanes is data, so all lanes share one program:
 
@@ -13,11 +13,12 @@ What is static (and so needs its own compiled program): the policy's switches, t
 batch-size bound (`SchedulerConfig`), the cost model, and the number of steps. Comparing policies is therefore
 one call per policy; sweeping load, memory, knobs and seeds within a policy is one call.
 
-`run(..., mesh=mesh)` shards the lanes over the mesh's `dp` axis with `jax.shard_map`: each device vmaps its own
-lanes and no data crosses devices. Lanes are padded to a multiple of the axis size by repeating the last lane.
-
-Under `vmap` the simulator's `lax.cond` (step or idle once the trace is done) runs both branches for every lane, so
-give every lane a similar amount of work (max_steps close to what the slowest lane needs).
+A device runs its lanes vectorised (`strategy="vmap"`) or one after another in the same program (`"map"`).
+Under vmap the scheduler's `lax.cond`s (the idle step once a lane is done, skipped work) run both branches for
+every lane and gathers gain a batch axis: on a CPU that makes vmap ~3x slower than separate runs, while map
+costs what they cost (docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's `dp` axis with
+`jax.shard_map`: each device runs its own lanes and no data crosses devices. Lanes are padded to a multiple of
+the axis size by repeating the last lane.
 """
 
 from __future__ import annotations
