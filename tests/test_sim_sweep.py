@@ -47,7 +47,7 @@ def _assert_same_run(alone: sim.SimLog, lanes_log: sim.SimLog, i: int) -> None:
 
 def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs():
     """16 lanes (draft length x KV budget x arrival rate x trace) in one compiled call, advanced in chunks until
-    every lane is done. A lane equals its own run: a KV budget of 24 blocks schedules exactly as a pool of 25
+    every lane is done. Every lane equals its own run: a KV budget of 24 blocks schedules exactly as a pool of 25
     blocks, and an arrival scale of 0.25 exactly as the trace with its arrival times scaled."""
     cfg = _cfg(CACHE)
     traces = sweep.stack([_trace(cfg, 1), _trace(cfg, 2)])
@@ -68,16 +68,19 @@ def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs()
     assert np.mean([m["memory_utilisation"] for m in tight]) > np.mean([m["memory_utilisation"] for m in roomy])
     assert all(0 < m["mean_batch"] <= 8 for m in ms)
 
-    i = labels.index(dict(draft_len=4, max_spec_ratio=pytest.approx(0.3), kv_blocks=24, arrival_scale=0.25, trace=1))
+    # Every lane against its own run: budget-24 lanes against a 25-block pool, scaled lanes against the trace with
+    # its arrival times scaled, each draft length as its own knobs.
     small = _cfg(SMALL)
-    tr = _trace(small, 2)
-    _, alone = sim.simulate(tr.replace(arrival=tr.arrival * 0.25), base, cfg=small, cost=COST, max_steps=300)
-    _assert_same_run(alone, logs, i)
-    j = labels.index(dict(draft_len=4, max_spec_ratio=pytest.approx(0.3), kv_blocks=47, arrival_scale=1.0, trace=0))
-    _, alone = sim.simulate(_trace(cfg, 1), base, cfg=cfg, cost=COST, max_steps=300)
-    _assert_same_run(alone, logs, j)
-    assert ms[j] == pytest.approx(sim.summarize(alone, _trace(cfg, 1), cfg) | {"mean_batch": ms[j]["mean_batch"]},
-                                  nan_ok=True)
+    for i, lab in enumerate(labels):
+        own_cfg = small if lab["kv_blocks"] == 24 else cfg
+        tr = _trace(own_cfg, 1 + lab["trace"])
+        tr = tr.replace(arrival=tr.arrival * lab["arrival_scale"])
+        _, alone = sim.simulate(tr, base.replace(draft_len=jnp.asarray(lab["draft_len"], jnp.int32)), cfg=own_cfg,
+                                cost=COST, max_steps=300)
+        _assert_same_run(alone, logs, i)
+        if i == 0:
+            assert ms[i] == pytest.approx(sim.summarize(alone, tr, own_cfg) | {"mean_batch": ms[i]["mean_batch"]},
+                                          nan_ok=True)
 
 
 def test_sweep_inputs_are_checked_at_the_boundary():
