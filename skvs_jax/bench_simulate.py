@@ -49,10 +49,7 @@ def _setup(args):
     cost = cost_model.CostModel(cost_model.MODELS["llama-3.1-8b"], cost_model.DEVICES["a100-80gb"])
     trace = workloads.make("sharegpt", args.requests, seed=0, rate=args.rate, scale=1.0,
                            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
-    reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
-    runs = np.asarray(simulate.chain_acceptance(acceptance_model.alphas("medusa-1", 4),
-                                                (len(reqs), cfg.max_len + 5), jax.random.key(0)))
-    sim_trace = simulate.make_trace(trace, cfg, accept_runs={r.request_id: runs[i] for i, r in enumerate(reqs)})
+    sim_trace = simulate.make_trace(trace, cfg, alphas=acceptance_model.alphas("medusa-1", 4), seed=0)
     return policy, cfg, cost, sim_trace
 
 
