@@ -40,7 +40,7 @@ from flax import struct
 
 # One definition of the block states, shared with the block-state kernels.
 from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
-from skvs_jax import checks
+from skvs_jax import branch, checks
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
@@ -351,7 +351,7 @@ def _grow(
         return _release(blocks, old_cow_blk, released, use_pool)[0]
 
     # Copies are rare; skip the O(N) bookkeeping when there is none.
-    blocks = jax.lax.cond(jnp.any(old_cow_blk < n), release_copied, lambda blocks: blocks, blocks)
+    blocks = branch.when(jnp.any(old_cow_blk < n), release_copied, blocks)
 
     grant = ok & requested
     seqs = seqs.replace(
@@ -473,29 +473,34 @@ def _free(
     st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
 ) -> tuple[AllocatorState, jax.Array]:
     n, m = cfg.num_blocks, cfg.max_blocks_per_seq
-    blocks, seqs = st.blocks, st.seqs
-    col = jnp.arange(m, dtype=i32)[None, :]
-    drop = seq_mask[:, None] & (col < seqs.num_blocks[:, None])  # [B, M]
-    ids = jnp.where(drop, seqs.block_table, n).reshape(-1)
-    ref_count = blocks.ref_count.at[ids].add(-1, mode="drop")
-    # A block shared by several freed sequences is released once, at its last reference in row-major order.
-    flat = jnp.arange(ids.shape[0], dtype=i32)
-    last = jnp.full((n,), -1, i32).at[ids].max(flat, mode="drop")
-    safe = jnp.clip(ids, 0, n - 1)
-    released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == flat)
-    blocks = blocks.replace(ref_count=ref_count)
-    blocks, num_released = _release(blocks, ids, released, spec.use_spec_pool)
-    blocks = blocks.replace(clock=blocks.clock + 1)
 
-    zero = jnp.zeros_like(seqs.num_blocks)
-    seqs = SeqBlocks(
-        block_table=jnp.where(seq_mask[:, None], NULL_BLOCK, seqs.block_table),
-        num_blocks=jnp.where(seq_mask, zero, seqs.num_blocks),
-        num_committed=jnp.where(seq_mask, zero, seqs.num_committed),
-        num_allocated=jnp.where(seq_mask, zero, seqs.num_allocated),
-        num_drafts=jnp.where(seq_mask, zero, seqs.num_drafts),
-    )
-    return st.replace(blocks=blocks, seqs=seqs), num_released
+    def release(operand):
+        st, _ = operand
+        blocks, seqs = st.blocks, st.seqs
+        col = jnp.arange(m, dtype=i32)[None, :]
+        drop = seq_mask[:, None] & (col < seqs.num_blocks[:, None])  # [B, M]
+        ids = jnp.where(drop, seqs.block_table, n).reshape(-1)
+        ref_count = blocks.ref_count.at[ids].add(-1, mode="drop")
+        # A block shared by several freed sequences is released once, at its last reference in row-major order.
+        flat = jnp.arange(ids.shape[0], dtype=i32)
+        last = jnp.full((n,), -1, i32).at[ids].max(flat, mode="drop")
+        safe = jnp.clip(ids, 0, n - 1)
+        released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == flat)
+        blocks, num_released = _release(blocks.replace(ref_count=ref_count), ids, released, spec.use_spec_pool)
+        zero = jnp.zeros_like(seqs.num_blocks)
+        seqs = SeqBlocks(
+            block_table=jnp.where(seq_mask[:, None], NULL_BLOCK, seqs.block_table),
+            num_blocks=jnp.where(seq_mask, zero, seqs.num_blocks),
+            num_committed=jnp.where(seq_mask, zero, seqs.num_committed),
+            num_allocated=jnp.where(seq_mask, zero, seqs.num_allocated),
+            num_drafts=jnp.where(seq_mask, zero, seqs.num_drafts),
+        )
+        return st.replace(blocks=blocks, seqs=seqs), num_released
+
+    # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
+    # step: skip the [B, M] and [N] passes then.
+    st, num_released = branch.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)))
+    return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
 
 
 # --------------------------------------------------------------------------------------- share / fork
@@ -574,7 +579,7 @@ def _reclaim_expired(
             state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
         )
 
-    blocks = jax.lax.cond(count > 0, compact, lambda blocks: blocks, blocks)
+    blocks = branch.when(count > 0, compact, blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
     return st.replace(blocks=blocks, counters=counters), count
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import checks
+from skvs_jax import branch, checks
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -375,21 +375,25 @@ def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig
     # resolved to, possibly another row's block inserted in the same call, so block positions go in order.
     # Rows holding the same new prefix have the same start, so they meet in the same iteration and dedup.
     # The trip count is data: the most new blocks of any row (0-2 in a decode step, chunk / S in prefill).
-    def body(k, carry):
-        cache, prev, ids = carry
+    # Past a row's last block the body changes nothing (no row is live, prev is kept, k stops), which lets a
+    # vmapped sweep run the longest lane's trip count without selecting the table (`branch.while_loop`).
+    def body(carry):
+        k, cache, prev, ids = carry
         col = start + k
         live = col < num_full
         c = jnp.clip(col, 0, j - 1)
         x = (key[rows, c], blocks[rows, c], block_table[rows, c], live)
-        (cache, prev), new_ids = _insert_position(cfg, (cache, prev), x)
-        return cache, prev, ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop")
+        (cache, resolved), new_ids = _insert_position(cfg, (cache, prev), x)
+        return (k + (k < steps).astype(i32), cache, jnp.where(live, resolved, prev),
+                ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop"))
 
     before = cache.counters
     ids = jnp.zeros((b, j), i32)
     if j > 0:  # static: tokens shorter than a block hold no full block
         prev = jnp.where(start > 0, found[rows, jnp.maximum(start - 1, 0)], ROOT)
         steps = jnp.max(num_full - start, initial=0)
-        cache, _, ids = jax.lax.fori_loop(0, steps, body, (cache, prev, ids))
+        init = (jnp.zeros((), i32), cache, prev, ids)
+        _, cache, _, ids = branch.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
     after = cache.counters
     result = InsertResult(
         block_ids=_pad_cols(ids, m),

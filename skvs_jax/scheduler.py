@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import allocator, checks
+from skvs_jax import allocator, branch, checks
 from skvs_jax import prefix_cache as pc
 from skvs_jax.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
 from skvs_jax.config import NULL_BLOCK, CacheConfig
@@ -388,15 +388,13 @@ def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfi
                                        spec=spec, window=w, speculative=speculative)
     wide = jnp.where(narrow, 0, num_tokens)
 
-    def full(alloc):
-        return allocator._allocate(alloc, wide, generation, order, cfg=ccfg, spec=spec, window=None,
+    def full(operand):
+        return allocator._allocate(operand[0], wide, generation, order, cfg=ccfg, spec=spec, window=None,
                                    speculative=speculative)
 
-    def none(alloc):
-        z = jnp.zeros_like(wide)
-        return alloc, allocator.AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=z, cow_dst=z)
-
-    alloc, second = jax.lax.cond(jnp.any(wide > 0), full, none, alloc)
+    z = jnp.zeros_like(wide)
+    nothing = allocator.AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=z, cow_dst=z)
+    alloc, second = branch.when(jnp.any(wide > 0), full, (alloc, nothing))
     return alloc, allocator.AllocResult(
         ok=first.ok & second.ok,
         cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
@@ -414,7 +412,7 @@ def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
     def full(alloc):
         return allocator._commit(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
 
-    return jax.lax.cond(jnp.any(~fits), full, lambda alloc: alloc, alloc)
+    return branch.when(jnp.any(~fits), full, alloc)
 
 
 def priority_order(seqs: SeqTable) -> jax.Array:
@@ -574,7 +572,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
             return hit.num_blocks, hit.block_ids
 
         # Most decode steps admit nobody: skip the hashing (the branches only read the table, so no copy).
-        hit_blocks, hit_ids = jax.lax.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
+        hit_blocks, hit_ids = branch.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
                                                                             jnp.zeros((a, m), i32)), None)
         hit_blocks = jnp.where(real, hit_blocks, 0)
     else:
@@ -615,7 +613,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
         prefix, removed = pc._remove(prefix, ids, cfg=cfg.prefix)
         return _unpin(alloc, removed.descendants), prefix
 
-    alloc, prefix = jax.lax.cond(shortfall > 0, evict, lambda operand: operand, (alloc, prefix))
+    alloc, prefix = branch.when(shortfall > 0, evict, (alloc, prefix))
 
     restore_tokens = jnp.where(swap_in, seqs.swapped_len, 0)
     alloc, res = _allocate_two_pass(alloc, q + restore_tokens, jnp.zeros((), i32), order, cfg, speculative=False)
