@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import metrics, workloads
+from skvs_jax import branch, metrics, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel
@@ -240,19 +240,23 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         idx = nxt + b_idx
         ok = (idx < r_n) & (b_idx < free) & (trace.arrival[jnp.clip(idx, 0, r_n - 1)] <= clock)
         ci = jnp.clip(idx, 0, r_n - 1)
-        st, _ = sc._add(st, jnp.where(ok[:, None], trace.prompts[ci], 0), jnp.where(ok, trace.prompt_len[ci], 0),
-                        jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)
+
+        def admit(st):  # most steps admit nobody: skip gathering [B, L] prompts
+            return sc._add(st, jnp.where(ok[:, None], trace.prompts[ci], 0), jnp.where(ok, trace.prompt_len[ci], 0),
+                           jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1),
+                           cfg=cfg)[0]
+
+        st = branch.when(jnp.any(ok), admit, st)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
         st, batch = sc._schedule(st, knobs, cfg=cfg)
         rid = jnp.clip(st.seqs.request_id, 0, r_n - 1)
         n = st.seqs.num_tokens
         accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))
-        seq = trace.tokens[rid]  # [B, W]
         j = jnp.arange(max(k, 1), dtype=i32)[None, :]
-        drafts = jnp.take_along_axis(seq, jnp.clip(n[:, None] + j, 0, seq.shape[1] - 1), axis=1)
+        drafts = _gather(trace.tokens, rid, n[:, None] + j)  # [B, K] the text after each row's tokens
         drafts = jnp.where(j < accepted[:, None], drafts, drafts + 1)  # rejected drafts differ from the text
-        next_token = jnp.take_along_axis(seq, jnp.clip(n + accepted, 0, seq.shape[1] - 1)[:, None], axis=1)[:, 0]
+        next_token = _gather(trace.tokens, rid, n + accepted)
         admitted_len = n  # the row's tokens at admission (prompt, plus output so far after a recompute)
         st, res = sc._update(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
 
@@ -284,14 +288,23 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                    output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32))
         return c.replace(st=st, clock=end, nxt=nxt, req=req), row
 
-    def idle(c: SimCarry):
-        zero = jnp.zeros((), i32)
-        row = dict(active=jnp.asarray(False), start_time=c.clock, duration=jnp.zeros((), f32), blocks_used=zero,
-                   spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero, accepted=zero,
-                   verifications=zero, output_tokens=zero, num_seqs=zero)
-        return c, row
+    # A while_loop, not a scan over `cond(done, idle, step)`: a cond whose idle branch returns the carry makes
+    # XLA copy the whole carry (prefix table included) every step; the loop updates it in place and stops early.
+    zero = jnp.zeros((), i32)
+    idle_row = dict(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
+                    blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
+                    accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero)
+    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps,)), idle_row)
 
-    return jax.lax.scan(lambda c, _: jax.lax.cond(done(c), idle, step, c), carry, None, length=steps)
+    def body(state):
+        i, c, rows = state
+        c, row = step(c)
+        return i + 1, c, jax.tree.map(lambda buf, x: buf.at[i].set(x), rows, row)
+
+    _, carry, rows = branch.while_loop(lambda state: (state[0] < steps) & ~done(state[1]), body,
+                                       (jnp.zeros((), i32), carry, rows))
+    rows["start_time"] = jnp.where(rows["active"], rows["start_time"], carry.clock)  # idle rows: the final clock
+    return carry, rows
 
 
 def finish(carry: SimCarry, rows: dict) -> SimLog:
