@@ -14,11 +14,11 @@ batch-size bound (`SchedulerConfig`), the cost model, and the number of steps. C
 one call per policy; sweeping load, memory, knobs and seeds within a policy is one call.
 
 A device runs its lanes vectorised (`strategy="vmap"`) or one after another in the same program (`"map"`).
-Under vmap the scheduler's `lax.cond`s (the idle step once a lane is done, skipped work) run both branches for
-every lane and gathers gain a batch axis: on a CPU that makes vmap ~3x slower than separate runs, while map
-costs what they cost (docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's `dp` axis with
-`jax.shard_map`: each device runs its own lanes and no data crosses devices. Lanes are padded to a multiple of
-the axis size by repeating the last lane.
+Under vmap the scheduler's skips (`skvs_jax.branch`) run a branch when some lane needs it and select only when
+lanes disagree, but every gather and scatter gains a batch axis: on a CPU vmap costs ~1.2x what separate runs
+cost, while map costs what they cost (docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's
+`dp` axis with `jax.shard_map`: each device runs its own lanes and no data crosses devices. Lanes are padded to a
+multiple of the axis size by repeating the last lane.
 """
 
 from __future__ import annotations
@@ -148,15 +148,16 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
 
     The lanes advance together `chunk` steps per compiled call (default: max_steps in one call) until every lane
     is done or max_steps (rounded up to a whole chunk) have run; the log has one row per step run, inactive
-    rows (active False) after a lane is done. Under vmap a done lane still costs a step's work, so a chunk near
-    the expected run length wastes the least. `finished(states)` says which lanes completed their trace.
+    rows (active False) after a lane is done. Under vmap a done lane still costs a select of its state while
+    others run, so a chunk near the expected run length wastes the least. `finished(states)` says which lanes
+    completed their trace.
 
     mesh: a `jax.sharding.Mesh` with a `dp` axis; lanes are split over it (padded to a multiple of its size,
     the padding dropped from the result). Any other mesh axes see replicated work.
-    strategy: how a device runs its lanes: "vmap" (vectorised: the scheduler's branches become selects that run
-    both sides, and gathers/scatters gain a batch axis; pays where many lanes fill wide hardware) or "map"
-    (`lax.map`: one lane after another inside the same program, each with its real branches; on a CPU this is
-    the faster one, see docs/simulator.md). Results are identical."""
+    strategy: how a device runs its lanes: "vmap" (vectorised: a skipped branch runs when some lane needs it,
+    with a select where lanes disagree, and gathers/scatters gain a batch axis; meant for wide hardware) or
+    "map" (`lax.map`: one lane after another inside the same program; on a CPU the faster one, see
+    docs/simulator.md). Results are identical."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
