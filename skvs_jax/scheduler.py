@@ -573,7 +573,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 
         # Most decode steps admit nobody: skip the hashing (the branches only read the table, so no copy).
         hit_blocks, hit_ids = branch.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
-                                                                            jnp.zeros((a, m), i32)), None)
+                                                                           jnp.zeros((a, m), i32)), None)
         hit_blocks = jnp.where(real, hit_blocks, 0)
     else:
         hit_blocks, hit_ids = jnp.zeros((a,), i32), jnp.zeros((a, m), i32)

@@ -1,6 +1,6 @@
 """Roofline cost model of one engine step: how long a step of a given shape takes on a given device.
 
-The trace simulator runs the real scheduler under `lax.scan` and asks this module, once per step, how many
+The trace simulator runs the real scheduler in a `while_loop` and asks this module, once per step, how many
 seconds the model forward of that step would take for a large model on a GPU. It is pure `jnp` arithmetic on
 the step's token counts, so it traces, jits and vmaps with the simulator.
 
@@ -407,7 +407,7 @@ class CostModel:
                   num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> jax.Array:
         """Seconds for one step: float32 [...] from int32/float32 inputs of one broadcastable shape [...].
 
-        Pure `jnp` arithmetic without data-dependent Python branches: works under jit, vmap and lax.scan.
+        Pure `jnp` arithmetic without data-dependent Python branches: works under jit, vmap and loops.
         Non-decreasing in prefill_tokens, decode_tokens, kv_tokens_read and medusa_rows; non-increasing in
         num_seqs (the same query tokens spread over more sequences attend to less context each).
         """

@@ -1,6 +1,6 @@
-"""`simulate`: the engine's scheduler stepped under `lax.scan` against a cost model, with no model execution.
+"""`simulate`: the engine's scheduler stepped in a `while_loop` against a cost model, with no model execution.
 
-Each scan iteration is one engine step, exactly as `Engine.step` does it, with the model replaced:
+Each loop iteration is one engine step, exactly as `Engine.step` does it, with the model replaced:
 
   admit arrived requests into EMPTY slots (in arrival order, as many as there are EMPTY slots)
   → `scheduler._schedule` → accepted drafts from the trace's acceptance table → `scheduler._update`
