@@ -218,6 +218,11 @@ class OracleScheduler:
                 k_want[b] = max(0, min(self._draft_len(b, knobs), out_room, big_l - n[b]))
             elif running[b] and remaining[b] > 1:
                 k_want[b] = max(0, min(reserve, big_l - c[b] - chunk[b]))
+        rows = sum(1 for b in slots if running[b] and remaining[b] == 1)
+        k_cap = max(int(knobs.verify_budget) // max(rows, 1) - 1, 0)  # compute-aware drafting
+        for b in slots:
+            if running[b] and remaining[b] == 1:
+                k_want[b] = min(k_want[b], k_cap)
 
         # 2. Token budget in priority order.
         q, d = [0] * bsz, [0] * bsz

@@ -31,6 +31,7 @@ from skvs_jax.config import SpecConfig
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
+NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
 BF16_FROM_DRAFT_LEN = 6  # the article's rule (DIGEST section 7.3): bf16 KV from this draft length, fp8 below
 
 
@@ -41,6 +42,7 @@ class Knobs:
     draft_len: jnp.ndarray  # drafts per step, <= Policy.draft_len (the static maximum K)
     max_spec_ratio: jnp.ndarray  # share of free blocks speculation may take
     generation_threshold: jnp.ndarray  # speculative-pool blocks older than this are reclaimed
+    verify_budget: jnp.ndarray  # tokens decode rows may verify per step (1 + drafts each); NO_VERIFY_CAP: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,12 @@ class Policy:
         opportunistic, granted only from free memory within `max_spec_ratio`, never at another's expense.
       max_spec_ratio: bound on the share of free blocks that speculative blocks may take, in [0, 1].
       preemption: "recompute" (blocks released, request back to waiting) or "swap" (KV moved to a host tier).
+      verify_budget: compute-aware drafting. Decode rows verify 1 + drafts tokens each; with R decode rows in
+        a step every row drafts at most floor(verify_budget / R) - 1, so drafts shrink evenly as the batch grows
+        and stop once the rows alone fill the budget. Set it near the device's compute knee (the tokens per step
+        past which a decode step stops being memory-bound, `sim.cost_model.CostModel.knee_tokens`): past it,
+        verifying drafts costs more time than the accepted tokens save. None: no cap (vLLM's
+        `speculative_disable_by_batch_size` is the all-or-nothing form of this rule).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
@@ -90,6 +98,7 @@ class Policy:
     max_spec_ratio: float
     preemption: str
     kv_precision: str = "float32"
+    verify_budget: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -104,6 +113,9 @@ class Policy:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
+        vb = self.verify_budget
+        if vb is not None and (isinstance(vb, bool) or not isinstance(vb, int) or not 1 <= vb <= NO_VERIFY_CAP):
+            raise ValueError(f"verify_budget must be None or an int in [1, {NO_VERIFY_CAP}], got {vb!r}")
         # SpecConfig validates draft_len, generation_threshold, max_spec_ratio and release, naming the field.
         self.spec_config()
         if self.speculation and self.draft_len < 1:
@@ -145,6 +157,7 @@ class Policy:
             draft_len=jnp.asarray(self.draft_len, jnp.int32),
             max_spec_ratio=jnp.asarray(self.max_spec_ratio, jnp.float32),
             generation_threshold=jnp.asarray(self.generation_threshold, jnp.int32),
+            verify_budget=jnp.asarray(NO_VERIFY_CAP if self.verify_budget is None else self.verify_budget, jnp.int32),
         )
 
     def replace(self, **changes) -> Policy:

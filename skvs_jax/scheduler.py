@@ -51,7 +51,7 @@ from skvs_jax import allocator, branch, checks
 from skvs_jax import prefix_cache as pc
 from skvs_jax.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
 from skvs_jax.config import NULL_BLOCK, CacheConfig
-from skvs_jax.policies import Knobs, Policy
+from skvs_jax.policies import NO_VERIFY_CAP, Knobs, Policy
 
 i32 = jnp.int32
 
@@ -476,7 +476,12 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     k_max = jnp.clip(knobs.draft_len, 0, pol.draft_len).astype(i32)
     out_room = seqs.max_new_tokens - (n - seqs.prompt_len) - 1
     k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - n)
-    k_dec = jnp.where(running & (remaining == 1), k_dec, 0)
+    decoding = running & (remaining == 1)
+    k_dec = jnp.where(decoding, k_dec, 0)
+    # Compute-aware drafting (knobs.verify_budget): R decode rows verify R * (1 + drafts) tokens; past the budget
+    # every row's drafts shrink evenly, to none once the rows alone fill it.
+    rows = jnp.maximum(jnp.sum(decoding, dtype=i32), 1)
+    k_dec = jnp.minimum(k_dec, jnp.maximum(knobs.verify_budget // rows - 1, 0))
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     k_res = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - c - chunk), 0)
     k_want = k_dec + k_res
@@ -846,6 +851,8 @@ def _check_knobs(knobs: Knobs, cfg: SchedulerConfig) -> None:
     checks.in_range("knobs.draft_len", knobs.draft_len, 0, cfg.policy.draft_len)
     checks.in_range("knobs.max_spec_ratio", knobs.max_spec_ratio, 0, 1)
     checks.scalar_int("knobs.generation_threshold", knobs.generation_threshold)
+    checks.scalar_int("knobs.verify_budget", knobs.verify_budget)
+    checks.in_range("knobs.verify_budget", knobs.verify_budget, 1, NO_VERIFY_CAP)
 
 
 def add(

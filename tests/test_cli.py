@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from skvs_jax import __version__, bench, cli, metrics, policies
+from skvs_jax.sim import cost_model
 
 
 def test_version_and_help(capsys):
@@ -40,11 +41,13 @@ def test_micro_scheduler_small_run_prints_its_ratio(capsys):
 def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, capsys):
     """`skvs simulate --sweep` on a small configuration: one compiled call per policy over rates x seeds, the
     per-load table with each speculating policy's speedup and a verdict line, JSON with every lane, the plot."""
-    argv = (f"simulate --requests 6 --seeds 2 --max-seqs 4 --max-prompt-len 32 --max-output-len 16 "
-            f"--policies vllm_default,skvs --sweep --rates 2,64 --chunk 64 --out {tmp_path}").split()
+    argv = (f"simulate --requests 6 --seeds 2 --max-seqs 4 --max-prompt-len 32 --max-output-len 16 --verify-budget "
+            f"knee --policies vllm_default,skvs --sweep --rates 2,64 --chunk 64 --out {tmp_path}").split()
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "llama-3.1-8b on 1 x a100-80gb" in out and "skvs TPOT speedup" in out
+    knee = int(cost_model.CostModel(cost_model.MODELS["llama-3.1-8b"], cost_model.DEVICES["a100-80gb"]).knee_tokens())
+    assert f"skvs verify budget {knee};" in out and 128 <= knee <= 256
     assert re.search(r"^skvs: TPOT speedup over vllm_default (falls below 1\.0x from rate|>= 1\.0x at every)", out,
                      re.MULTILINE)
     doc = json.loads((tmp_path / "simulate.json").read_text())
@@ -54,6 +57,8 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     assert set(doc["by_rate"]) == {"2.0", "64.0"} and (tmp_path / "simulate.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="unknown policy"):
         cli.main(["simulate", "--policies", "nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--verify-budget"):
+        cli.main(["simulate", "--verify-budget", "0", "--out", str(tmp_path)])
 
 
 def test_micro_simulate_small_run_prints_its_ratio(capsys):

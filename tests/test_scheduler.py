@@ -45,6 +45,9 @@ CONFIGS = {
                                                          max_spec_ratio=1.0), admit_window=2),
     "no-prefix-cache-K2": _cfg(policies.naive_spec(2).replace(prefix_cache=False, prefix_barrier=False),
                                token_budget=6, max_running=6),
+    # Compute-aware drafting: 1 decode row drafts K, 2 rows 2 each, 3 rows 1, 4 or more none.
+    "skvs-verify-budget-6": _cfg(SKVS.replace(verify_budget=6)),
+    "naive-verify-budget-5": _cfg(NAIVE.replace(verify_budget=5)),
 }
 
 
@@ -218,6 +221,22 @@ def test_speculation_switch_and_draft_length_knob():
     assert max(int(np.asarray(b.num_drafts).max()) for b in batches) == 1
 
 
+def test_verify_budget_shares_drafts_evenly_and_stops_them_past_the_budget():
+    """With R decode rows every row drafts at most floor(verify_budget / R) - 1 (never more than K); no cap
+    without a budget. Measured on naive_spec (fixed K = 4), so the cap is the only thing that varies."""
+    for budget, rows, want in ((None, 5, 4), (12, 1, 4), (12, 2, 4), (12, 3, 3), (12, 5, 1), (9, 5, 0)):
+        pol = NAIVE.replace(verify_budget=budget)
+        h = Harness(_cfg(pol, num_blocks=48, max_blocks=8, token_budget=64), vocab=VOCAB)
+        h.add([[1, 2, 1 + i % 2] for i in range(rows)], [20] * rows)
+        rng = np.random.default_rng(0)
+        h.step(rng)  # prefill
+        batch = h.step(rng)
+        nd = np.asarray(batch.num_drafts)
+        decoding = np.asarray(batch.scheduled)
+        assert int(decoding.sum()) == rows
+        assert (nd[decoding] == want).all(), (budget, rows, nd)
+
+
 def test_adaptive_draft_length_follows_acceptance():
     """Rejecting every draft pulls the adaptive length down to the smallest bucket; the fixed one stays at K."""
     for adaptive, want in ((True, 0), (False, 4)):
@@ -315,6 +334,10 @@ def test_bad_inputs_raise_naming_the_argument():
                cfg=cfg)
     with pytest.raises(ValueError, match="prompts"):
         sc.add(st, jnp.ones((4,), jnp.int32), one, one, cfg=cfg)
+    with pytest.raises(ValueError, match="knobs.verify_budget"):
+        sc.schedule(st, SKVS.knobs().replace(verify_budget=jnp.asarray(0, jnp.int32)), cfg=cfg)
+    with pytest.raises(ValueError, match="verify_budget"):
+        SKVS.replace(verify_budget=0)
     with pytest.raises(ValueError, match="knobs.draft_len"):
         sc.schedule(st, SKVS.knobs().replace(draft_len=jnp.asarray(9, jnp.int32)), cfg=cfg)
     with pytest.raises(ValueError, match="max_running"):

@@ -55,7 +55,8 @@ def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs()
     lanes, labels = sweep.grid(base, cfg=cfg, draft_len=[0, 4], kv_blocks=[24, 47], arrival_scale=[1.0, 0.25],
                                traces=[0, 1])
     assert len(labels) == 16 and labels[0] == dict(draft_len=0, max_spec_ratio=pytest.approx(0.3), kv_blocks=24,
-                                                   arrival_scale=1.0, trace=0)
+                                                   arrival_scale=1.0, trace=0,
+                                                   verify_budget=policies.NO_VERIFY_CAP)
     states, logs = sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=512, chunk=64)
     assert np.all(sweep.finished(states) == 16)
     assert logs.active.shape[1] < 512  # stopped once every lane was done

@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", default="medusa-1",
                         help=f"chain acceptance model: a preset ({', '.join(sorted(acceptance_model.PRESETS))}) "
                              "or comma-separated conditional probabilities, one per draft position")
+    parser.add_argument("--verify-budget", default="none",
+                        help="skvs's compute-aware drafting (Policy.verify_budget): none, knee (the cost model's "
+                             "compute knee, tokens per step) or a number of tokens")
     parser.add_argument("--max-seqs", type=int, default=256, help="sequence slots = most running sequences")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=None,
@@ -93,6 +96,21 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray) -> tuple[list[wor
     return raw, sweep.stack(sims)
 
 
+def _verify_budget(value: str, cost: cost_model.CostModel) -> int | None:
+    """--verify-budget as a Policy.verify_budget: None, the cost model's knee (rounded down), or tokens."""
+    if value == "none":
+        return None
+    if value == "knee":
+        return max(int(cost.knee_tokens()), 1)
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise SystemExit(f"skvs simulate: --verify-budget must be none, knee or a positive integer, got {value!r}")
+    return tokens
+
+
 def _mean(ms: list[dict]) -> dict[str, float]:
     keys = ms[0].keys()
     return {k: float(np.nanmean([m[k] for m in ms])) if any(np.isfinite(m[k]) for m in ms) else math.nan
@@ -118,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"skvs simulate: {err}") from None
     cache = _geometry(args, cost, args.draft_len)
+    verify_budget = _verify_budget(args.verify_budget, cost)
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -129,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     steps_run = 0
     for name in names:
         policy = policies.preset(name, args.draft_len)
+        if name == "skvs":
+            policy = policy.replace(verify_budget=verify_budget)
         cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=args.token_budget,
                                  prefill_chunk=min(args.prefill_chunk, args.token_budget))
         raw, traces = _traces(args, cfg, alphas)
@@ -158,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
           f"{spec.name} on {args.tp} x {args.device}, acceptance {args.acceptance} (K={args.draft_len}, "
           f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
           f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "
-          f"{args.token_budget}; {steps_run} simulated steps in {time.perf_counter() - t_start:.0f} s wall on "
+          f"{args.token_budget}, skvs verify budget {verify_budget or 'none'}; {steps_run} simulated steps in "
+          f"{time.perf_counter() - t_start:.0f} s wall on "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
     if not args.sweep:
         print(metrics.format_table(by_rate[rates[0]]))

@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from skvs_jax import scheduler as sc
-from skvs_jax.policies import Knobs
+from skvs_jax.policies import NO_VERIFY_CAP, Knobs
 from skvs_jax.sim import simulate
 from skvs_jax.sim.cost_model import CostModel
 from skvs_jax.sim.simulate import SimLog, SimTrace, summarize
@@ -65,7 +65,8 @@ def stack(traces: Sequence[SimTrace]) -> SimTrace:
 
 def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | None = None,
          max_spec_ratio: Sequence[float] | None = None, kv_blocks: Sequence[int] | None = None,
-         arrival_scale: Sequence[float] = (1.0,), traces: Sequence[int] = (0,)) -> tuple[Lane, list[dict]]:
+         arrival_scale: Sequence[float] = (1.0,), traces: Sequence[int] = (0,),
+         verify_budget: Sequence[int] | None = None) -> tuple[Lane, list[dict]]:
     """The Cartesian product of the given values as batched lanes [P], and one label dict per lane (same order).
     Omitted knobs keep `base`'s value; kv_blocks defaults to the whole pool."""
     axes = {
@@ -74,6 +75,7 @@ def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | Non
         "kv_blocks": list(kv_blocks) if kv_blocks is not None else [cfg.cache.usable_blocks],
         "arrival_scale": list(arrival_scale),
         "trace": list(traces),
+        "verify_budget": list(verify_budget) if verify_budget is not None else [int(base.verify_budget)],
     }
     for name, values in axes.items():
         if not values:
@@ -86,13 +88,16 @@ def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | Non
     if any(not 1 <= int(b) <= cfg.cache.usable_blocks for b in axes["kv_blocks"]):
         raise ValueError(f"kv_blocks values must lie in [1, {cfg.cache.usable_blocks}] (the static pool), "
                          f"got {axes['kv_blocks']}")
+    if any(not 1 <= int(v) <= NO_VERIFY_CAP for v in axes["verify_budget"]):
+        raise ValueError(f"verify_budget values must lie in [1, {NO_VERIFY_CAP}], got {axes['verify_budget']}")
     if any(not float(s) > 0 for s in axes["arrival_scale"]):
         raise ValueError(f"arrival_scale values must be > 0, got {axes['arrival_scale']}")
     labels = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     col = lambda name, dtype: jnp.asarray(np.asarray([lab[name] for lab in labels], dtype))  # noqa: E731
     lanes = Lane(
         knobs=Knobs(draft_len=col("draft_len", np.int32), max_spec_ratio=col("max_spec_ratio", np.float32),
-                    generation_threshold=jnp.full((len(labels),), base.generation_threshold, jnp.int32)),
+                    generation_threshold=jnp.full((len(labels),), base.generation_threshold, jnp.int32),
+                    verify_budget=col("verify_budget", np.int32)),
         kv_blocks=col("kv_blocks", np.int32), arrival_scale=col("arrival_scale", np.float32),
         trace=col("trace", np.int32))
     return lanes, labels
