@@ -73,10 +73,11 @@ class Policy:
       preemption: "recompute" (blocks released, request back to waiting) or "swap" (KV moved to a host tier).
       verify_budget: compute-aware drafting. Decode rows verify 1 + drafts tokens each; with R decode rows in
         a step every row drafts at most floor(verify_budget / R) - 1, so drafts shrink evenly as the batch grows
-        and stop once the rows alone fill the budget. Set it near the device's compute knee (the tokens per step
-        past which a decode step stops being memory-bound, `sim.cost_model.CostModel.knee_tokens`): past it,
-        verifying drafts costs more time than the accepted tokens save. None: no cap (vLLM's
-        `speculative_disable_by_batch_size` is the all-or-nothing form of this rule).
+        and stop once the rows alone fill the budget. Scale it from the device's compute knee (the tokens per
+        step past which a decode step stops being memory-bound, `sim.cost_model.CostModel.knee_tokens`): well
+        past it, verifying drafts costs more time than the accepted tokens save. In the simulated load sweep
+        (docs/simulator.md) twice the knee kept skvs at >= 1.0x of no speculation at every load; the knee itself
+        was too tight. None: no cap (vLLM's `speculative_disable_by_batch_size` is the all-or-nothing form).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
