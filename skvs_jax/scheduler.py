@@ -746,10 +746,19 @@ def _update(
             agree = jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1, dtype=i32), acc)
             c_valid = c_new - (acc - agree)
         stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_valid[rows][:, None])
-        prefix, removed = pc._remove(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
+
+        # Most steps index no stale block: skip the table-wide removal and the sort over its slots then
+        # (removing nothing changes nothing; the order remove, pin, unpin is kept).
+        def remove_stale(operand):
+            prefix, _ = operand
+            prefix, removed = pc._remove(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
+            return prefix, removed.descendants
+
+        no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
+        prefix, descendants = branch.when(jnp.any(stale), remove_stale, (prefix, no_descendants))
         kept = jnp.where(stale, 0, ids).reshape(-1)
         alloc = allocator._set_cached(alloc, kept, kept > 0)
-        alloc = _unpin(alloc, removed.descendants)
+        alloc = branch.when(jnp.any(descendants > 0), lambda alloc: _unpin(alloc, descendants), alloc)
     elif pol.prefix_cache:
         prefix, ins = pc._insert(prefix, tokens[rows], jnp.where(live_sel, c_new[rows], 0),
                                  alloc.seqs.block_table[rows], cfg=cfg.prefix)
