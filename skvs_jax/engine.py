@@ -192,6 +192,9 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
     remaining = sched.seqs.num_tokens - sched.alloc.seqs.num_committed
     live = (status == sc.RUNNING) | (status == sc.SWAPPED) | (status == sc.WAITING)
     want = sc.draft_lengths(sched.seqs, knobs, scfg.policy, scfg.reach)
+    # The next schedule caps drafts by its decode rows (`sc.verify_cap`): rows running with one token left now.
+    # Between steps only `add` writes, and only to empty rows, so the count cannot change before it is used.
+    cap = sc.verify_cap((status == sc.RUNNING) & (remaining == 1), knobs)
     out = StepOut(
         num_new=res.num_new, new_tokens=new, finished=res.finished, scheduled=batch.scheduled,
         num_drafts=batch.num_drafts,
@@ -201,7 +204,7 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
         width_ok=jnp.all(jnp.where(batch.scheduled, qn + d, 0) <= width) & batch.alloc_ok,
         free_slots=jnp.sum(status == sc.EMPTY, dtype=i32),
         prompt_work=jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
-        next_drafts=jnp.max(jnp.where(live, want, 0)),
+        next_drafts=jnp.minimum(jnp.max(jnp.where(live, want, 0)), cap),
         shape=sc.step_shape(batch),
     )
     return st, out
@@ -322,7 +325,7 @@ class Engine:
         self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))
         self.draft_hist: collections.Counter[int] = collections.Counter()  # steps by most drafts in the step
         self.width_hist: collections.Counter[int] = collections.Counter()  # steps by query width
-        self._next_drafts = policy.draft_len
+        self._next_drafts, self._drafts_knobs = policy.draft_len, None  # the bound, and the knobs it was made with
         self.clock, self.t0 = clock, clock()
         self.requests: dict[int, RequestLog] = {}
         self.queue: list[int] = []  # arrived, not yet in a slot
@@ -474,9 +477,12 @@ class Engine:
     def _width(self) -> int:
         """The query bucket, from what the previous step reported (no state is read back between steps): the wide
         width when some row has prompt work (or requests were just added); otherwise 1 + the smallest draft
-        bucket holding the most drafts any live row may get (an upper bound: memory and budget only lower it)."""
+        bucket holding the most drafts any live row may get (an upper bound: memory and room only lower it). The
+        bound was made with the knobs of the previous step; if `knobs` was replaced since, the widest bucket."""
         if self._prompt_work:
             return self.prompt_width
+        if self.knobs is not self._drafts_knobs:
+            return self.decode_widths[-1]
         return next((w for w in self.decode_widths if w - 1 >= self._next_drafts), self.decode_widths[-1])
 
     def warmup(self, draft_hist: dict[int, int] | None = None) -> list[int]:
@@ -543,7 +549,7 @@ class Engine:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
         self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
-        self._next_drafts = int(out.next_drafts)
+        self._next_drafts, self._drafts_knobs = int(out.next_drafts), self.knobs
         self.width_hist[width] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()

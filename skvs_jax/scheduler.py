@@ -446,6 +446,18 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     return jnp.minimum(chosen, k_max)
 
 
+def verify_cap(decoding: jax.Array, knobs: Knobs) -> jax.Array:
+    """int32[] most drafts a decode row may get under compute-aware drafting (`knobs.verify_budget`).
+
+    decoding bool[B]: the rows that decode this step (running, one token left to compute). R such rows verify
+    R * (1 + drafts) tokens; past the budget every row's drafts shrink evenly, to none once the rows alone fill
+    it. Depends only on the step's decode rows, which are known before the step (the engine bounds its next
+    query width with it).
+    """
+    rows = jnp.maximum(jnp.sum(decoding, dtype=i32), 1)
+    return jnp.maximum(knobs.verify_budget // rows - 1, 0).astype(i32)
+
+
 # -------------------------------------------------------------------------------------------- schedule
 
 
@@ -478,10 +490,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - n)
     decoding = running & (remaining == 1)
     k_dec = jnp.where(decoding, k_dec, 0)
-    # Compute-aware drafting (knobs.verify_budget): R decode rows verify R * (1 + drafts) tokens; past the budget
-    # every row's drafts shrink evenly, to none once the rows alone fill it.
-    rows = jnp.maximum(jnp.sum(decoding, dtype=i32), 1)
-    k_dec = jnp.minimum(k_dec, jnp.maximum(knobs.verify_budget // rows - 1, 0))
+    k_dec = jnp.minimum(k_dec, verify_cap(decoding, knobs))
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     k_res = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - c - chunk), 0)
     k_want = k_dec + k_res

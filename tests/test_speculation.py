@@ -1,5 +1,6 @@
 """Speculation in the engine: draft trees, acceptance rules and compile buckets, on the shipped tiny model."""
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -143,6 +144,46 @@ def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped)
     assert compiled <= len(e.widths) * batch_buckets, (compiled, e.widths)
     assert len(e.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
     assert sum(e.width_hist.values()) == 2000
+
+
+def test_a_verify_budget_narrows_the_query_width_the_engine_compiles_and_runs(shipped, trace, reference):
+    """The engine picks each decode step's width from a bound on the next step's drafts; with a verify budget the
+    bound includes the budget's cap, so R decode rows run a width of at most 1 + the smallest bucket holding
+    floor(budget / R) - 1 drafts (never a query that does not fit: the engine raises on one)."""
+    budget = 8  # 2 decode rows: up to 3 drafts, 3 rows: 1, 4 or more: none
+    e = _engine(shipped, policies.skvs(4).replace(verify_budget=budget), trace)
+    buckets = sorted(e.decode_widths)
+    steps = []
+    while e.has_work():
+        before = collections.Counter(e.width_hist)
+        e.step()
+        (width,) = (e.width_hist - before).keys()
+        steps.append((width, e.step_log[-1]))
+    assert {rid: r.tokens for rid, r in e.requests.items()} == reference
+    decode = [(w, log) for w, log in steps if w != e.prompt_width and log["num_seqs"] > 0]
+    assert len(decode) > 10
+    for w, log in decode:
+        cap = max(budget // log["num_seqs"] - 1, 0)  # num_seqs <= the step's decode rows: a cap at least as high
+        assert w <= next(x for x in buckets if x - 1 >= min(cap, 4)), (w, log)
+        assert log["decode_tokens"] <= max(budget, log["num_seqs"])
+    assert any(w < buckets[-1] for w, _ in decode)
+
+
+def test_knobs_replaced_between_steps_take_effect_without_a_query_outgrowing_its_width(shipped, trace, reference):
+    """Knobs are data: a run may change them between steps (no recompile). The width bound of the step before
+    was made with the old knobs, so the first step after a change must not trust it."""
+    small = dataclasses.replace(trace, requests=trace.requests[:4])
+    e = _engine(shipped, policies.skvs(4).replace(verify_budget=8), small)
+    low, high = e.knobs.replace(draft_len=jnp.asarray(1, jnp.int32)), e.knobs.replace(verify_budget=jnp.asarray(
+        policies.NO_VERIFY_CAP, jnp.int32))
+    i = 0
+    while e.has_work():  # raise the cap and lower it again, step after step
+        e.knobs = (low, high)[i % 2]
+        e.step()
+        i += 1
+    assert {rid: r.tokens for rid, r in e.requests.items()} == {r.request_id: reference[r.request_id]
+                                                                for r in small.requests}
+    assert max(e.draft_hist) == 4 and e.draft_hist[1] > 0
 
 
 def test_sampled_drafts_with_the_general_lossless_rule(shipped, trace, reference):
