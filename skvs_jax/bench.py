@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-seqs", type=int, default=8, help="sequence slots = max batch size")
     parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--verify-budget", default="none",
+                        help="skvs's compute-aware drafting (Policy.verify_budget): none, or the most tokens a decode "
+                             "step verifies (R decode rows then draft at most budget // R - 1 each)")
     parser.add_argument("--token-budget", type=int, default=128)
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--max-output", type=int, default=32, help="cap on output tokens per request")
@@ -204,16 +207,36 @@ def _plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
     plt.close(fig)
 
 
+def _verify_budget(value: str) -> int | None:
+    """--verify-budget as a Policy.verify_budget: None or a positive number of tokens."""
+    if value == "none":
+        return None
+    try:
+        tokens = int(value)
+    except ValueError:
+        tokens = 0
+    if tokens < 1:
+        raise SystemExit(f"skvs bench: --verify-budget must be none or a positive integer, got {value!r}")
+    return tokens
+
+
 def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
-    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations."""
+    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations.
+    `--verify-budget` applies to skvs (and so to its ablations), as in `skvs simulate`."""
+    budget = _verify_budget(args.verify_budget)
+
+    def preset(name):
+        p = policies.preset(name, args.draft_len)
+        return p.replace(verify_budget=budget) if name == "skvs" else p
+
     if args.ablation:
-        named = {n: policies.preset(n, args.draft_len) for n in ("naive_spec", "skvs")}
+        named = {n: preset(n) for n in ("naive_spec", "skvs")}
         return named | policies.ablations(named["skvs"])
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     for n in names:
         if n not in policies.PRESETS:
             raise SystemExit(f"skvs bench: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
-    return {n: policies.preset(n, args.draft_len) for n in names}
+    return {n: preset(n) for n in names}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -222,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     nodes = speculation.SMALL_TREE.num_slots - 1
     if args.tree == "small" and args.draft_len != nodes:
         raise SystemExit(f"skvs bench: --tree small has {nodes} nodes, one draft slot each: pass --draft-len {nodes}")
-    chosen = _policies(args)
+    chosen, budget = _policies(args), _verify_budget(args.verify_budget)
     names = list(chosen)
     model, heads = load_shipped()
     trace = make_trace(args)
@@ -258,8 +281,9 @@ def run(args: argparse.Namespace) -> int:
         first = runs[names[0]][0]["outputs"]
         same = all(r["outputs"] == first for rs in runs.values() for r in rs)
     table = metrics.format_table({n: results[n]["metrics"] for n in names})
+    vb = f", skvs verify budget {budget}" if budget else ""
     print(f"skvs bench: {len(trace.requests)} requests ({trace.kind}, seed {trace.seed}), shipped tiny Llama + "
-          f"Medusa (K={args.draft_len}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
+          f"Medusa (K={args.draft_len}{vb}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
           f"{cache.max_seqs} slots, token budget {args.token_budget}, impl {args.impl}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}; wall time {time.perf_counter() - t_start:.0f} s")
     print(table)
@@ -292,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
                                             "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats")}
+    config["verify_budget"] = budget
     config["policies"] = ",".join(names)
     doc = {
         "schema_version": SCHEMA_VERSION,

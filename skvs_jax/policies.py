@@ -205,9 +205,10 @@ def preset(name: str, draft_len: int = 4) -> Policy:
     return PRESETS[name](draft_len)
 
 
-# Switches on which skvs and naive_spec differ, with naive's value: one ablation each.
+# Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
+# differs only when the base sets one (both presets default to no cap).
 _ABLATABLE = ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",
-              "drafts_preempt", "max_spec_ratio")
+              "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 
 def ablations(base: Policy | None = None) -> dict[str, Policy]:

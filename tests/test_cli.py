@@ -1,5 +1,6 @@
 """The `skvs` command line: version, help, and the allocator and scheduler micro-benchmarks at a tiny size."""
 
+import argparse
 import json
 import re
 import subprocess
@@ -187,6 +188,21 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
 
 
 @pytest.mark.slow
+def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    chosen = bench._policies(parser.parse_args(["--verify-budget", "12"]))
+    assert chosen["skvs"].verify_budget == 12
+    assert chosen["naive_spec"].verify_budget is None and chosen["vllm_default"].verify_budget is None
+    chosen = bench._policies(parser.parse_args(["--ablation", "--verify-budget", "12"]))
+    assert chosen["skvs -verify_budget"].verify_budget is None  # what the budget buys gets its own row
+    assert all(p.verify_budget == 12 for n, p in chosen.items() if n.startswith("skvs") and n != "skvs -verify_budget")
+    assert "skvs -verify_budget" not in bench._policies(parser.parse_args(["--ablation"]))
+    for bad in ("0", "-3", "knee", "1.5"):
+        with pytest.raises(SystemExit, match="--verify-budget must be none or a positive integer"):
+            bench._policies(parser.parse_args(["--verify-budget", bad]))
+
+
 def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     """The real thing at a tiny size: four policies compiled and served, outputs identical."""
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--quiet", "--no-plot",
