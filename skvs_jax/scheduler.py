@@ -513,15 +513,20 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     free_now = blocks.free_top + (blocks.pool_top if pol.spec_pool else 0)
     avail = free_now + jnp.sum(evictable, dtype=i32)
     col = jnp.arange(m, dtype=i32)[None, :]
-    in_table = col < held[:, None]
-    freed = jnp.sum(in_table & (blocks.ref_count[table] == 1), axis=1, dtype=i32)  # blocks a victim gives back
-    key = cfg.victim_rule(rank, c, held).astype(i32)
-    vorder = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
-    vrank = allocator._rank_of(vorder)
     total = jnp.sum(need_a, dtype=i32)
-    fits = total - jnp.cumsum(need_a[vorder], dtype=i32) <= avail + jnp.cumsum(freed[vorder], dtype=i32)
-    fits = jnp.concatenate([(total <= avail)[None], fits])  # fits[j]: preempting the first j victims suffices
-    num_victims = jnp.argmax(fits).astype(i32)
+
+    def victims(_):
+        in_table = col < held[:, None]
+        freed = jnp.sum(in_table & (blocks.ref_count[table] == 1), axis=1, dtype=i32)  # blocks a victim gives back
+        key = cfg.victim_rule(rank, c, held).astype(i32)
+        vorder = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
+        fits = total - jnp.cumsum(need_a[vorder], dtype=i32) <= avail + jnp.cumsum(freed[vorder], dtype=i32)
+        fits = jnp.concatenate([(total <= avail)[None], fits])  # fits[j]: preempting the first j victims suffices
+        return jnp.argmax(fits).astype(i32), vorder, allocator._rank_of(vorder)
+
+    # Most steps fit without preempting anyone: the victim order (a sort) is needed only when they do not.
+    num_victims, vorder, vrank = branch.cond(total <= avail, lambda _: (jnp.zeros((), i32), b_idx, b_idx), victims,
+                                             None)
     victim = running & (vrank < num_victims)
     oom = num_victims > 0
 
@@ -610,7 +615,9 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     admitted = jnp.zeros((b,), bool).at[dst].set(True, mode="drop")
     share_tokens = jnp.zeros((b,), i32).at[dst].set(h, mode="drop")
     share_ids = jnp.zeros((b, m), i32).at[dst].set(hit_ids, mode="drop")
-    alloc, _ = allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)
+    # Sharing nothing changes nothing; most steps admit no prefix hit.
+    alloc = branch.when(jnp.any(share_tokens > 0),
+                        lambda alloc: allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc)
     q = q.at[dst].set(a_q, mode="drop")
     d = d.at[dst].set(a_d, mode="drop")
     need_total = need_total + jnp.sum(jnp.where(admit, a_need, 0), dtype=i32)
@@ -686,6 +693,43 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 # ---------------------------------------------------------------------------------------------- update
 
 
+def _pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
+    """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
+    pinning nothing changes nothing, so the pass over them is skipped then."""
+    return branch.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc)
+
+
+def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
+                cfg: SchedulerConfig) -> tuple[pc.PrefixCache, jax.Array]:
+    """Index the full blocks of the rows `sel` (int32[R] slots, live ones first, B = padding): their first
+    lengths[b] tokens of tokens int32[B, L], held in table int32[B, M]. Returns (prefix, ids int32[R, M]), the
+    block ids newly indexed per selected row (NULL_BLOCK elsewhere).
+
+    A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
+    So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
+    padding, which an insert ignores, so the table, the ids and the counters are the same as over all R.
+    """
+    b, r = tokens.shape[0], sel.shape[0]
+    count = jnp.sum(sel < b, dtype=i32)
+
+    def insert(n):
+        def run(prefix):
+            s = sel[:n]
+            live, rows = s < b, jnp.clip(s, 0, b - 1)
+            prefix, res = pc._insert(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
+                                     cfg=cfg.prefix)
+            return prefix, jnp.pad(res.block_ids, ((0, r - n), (0, 0)), constant_values=NULL_BLOCK)
+        return run
+
+    small = r // 4
+    if small == 0:
+        return insert(r)(prefix)
+    # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update.
+    x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
+    x = branch.when((count > 0) & (count <= small), lambda x: insert(small)(x[0]), x)
+    return branch.when(count > small, lambda x: insert(r)(x[0]), x)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _update(
     st: SchedState,
@@ -719,7 +763,6 @@ def _update(
     filled_to = jnp.where(batch.scheduled, computed if on_fill else c + batch.num_query + acc, c) + batch.restore
     pending = seqs.index_pending | (filled_to // s > c // s)
     sel = jnp.nonzero(pending, size=cfg.rows_indexed, fill_value=b)[0]  # int32[R], b = none
-    live_sel = sel < b
     rows = jnp.clip(sel, 0, b - 1)
     pending = pending.at[sel].set(False, mode="drop")
     if on_fill:
@@ -727,8 +770,7 @@ def _update(
         dpos = jnp.where(kk < batch.num_drafts[:, None], n[:, None] + kk, L)
         view_tokens = draft_tokens if view_tokens is None else view_tokens
         view = seqs.tokens.at[b_idx[:, None], dpos].set(view_tokens[:, : max(k, 1)], mode="drop")
-        prefix, filled = pc._insert(prefix, view[rows], jnp.where(live_sel, filled_to[rows], 0),
-                                    batch.block_table[rows], cfg=cfg.prefix)
+        prefix, filled_ids = _index_rows(prefix, view, filled_to, batch.block_table, sel, cfg)
 
     commit = jnp.where(batch.scheduled, batch.num_query + acc, 0) + batch.restore
     alloc = _commit_two_pass(alloc, commit, cfg)
@@ -746,7 +788,7 @@ def _update(
     finished = running & sampling & (stop | (n_new - seqs.prompt_len >= seqs.max_new_tokens) | (n_new >= L))
 
     if on_fill:
-        ids = filled.block_ids
+        ids = filled_ids
         # A block indexed from the view is valid only up to where the view agrees with the committed tokens (a
         # tree's accepted path can differ from its slot order; for a chain the two agree on every accepted draft).
         c_valid = c_new
@@ -766,13 +808,12 @@ def _update(
         no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
         prefix, descendants = branch.when(jnp.any(stale), remove_stale, (prefix, no_descendants))
         kept = jnp.where(stale, 0, ids).reshape(-1)
-        alloc = allocator._set_cached(alloc, kept, kept > 0)
+        alloc = _pin(alloc, kept)
         alloc = branch.when(jnp.any(descendants > 0), lambda alloc: _unpin(alloc, descendants), alloc)
     elif pol.prefix_cache:
-        prefix, ins = pc._insert(prefix, tokens[rows], jnp.where(live_sel, c_new[rows], 0),
-                                 alloc.seqs.block_table[rows], cfg=cfg.prefix)
-        ids = ins.block_ids.reshape(-1)
-        alloc = allocator._set_cached(alloc, ids, ids > 0)
+        prefix, ids = _index_rows(prefix, tokens, c_new, alloc.seqs.block_table, sel, cfg)
+        ids = ids.reshape(-1)
+        alloc = _pin(alloc, ids)
 
     if pol.spec_pool:
         alloc, _ = allocator._reclaim_expired(alloc, st.step, knobs.generation_threshold)

@@ -221,6 +221,35 @@ def test_speculation_switch_and_draft_length_knob():
     assert max(int(np.asarray(b.num_drafts).max()) for b in batches) == 1
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=hs.integers(0, 2**31 - 1), live=hs.sampled_from([0, 1, 3, 4, 5, 6, 9, 16]))  # R = 16: R/4 = 4
+def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, live):
+    """`_index_rows` runs the insert over R/4 rows when no more are live; the result must be the one over all R:
+    the same table, counters and ids. Tiny alphabet and few block ids: duplicates, collisions and bad ids occur."""
+    cfg = _cfg(SKVS, num_blocks=40, max_seqs=24, max_blocks=6, index_rows=16, max_running=24)
+    b, r, L, m = 24, cfg.rows_indexed, cfg.max_len, cfg.cache.max_blocks_per_seq
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 2, size=(b, L)), jnp.int32)
+    lengths = jnp.asarray(rng.integers(0, L + 1, size=b), jnp.int32)
+    table = jnp.asarray(rng.integers(0, 40, size=(b, m)), jnp.int32)
+    pending = np.zeros(b, bool)
+    pending[rng.choice(b, size=min(live, b), replace=False)] = True
+    sel = jnp.nonzero(jnp.asarray(pending), size=r, fill_value=b)[0]
+    prefix = sc.init(cfg).prefix
+    # Something indexed already, so that some rows follow existing entries.
+    prefix, _ = sc.pc._insert(prefix, tokens[:4], lengths[:4], table[:4], cfg=cfg.prefix)
+
+    got_prefix, got_ids = jax.jit(sc._index_rows, static_argnames=("cfg",))(prefix, tokens, lengths, table, sel,
+                                                                            cfg=cfg)
+    rows, live_sel = jnp.clip(sel, 0, b - 1), sel < b
+    want_prefix, want = sc.pc._insert(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0), table[rows],
+                                      cfg=cfg.prefix)
+    chex_equal = jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), got_prefix, want_prefix)
+    assert all(jax.tree.leaves(chex_equal))
+    np.testing.assert_array_equal(got_ids, want.block_ids)
+    event(f"live rows {'none' if live == 0 else '<= R/4' if live <= r // 4 else '> R/4'}")
+
+
 def test_verify_budget_shares_drafts_evenly_and_stops_them_past_the_budget():
     """With R decode rows every row drafts at most floor(verify_budget / R) - 1 (never more than K); no cap
     without a budget. Measured on naive_spec (fixed K = 4), so the cap is the only thing that varies."""
