@@ -208,16 +208,10 @@ def _plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
 
 
 def _verify_budget(value: str) -> int | None:
-    """--verify-budget as a Policy.verify_budget: None or a positive number of tokens."""
-    if value == "none":
-        return None
     try:
-        tokens = int(value)
-    except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise SystemExit(f"skvs bench: --verify-budget must be none or a positive integer, got {value!r}")
-    return tokens
+        return policies.parse_verify_budget(value)
+    except ValueError as err:
+        raise SystemExit(f"skvs bench: {err}") from None
 
 
 def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:

@@ -205,6 +205,24 @@ def preset(name: str, draft_len: int = 4) -> Policy:
     return PRESETS[name](draft_len)
 
 
+def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
+    """A verify budget written on a command line: "none" -> None (no cap), a positive integer -> that many
+    tokens, and, when the caller knows the device's compute knee (tokens per step), "knee" -> int(knee).
+    Raises ValueError naming the forms accepted."""
+    if text == "none":
+        return None
+    if text == "knee" and knee is not None:
+        return max(int(knee), 1)
+    try:
+        tokens = int(text)
+    except ValueError:
+        tokens = 0
+    if not 1 <= tokens <= NO_VERIFY_CAP:
+        forms = "none, knee or a positive integer" if knee is not None else "none or a positive integer"
+        raise ValueError(f"--verify-budget must be {forms}, got {text!r}")
+    return tokens
+
+
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
 _ABLATABLE = ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",

@@ -101,3 +101,15 @@ def test_kv_precision_switch_and_the_articles_draft_length_rule():
     assert policies.skvs(4).replace(kv_precision="int8").kv_dtype() == "int8"
     with pytest.raises(ValueError, match="kv_precision"):
         policies.skvs(4).replace(kv_precision="fp4")
+
+
+def test_parse_verify_budget_reads_the_command_line_forms():
+    assert policies.parse_verify_budget("none") is None
+    assert policies.parse_verify_budget("12") == 12
+    assert policies.parse_verify_budget("knee", knee=146.9) == 146  # rounded down: never above the knee
+    assert policies.parse_verify_budget("knee", knee=0.3) == 1
+    with pytest.raises(ValueError, match="none or a positive integer, got 'knee'"):
+        policies.parse_verify_budget("knee")  # no knee known (the real engine)
+    for bad in ("0", "-4", "1.5", "", str(policies.NO_VERIFY_CAP + 1)):
+        with pytest.raises(ValueError, match="--verify-budget must be none, knee or a positive integer"):
+            policies.parse_verify_budget(bad, knee=100.0)

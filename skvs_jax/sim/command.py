@@ -98,17 +98,10 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray) -> tuple[list[wor
 
 def _verify_budget(value: str, cost: cost_model.CostModel) -> int | None:
     """--verify-budget as a Policy.verify_budget: None, the cost model's knee (rounded down), or tokens."""
-    if value == "none":
-        return None
-    if value == "knee":
-        return max(int(cost.knee_tokens()), 1)
     try:
-        tokens = int(value)
-    except ValueError:
-        tokens = 0
-    if tokens < 1:
-        raise SystemExit(f"skvs simulate: --verify-budget must be none, knee or a positive integer, got {value!r}")
-    return tokens
+        return policies.parse_verify_budget(value, knee=cost.knee_tokens())
+    except ValueError as err:
+        raise SystemExit(f"skvs simulate: {err}") from None
 
 
 def _mean(ms: list[dict]) -> dict[str, float]:
