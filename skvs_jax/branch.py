@@ -18,6 +18,9 @@ Meanings are exactly `jax.lax`'s. Batched (`custom_vmap` rules), each switches o
   while_loop(c, body, x)   iterates while some lane's c holds, each lane stepped by `when(c, body, x)`: no select
                            while the lanes agree. identity_when_done=True: the caller promises body(x) == x
                            wherever c(x) is False (a loop that masks its own updates); then no select at all.
+  all_lanes(pred)          pred unbatched: True only if it holds in every lane. For picking one of two equivalent
+                           computations (a cheap one valid on small inputs, a general one) the same way in every
+                           lane, so that a sweep whose lanes disagree runs one of them, not both.
 
 Branches and bodies may close over traced arrays: each is traced once to a jaxpr and every traced constant
 becomes an explicit operand, so the rules see batched ones. (`jax.closure_convert` would not do: it hoists only
@@ -114,6 +117,20 @@ def while_loop(cond_fun: Callable, body_fun: Callable, init: Any, *, identity_wh
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def all_lanes(pred: jax.Array) -> jax.Array:
+    """bool[] pred; under vmap, `jnp.all` over the lanes, unbatched (every lane sees the same value)."""
+
+    @custom_batching.custom_vmap
+    def run(pred):
+        return pred
+
+    @run.def_vmap
+    def run_batched(axis_size, in_batched, pred):
+        return (jnp.all(pred) if in_batched[0] else pred), False
+
+    return run(jnp.asarray(pred, bool))
 
 
 def _once(pred: jax.Array, fun: Callable, x: Any) -> Any:

@@ -708,6 +708,7 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
     A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
     So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
     padding, which an insert ignores, so the table, the ids and the counters are the same as over all R.
+    Under vmap, R/4 only when no lane has more live rows (`branch.all_lanes`); all R is right for every lane.
     """
     b, r = tokens.shape[0], sel.shape[0]
     count = jnp.sum(sel < b, dtype=i32)
@@ -724,10 +725,12 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
     small = r // 4
     if small == 0:
         return insert(r)(prefix)
-    # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update.
+    # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update. In a vmapped
+    # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two.
+    few = branch.all_lanes(count <= small)
     x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
-    x = branch.when((count > 0) & (count <= small), lambda x: insert(small)(x[0]), x)
-    return branch.when(count > small, lambda x: insert(r)(x[0]), x)
+    x = branch.when((count > 0) & few, lambda x: insert(small)(x[0]), x)
+    return branch.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

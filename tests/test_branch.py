@@ -143,3 +143,14 @@ def test_batched_forms_skip_work_no_lane_needs(preds):
     calls.clear()
     jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: jax.lax.cond(p, work, lambda x: x, x)))(p, x))
     assert calls  # lax: always
+
+
+@given(hs.lists(hs.lists(hs.booleans(), min_size=3, max_size=3), min_size=1, max_size=4))
+def test_all_lanes_is_pred_alone_and_the_and_over_lanes_under_vmap(rows):
+    p = jnp.asarray(rows)  # [outer, inner]
+    assert bool(jax.jit(branch.all_lanes)(p[0, 0])) == rows[0][0]
+    np.testing.assert_array_equal(jax.vmap(branch.all_lanes)(p[0]), [all(rows[0])] * 3)
+    # Nested: each outer lane gets the and over its own inner lanes; a lane-uniform choice picks one computation.
+    np.testing.assert_array_equal(jax.vmap(jax.vmap(branch.all_lanes))(p), [[all(r)] * 3 for r in rows])
+    pick = jax.vmap(lambda q, x: branch.when(branch.all_lanes(q), lambda x: x + 1, x))(p[0], jnp.zeros(3, i32))
+    np.testing.assert_array_equal(pick, [int(all(rows[0]))] * 3)
