@@ -203,6 +203,7 @@ def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
             bench._policies(parser.parse_args(["--verify-budget", bad]))
 
 
+@pytest.mark.many_programs
 def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     """The real thing at a tiny size: four policies compiled and served, outputs identical."""
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--quiet", "--no-plot",
