@@ -48,10 +48,10 @@ settings.load_profile(os.environ.get("SKVS_HYPOTHESIS_PROFILE", "ci"))
 # The suite compiles a few hundred programs, so drop the caches whenever the count gets high. Costs a recompile
 # of what later tests share; only triggers when needed.
 _MAPS = "/proc/self/maps"
-_MAX_MAPS = 40_000  # leaves ~25,000 (three engines) for the next test
-# Tests marked `many_programs` compile more than that (`skvs bench --ablation` with real engines: four engines,
-# ~35,000): they start from an empty cache. At 45,000 for every test, a worker that came to that test with a
-# high count crashed in the compiler; a 25,000 limit for every test made the suite 3 minutes slower.
+_MAX_MAPS = 45_000  # leaves ~20,000 (two engines) for the next test
+# Tests marked `many_programs` compile more than that (`skvs bench --ablation` with real engines, a slow test:
+# four engines, ~35,000): they start from an empty cache. A worker that came to that test with a high count
+# crashed in the compiler.
 _MAX_MAPS_BEFORE_MANY = 10_000
 
 

@@ -187,7 +187,6 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
-@pytest.mark.slow
 def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -203,6 +202,7 @@ def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
             bench._policies(parser.parse_args(["--verify-budget", bad]))
 
 
+@pytest.mark.slow
 @pytest.mark.many_programs
 def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     """The real thing at a tiny size: four policies compiled and served, outputs identical."""
