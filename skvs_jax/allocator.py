@@ -499,7 +499,7 @@ def _free(
 
     # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
     # step: skip the [B, M] and [N] passes then.
-    st, num_released = branch.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)))
+    st, num_released = branch.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)), identity_when_false=True)
     return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
 
 

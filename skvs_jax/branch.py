@@ -14,7 +14,10 @@ Meanings are exactly `jax.lax`'s. Batched (`custom_vmap` rules), each switches o
 
   cond(pred, t, f, *ops)   none -> f alone, vectorised; all -> t alone; some -> both, then a select per lane.
   when(pred, fun, x)       fun(x) if pred else x. none -> nothing; all -> fun on every lane; some -> fun on every
-                           lane, then a select per lane.
+                           lane, then a select per lane. identity_when_false=True: the caller promises fun(x) == x
+                           in a lane whose pred is False while another lane's holds (work that masks itself, e.g.
+                           an insert of no rows); then some -> fun on every lane and no select, which would copy
+                           all of x once more.
   while_loop(c, body, x)   iterates while some lane's c holds, each lane stepped by `when(c, body, x)`: no select
                            while the lanes agree. identity_when_done=True: the caller promises body(x) == x
                            wherever c(x) is False (a loop that masks its own updates); then no select at all.
@@ -64,8 +67,12 @@ def cond(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: An
     return run(pred, true_consts, false_consts, operands)
 
 
-def when(pred: jax.Array, fun: Callable, x: Any) -> Any:
-    """fun(x) if pred else x, with x updated in place; fun must return x's structure, shapes and dtypes."""
+def when(pred: jax.Array, fun: Callable, x: Any, *, identity_when_false: bool = False) -> Any:
+    """fun(x) if pred else x, with x updated in place; fun must return x's structure, shapes and dtypes.
+    identity_when_false: fun(x) == x in a lane whose pred is False while another lane's is True (then a batched
+    `when` whose lanes disagree runs fun on every lane without selecting). Only that case matters: a pred with a
+    lane-uniform part (`all_lanes`) may make fun meaningless where that part is False. Unbatched, it changes
+    nothing. tests/test_sim_sweep.py checks every use of it in the scheduler on a sweep."""
     fun_c, consts = _hoisted(fun, (x,))
 
     @custom_batching.custom_vmap
@@ -79,6 +86,8 @@ def when(pred: jax.Array, fun: Callable, x: Any) -> Any:
         step = lambda x: jax.vmap(lambda fc, x: fun_c((x,), fc), in_axes=(_axes(fc_b), 0))(fc, x)  # noqa: E731
         if not pred_b:
             return _once(pred, step, x), _all_batched(x)
+        if identity_when_false:
+            return _once(jnp.any(pred), step, x), _all_batched(x)
         every, some = jnp.all(pred), jnp.any(pred)
         x = _once(every, step, x)
         x = _once(some & ~every, lambda x: _select(pred, step(x), x), x)

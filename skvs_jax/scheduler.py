@@ -394,7 +394,7 @@ def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfi
 
     z = jnp.zeros_like(wide)
     nothing = allocator.AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=z, cow_dst=z)
-    alloc, second = branch.when(jnp.any(wide > 0), full, (alloc, nothing))
+    alloc, second = branch.when(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
     return alloc, allocator.AllocResult(
         ok=first.ok & second.ok,
         cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
@@ -412,7 +412,7 @@ def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
     def full(alloc):
         return allocator._commit(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
 
-    return branch.when(jnp.any(~fits), full, alloc)
+    return branch.when(jnp.any(~fits), full, alloc, identity_when_false=True)
 
 
 def priority_order(seqs: SeqTable) -> jax.Array:
@@ -617,7 +617,8 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     share_ids = jnp.zeros((b, m), i32).at[dst].set(hit_ids, mode="drop")
     # Sharing nothing changes nothing; most steps admit no prefix hit.
     alloc = branch.when(jnp.any(share_tokens > 0),
-                        lambda alloc: allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc)
+                        lambda alloc: allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc,
+                        identity_when_false=True)
     q = q.at[dst].set(a_q, mode="drop")
     d = d.at[dst].set(a_d, mode="drop")
     need_total = need_total + jnp.sum(jnp.where(admit, a_need, 0), dtype=i32)
@@ -696,7 +697,8 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 def _pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
     pinning nothing changes nothing, so the pass over them is skipped then."""
-    return branch.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc)
+    return branch.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc,
+                       identity_when_false=True)
 
 
 def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
@@ -726,11 +728,12 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
     if small == 0:
         return insert(r)(prefix)
     # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update. In a vmapped
-    # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two.
+    # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two;
+    # a lane with no row to index inserts only padding, an identity, so no lane selects (copies) its table.
     few = branch.all_lanes(count <= small)
     x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
-    x = branch.when((count > 0) & few, lambda x: insert(small)(x[0]), x)
-    return branch.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x)
+    x = branch.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
+    return branch.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

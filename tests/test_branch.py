@@ -69,6 +69,12 @@ def py_while(n, x, y):
     return k, x
 
 
+def f_when_masked(p, x, y):
+    """An update that masks itself by p (identity where p is False): identity_when_false holds."""
+    return branch.when(p, lambda c: (jnp.where(p, c[0] * 2 + y - 1, c[0]), c[1] + p.astype(i32) * y), (x, y),
+                       identity_when_false=True)
+
+
 def py_masked(n, x, y):
     for k in range(n):
         x = x + y + k
@@ -87,6 +93,7 @@ def test_cond_and_when_match_python_per_lane(lanes):
     xs, ys = np.asarray(x), np.asarray(y)
     _check(jax.jit(jax.vmap(f_cond))(p, x, y), [py_cond(bool(p[i]), xs[i], ys[i]) for i in range(len(lanes))])
     _check(jax.jit(jax.vmap(f_when))(p, x, y), [py_when(bool(p[i]), xs[i], ys[i]) for i in range(len(lanes))])
+    _check(jax.jit(jax.vmap(f_when_masked))(p, x, y), [py_when(bool(p[i]), xs[i], ys[i]) for i in range(len(lanes))])
     # Unbatched: it is lax's.
     for i in range(len(lanes)):
         _check(jax.tree.map(lambda v: v[None], jax.jit(f_cond)(p[i], x[i], y[i])), [py_cond(bool(p[i]), xs[i], ys[i])])
@@ -143,6 +150,21 @@ def test_batched_forms_skip_work_no_lane_needs(preds):
     calls.clear()
     jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: jax.lax.cond(p, work, lambda x: x, x)))(p, x))
     assert calls  # lax: always
+
+
+def test_identity_when_false_runs_the_update_on_every_lane_without_a_select():
+    """The promise is taken at its word: with lanes that disagree, an update that is not an identity where pred is
+    False reaches those lanes too (no select), unless no lane needs it; without the promise they keep x."""
+    p = jnp.asarray([True, False, False])
+    x = jnp.zeros((3, D), i32)
+    promised = jax.jit(jax.vmap(lambda p, x: branch.when(p, lambda x: x + 1, x, identity_when_false=True)))
+    np.testing.assert_array_equal(promised(p, x), np.ones((3, D)))
+    np.testing.assert_array_equal(promised(jnp.zeros(3, bool), x), np.zeros((3, D)))
+    plain = jax.jit(jax.vmap(lambda p, x: branch.when(p, lambda x: x + 1, x)))
+    np.testing.assert_array_equal(plain(p, x), [[1] * D, [0] * D, [0] * D])
+    # Unbatched it is a plain `when`.
+    assert int(jax.jit(lambda p: branch.when(p, lambda x: x + 1, jnp.zeros((), i32), identity_when_false=True))(
+        jnp.asarray(False))) == 0
 
 
 @given(hs.lists(hs.lists(hs.booleans(), min_size=3, max_size=3), min_size=1, max_size=4))

@@ -1,11 +1,15 @@
 """Sweeps (`sim.sweep`): many lanes in one compiled call, each identical to its own run; acceptance models."""
 
+import functools
+import inspect
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from skvs_jax import policies, workloads
+from skvs_jax import branch, policies, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model as am
@@ -82,6 +86,73 @@ def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs()
         if i == 0:
             assert ms[i] == pytest.approx(sim.summarize(alone, tr, own_cfg) | {"mean_batch": ms[i]["mean_batch"]},
                                           nan_ok=True)
+
+
+def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
+    """`branch.when(..., identity_when_false=True)` drops the per-lane select of a vmapped sweep on its caller's
+    word that the update changes nothing where the predicate is False. Each such call here also runs its update
+    unconditionally and compares the result with the operand, lane by lane, on a sweep whose lanes disagree
+    (two loads, a pool tight enough to evict and preempt, drafts on and off). Every site must be seen with a
+    False predicate while another lane's held, and never change anything in such a lane."""
+    seen = {}  # "file:function" -> [lanes False while another was True, of which the update changed something]
+
+    def record(site, pred, some, same):
+        skipped = np.asarray(some).ravel() & ~np.asarray(pred).ravel()  # run without a select, result kept
+        counts = seen.setdefault(site, [0, 0])
+        counts[0] += int(np.sum(skipped))
+        counts[1] += int(np.sum(skipped & ~np.asarray(same).ravel()))
+
+    unchecked = branch.when
+
+    def checked(pred, fun, x, *, identity_when_false=False):
+        if identity_when_false:
+            caller = inspect.stack()[1]  # at trace time only
+            y = fun(x)
+            same = jnp.all(jnp.stack([jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x))]))
+            some = ~branch.all_lanes(~pred)  # the update runs in every lane only when some lane needs it
+            site = f"{os.path.basename(caller.filename)}:{caller.function}:{caller.lineno}"
+            jax.debug.callback(functools.partial(record, site), pred, some, same)
+        return unchecked(pred, fun, x, identity_when_false=identity_when_false)
+
+    monkeypatch.setattr(branch, "when", checked)
+    jax.clear_caches()  # retrace with the check
+    try:
+        cfg = _cfg(SMALL)
+        lanes, _ = sweep.grid(POLICY.knobs(), cfg=cfg, draft_len=[0, 4], arrival_scale=[1.0, 0.25])
+        states, _ = sweep.run(sweep.stack([_trace(cfg, 3)]), lanes, cfg=cfg, cost=COST, max_steps=400)
+        jax.effects_barrier()
+    finally:
+        jax.clear_caches()  # later tests must not reuse programs that call back into this one
+    assert np.all(sweep.finished(states) == 16)
+    assert np.asarray(states.counters.preempt_recompute).sum() > 0
+    assert set(seen) == _promises(), seen  # every promise in the source was exercised here
+    for site, (false_lanes, changed) in seen.items():
+        assert false_lanes > 0 and changed == 0, (site, false_lanes, changed)
+
+
+def _promises() -> set[str]:
+    """"file:function:line" of every `identity_when_false=True` call in the modules a simulation runs."""
+    import ast
+
+    from skvs_jax import allocator, prefix_cache
+
+    def visit(node, name, function, sites):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef):
+                visit(child, name, child.name, sites)
+                continue
+            if isinstance(child, ast.Call) and any(
+                    k.arg == "identity_when_false" and getattr(k.value, "value", None) is True for k in child.keywords):
+                sites.add(f"{name}:{function}:{child.lineno}")
+            visit(child, name, function, sites)
+        return sites
+
+    sites = set()
+    for module in (sc, allocator, prefix_cache, sim):
+        path = inspect.getsourcefile(module)
+        with open(path) as f:
+            visit(ast.parse(f.read()), os.path.basename(path), "<module>", sites)
+    return sites
 
 
 def test_sweep_inputs_are_checked_at_the_boundary():

@@ -246,7 +246,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                            jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1),
                            cfg=cfg)[0]
 
-        st = branch.when(jnp.any(ok), admit, st)
+        st = branch.when(jnp.any(ok), admit, st, identity_when_false=True)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
         st, batch = sc._schedule(st, knobs, cfg=cfg)
