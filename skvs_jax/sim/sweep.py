@@ -15,9 +15,9 @@ one call per policy; sweeping load, memory, knobs and seeds within a policy is o
 
 A device runs its lanes vectorised (`strategy="vmap"`) or one after another in the same program (`"map"`).
 Under vmap the scheduler's skips (`skvs_jax.branch`) run a branch when some lane needs it and select only when
-lanes disagree, but every gather and scatter gains a batch axis, and a skip that some lanes take and others do
-not runs for all: on a CPU vmap costs ~1.2-2x what separate runs cost, while map costs about what they cost
-(docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's
+lanes disagree (never, for updates that mask themselves), but every gather and scatter gains a batch axis, and a
+skip that some lanes take and others do not runs for all: on a CPU vmap costs ~1.2-1.5x what separate runs cost,
+while map costs about what they cost (docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's
 `dp` axis with `jax.shard_map`: each device runs its own lanes and no data crosses devices. Lanes are padded to a
 multiple of the axis size by repeating the last lane.
 """
