@@ -415,10 +415,24 @@ def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
     return branch.when(jnp.any(~fits), full, alloc, identity_when_false=True)
 
 
+_RANK_BY_COUNTING = 512  # up to this many slots, priority_order counts instead of sorting
+
+
 def priority_order(seqs: SeqTable) -> jax.Array:
-    """Slots by (priority, arrival, slot): int32[B], order[r] = slot served r-th."""
-    b_idx = jnp.arange(seqs.priority.shape[0], dtype=i32)
-    return jnp.lexsort((b_idx, seqs.arrival, seqs.priority)).astype(i32)
+    """Slots by (priority, arrival, slot): int32[B], order[r] = slot served r-th.
+
+    Up to 512 slots a slot's rank is the number of slots ahead of it ([B, B] compares, one fused op): XLA:CPU
+    sorts through a compiled comparator, and a three-key sort cost ~2.3x the count at B = 256 (measured, 1000
+    calls in a loop). The order is total (the slot breaks ties), so the ranks are a permutation."""
+    b = seqs.priority.shape[0]
+    b_idx = jnp.arange(b, dtype=i32)
+    if b > _RANK_BY_COUNTING:
+        return jnp.lexsort((b_idx, seqs.arrival, seqs.priority)).astype(i32)
+    p, a = seqs.priority, seqs.arrival
+    ahead = (p[:, None] < p[None, :]) | ((p[:, None] == p[None, :]) & (
+        (a[:, None] < a[None, :]) | ((a[:, None] == a[None, :]) & (b_idx[:, None] < b_idx[None, :]))))
+    rank = jnp.sum(ahead, axis=0, dtype=i32)  # rank[j]: slots i ahead of slot j
+    return jnp.zeros((b,), i32).at[rank].set(b_idx, unique_indices=True)
 
 
 def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int, ...] | None = None) -> jax.Array:

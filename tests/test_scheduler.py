@@ -1,6 +1,7 @@
 """The jitted scheduler against the plain-Python oracle, with a ground-truth KV shadow, under every switch."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,18 @@ def test_every_request_finishes_and_nothing_leaks_when_arrivals_stop(name):
     assert (np.asarray(alloc.blocks.ref_count) == 0).all()
     cached = int(np.asarray(alloc.blocks.cached & (alloc.blocks.ref_count == 0)).sum())
     assert int(alloc.blocks.free_top) + int(alloc.blocks.pool_top) + cached == cfg.cache.usable_blocks
+
+
+@settings(max_examples=20)
+@given(hs.data())
+def test_priority_order_is_the_sorted_order_by_counting_and_by_sorting(data):
+    """(priority, arrival, slot) order, ties included, on both sides of the size where it stops counting."""
+    b = data.draw(hs.sampled_from([1, 2, 7, 64, sc._RANK_BY_COUNTING, sc._RANK_BY_COUNTING + 1]))
+    pri = np.asarray(data.draw(hs.lists(hs.integers(-2, 2), min_size=b, max_size=b)), np.int32)
+    arr = np.asarray(data.draw(hs.lists(hs.integers(0, 5), min_size=b, max_size=b)), np.int32)
+    order = jax.jit(lambda p, a: sc.priority_order(types.SimpleNamespace(priority=p, arrival=a)))  # the two fields
+    want = sorted(range(b), key=lambda j: (pri[j], arr[j], j))
+    assert np.asarray(order(jnp.asarray(pri), jnp.asarray(arr))).tolist() == want
 
 
 def test_fcfs_within_a_priority_and_priorities_first():
