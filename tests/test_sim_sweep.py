@@ -94,7 +94,7 @@ def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
     unconditionally and compares the result with the operand, lane by lane, on a sweep whose lanes disagree
     (two loads, a pool tight enough to evict and preempt, drafts on and off). Every site must be seen with a
     False predicate while another lane's held, and never change anything in such a lane."""
-    seen = {}  # "file:function" -> [lanes False while another was True, of which the update changed something]
+    seen = {}  # "file:function:line" -> [lanes False while another was True, of which the update changed any]
 
     def record(site, pred, some, same):
         skipped = np.asarray(some).ravel() & ~np.asarray(pred).ravel()  # run without a select, result kept
@@ -124,7 +124,8 @@ def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
     finally:
         jax.clear_caches()  # later tests must not reuse programs that call back into this one
     assert np.all(sweep.finished(states) == 16)
-    assert np.asarray(states.counters.preempt_recompute).sum() > 0
+    assert np.all(np.asarray(states.counters.preempt_recompute) > 0)  # every lane preempts
+    assert np.all(np.asarray(states.alloc.counters.evictions) > 0)  # and evicts cached blocks
     assert set(seen) == _promises(), seen  # every promise in the source was exercised here
     for site, (false_lanes, changed) in seen.items():
         assert false_lanes > 0 and changed == 0, (site, false_lanes, changed)
