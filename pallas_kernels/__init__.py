@@ -8,6 +8,7 @@ Contracts, tolerances and figures: docs/kernels.md.
 from pallas_kernels._common import (
     BLOCK_STATE_DTYPE,
     FREE,
+    IMPLS,
     RESERVED,
     SPECULATIVE,
     STALE,
@@ -27,6 +28,7 @@ from pallas_kernels.kv_write import write_kv, write_kv_reference
 __all__ = [
     "BLOCK_STATE_DTYPE",
     "FREE",
+    "IMPLS",
     "RESERVED",
     "SPECULATIVE",
     "STALE",

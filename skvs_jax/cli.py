@@ -16,6 +16,8 @@ Subcommands grow with the project; each one lives in its own module and is impor
 from __future__ import annotations
 
 import argparse
+import codecs
+import os
 import sys
 
 import skvs_jax
@@ -74,30 +76,33 @@ def _generate(args: argparse.Namespace) -> int:
     from skvs_jax import bench, engine, policies
     from skvs_jax.config import CacheConfig
 
-    prompt = list(args.text.encode("utf-8"))
+    raw = os.fsencode(args.text)  # the argument's bytes, even where they are not valid UTF-8
+    prompt = list(raw)
     if not prompt:
         print("skvs generate: the prompt is empty", file=sys.stderr)
         return 2
-    model, heads = bench.load_shipped()
-    policy = policies.preset(args.policy, args.draft_len)
     cache = CacheConfig(num_blocks=129, block_size=8, max_seqs=1, max_blocks_per_seq=128)
     try:
+        policy = policies.preset(args.policy, args.draft_len)
+        model, heads = bench.load_shipped()
         e = engine.Engine(model, heads, policy, cache, token_budget=256, prefill_chunk=256)
         e.add_request(prompt, engine.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     except ValueError as err:
         print(f"skvs generate: {err}", file=sys.stderr)
         return 2
     on, off = ("[", "]") if args.plain else ("\x1b[32m", "\x1b[0m")
-    sys.stdout.write(args.text)
+    # One incremental decoder for the whole stream: a character whose bytes span two steps is printed whole.
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(decoder.decode(raw))
     steps = drafted = 0
     for _, tokens, _ in e.stream():
         steps += 1
-        text = bytes(tokens).decode("utf-8", errors="replace")
         # All but the last token of a step were accepted drafts; the last is the model's own.
-        head, tail = text[:-1], text[-1:]
+        head, tail = decoder.decode(bytes(tokens[:-1])), decoder.decode(bytes(tokens[-1:]))
         sys.stdout.write((on + head + off if head else "") + tail)
         sys.stdout.flush()
         drafted += len(tokens) - 1
+    sys.stdout.write(decoder.decode(b"", final=True))
     total = len(e.requests[0].tokens)
     print(f"\n-- {total} tokens in {steps} steps ({total / max(steps, 1):.2f} tokens/step, {drafted} accepted drafts, "
           f"policy {policy.name})")

@@ -26,8 +26,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
+import numbers
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+import pallas_kernels as pk
 from skvs_jax import acceptance, distributed
 from skvs_jax import scheduler as sc
 from skvs_jax import speculation as spec
@@ -48,22 +51,40 @@ i32 = jnp.int32
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """max_tokens >= 1 new tokens; temperature 0 = greedy; generation stops after any of stop_token_ids."""
+    """max_tokens >= 1 new tokens; temperature 0 = greedy; generation stops after any of stop_token_ids.
+
+    Fields are normalised to Python types (numpy scalars are accepted); stop ids are checked against the
+    model's vocabulary when the request is added.
+    """
 
     max_tokens: int = 32
     temperature: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a float >= 0, got {self.temperature!r}")
-        if len(self.stop_token_ids) > MAX_STOP:
-            raise ValueError(f"stop_token_ids holds at most {MAX_STOP} ids, got {len(self.stop_token_ids)}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {type(self.stop_token_ids).__name__}")
+        stops = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {stops!r}")
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"stop_token_ids holds at most {MAX_STOP} ids, got {len(stops)}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # frozen: normalise once, here
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 MAX_STOP = 4
+MAX_REQUEST_ID = 2**31 - 2  # ids live in int32 device arrays, and the next free id must fit too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +314,8 @@ class Engine:
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
+        if impl not in pk.IMPLS:
+            raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
         tree = self._check_speculation(runner, policy, tree, acceptance, sample_drafts, posterior_threshold,
                                        posterior_alpha)
         max_len = cache_config.max_tokens_per_seq
@@ -321,7 +344,7 @@ class Engine:
         # Compile buckets: one decode width per draft bucket (1 + drafts), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
         self.decode_widths = tuple(1 + x for x in buckets)
-        self.prompt_width = max(min(prefill_chunk, token_budget), 1 + policy.draft_len)
+        self.prompt_width = max(scfg.chunk, 1 + policy.draft_len)  # scfg.chunk: prefill_chunk 0 = the budget
         self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))
         self.draft_hist: collections.Counter[int] = collections.Counter()  # steps by most drafts in the step
         self.width_hist: collections.Counter[int] = collections.Counter()  # steps by query width
@@ -421,17 +444,29 @@ class Engine:
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        prompt = tuple(int(t) for t in prompt_tokens)
+        if isinstance(prompt_tokens, (str, bytes)) or not isinstance(prompt_tokens, Iterable):
+            raise TypeError(f"prompt_tokens must be a sequence of ints, got {type(prompt_tokens).__name__}")
+        prompt = tuple(prompt_tokens)
+        if not all(_is_int(t) for t in prompt):
+            bad = next(t for t in prompt if not _is_int(t))
+            raise TypeError(f"prompt_tokens must be ints, got {type(bad).__name__} {bad!r}")
+        prompt = tuple(int(t) for t in prompt)
         if not prompt:
             raise ValueError("prompt_tokens must not be empty")
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_tokens must lie in [0, {vocab})")
+        if any(t >= vocab for t in sampling.stop_token_ids):
+            raise ValueError(f"sampling.stop_token_ids must lie in [0, {vocab}), got {sampling.stop_token_ids}")
         max_len = self.cfg.sched.max_len
         if len(prompt) + sampling.max_tokens > max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"{max_len} tokens a sequence can hold (max_blocks_per_seq * block_size)")
+        if request_id is not None and not _is_int(request_id):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         rid = self._next_id if request_id is None else int(request_id)
+        if not 0 <= rid <= MAX_REQUEST_ID:  # -1 marks an empty slot on the device
+            raise ValueError(f"request_id must lie in [0, {MAX_REQUEST_ID}], got {rid}")
         if rid in self.requests:
             raise ValueError(f"request_id {rid} is already in use")
         self._next_id = max(self._next_id, rid + 1)

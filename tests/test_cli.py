@@ -75,6 +75,12 @@ def test_generate_streams_a_continuation(capsys):
     out = capsys.readouterr().out
     assert out.startswith("Return the number of ") and "-- 12 tokens in" in out and "policy skvs" in out
     assert cli.main(["generate", ""]) == 2
+    assert cli.main(["generate", "hi", "--draft-len", "0"]) == 2  # a bad flag is an error line, not a traceback
+    assert "draft_len must be >= 1" in capsys.readouterr().err
+    # An argument that is not UTF-8 reaches Python as surrogate escapes: its bytes are the prompt, and the echo
+    # (one incremental decoder over the prompt and the continuation) replaces what does not decode.
+    assert cli.main(["generate", "Return \udcff", "--max-tokens", "2", "--plain"]) == 0
+    assert capsys.readouterr().out.startswith("Return \ufffd")
 
 
 def test_console_script_entry_point_is_installed():

@@ -109,10 +109,37 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(shipped, trace, r
         e.add_request([300])
     with pytest.raises(ValueError, match="unknown policy"):
         policies.preset("fastest")
+    # Each of these used to pass add_request and then fail every later step (or, for -1, lose the output).
+    with pytest.raises(ValueError, match="stop_token_ids must be ints >= 0"):
+        engine.SamplingParams(stop_token_ids=("a",))
+    with pytest.raises(ValueError, match="stop_token_ids must be ints >= 0"):
+        engine.SamplingParams(stop_token_ids=(-1,))
+    with pytest.raises(ValueError, match="stop_token_ids must lie in"):
+        e.add_request([1, 2], engine.SamplingParams(stop_token_ids=(2**40,)))
+    for rid in (-1, 2**31):
+        with pytest.raises(ValueError, match="request_id must lie in"):
+            e.add_request([1, 2], request_id=rid)
+    with pytest.raises(TypeError, match="request_id must be an int"):
+        e.add_request([1, 2], request_id=1.5)
+    with pytest.raises(TypeError, match="prompt_tokens must be ints"):
+        e.add_request([1.7, 2.2])
+    with pytest.raises(TypeError, match="prompt_tokens must be a sequence"):
+        e.add_request("abc")
+    with pytest.raises(ValueError, match="temperature must be a finite"):
+        engine.SamplingParams(temperature=float("inf"))
+    sp = engine.SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), stop_token_ids=[np.int32(7)])
+    assert (sp.max_tokens, sp.temperature, sp.stop_token_ids) == (3, 0.5, (7,))
+    assert all(type(v) in (int, float, tuple) for v in (sp.max_tokens, sp.temperature, sp.stop_token_ids))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        engine.Engine(model, heads, policies.skvs(4), CACHE, impl="bogus")
+    assert not e.queue and not e.requests  # nothing refused was queued
     r = trace.requests[1]
     assert e.generate([r.prompt], engine.SamplingParams(max_tokens=r.max_new_tokens))[0] == reference[r.request_id]
     with pytest.raises(TypeError, match="heads"):
         engine.Engine(model, None, policies.skvs(4), CACHE)
+    # prefill_chunk 0 means "the token budget" to the scheduler; the engine's prompt width must cover it.
+    e0 = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=0)
+    assert e0.cfg.sched.chunk == 96 and e0.prompt_width == 96
 
 
 # ------------------------------------------------------------------------------------------- skvs bench
