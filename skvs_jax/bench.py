@@ -110,12 +110,16 @@ def make_trace(args) -> workloads.Trace:
     return workloads.make(args.workload, args.requests, seed=args.seed, **kw)
 
 
-def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
-    """Run one policy over the trace; returns its metrics, outputs and per-step series."""
+def _engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed)
     if policy.speculation:
         kwargs |= dict(tree=_tree(args), acceptance=args.acceptance)
-    e = eng.Engine(model, heads, policy, cache, **kwargs)
+    return kwargs
+
+
+def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
+    """Run one policy over the trace; returns its metrics, outputs and per-step series."""
+    e = eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
     e.warmup()  # every query bucket, so no compilation lands inside the timed run
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
@@ -233,19 +237,49 @@ def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
     return {n: preset(n) for n in names}
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.repeats < 1:
-        raise SystemExit(f"skvs bench: --repeats must be >= 1, got {args.repeats}")
+def _setup(args: argparse.Namespace):
+    """Everything a run needs, checked before anything is served: (policies, budget, model, heads, trace, cache).
+
+    Bad flags end in `SystemExit("skvs bench: ...")` naming the flag, not in a traceback minutes into the run.
+    """
+    for flag, value, low in (("--repeats", args.repeats, 1), ("--requests", args.requests, 1),
+                             ("--block-size", args.block_size, 1), ("--max-seqs", args.max_seqs, 1),
+                             ("--max-output", args.max_output, 1), ("--token-budget", args.token_budget, 1),
+                             ("--prefill-chunk", args.prefill_chunk, 0), ("--kv-blocks", args.kv_blocks, 2)):
+        if value < low:
+            raise SystemExit(f"skvs bench: {flag} must be >= {low}, got {value}")
     nodes = speculation.SMALL_TREE.num_slots - 1
     if args.tree == "small" and args.draft_len != nodes:
         raise SystemExit(f"skvs bench: --tree small has {nodes} nodes, one draft slot each: pass --draft-len {nodes}")
-    chosen, budget = _policies(args), _verify_budget(args.verify_budget)
-    names = list(chosen)
-    model, heads = load_shipped()
-    trace = make_trace(args)
+    try:
+        eng.SamplingParams(temperature=args.temperature)
+        chosen = _policies(args)
+    except ValueError as err:
+        raise SystemExit(f"skvs bench: {err}") from None
+    if not chosen:
+        raise SystemExit(f"skvs bench: --policies names no policy; choose from {sorted(policies.PRESETS)}")
     max_len = min(1024, -(-(96 + args.max_output) // args.block_size) * args.block_size)
-    cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
-                        max_blocks_per_seq=max_len // args.block_size)
+    blocks_per_seq = max_len // args.block_size  # the longest prompt (96) + --max-output, in whole blocks
+    if blocks_per_seq > args.kv_blocks - 1:
+        raise SystemExit(f"skvs bench: one sequence (a prompt of up to 96 tokens + --max-output {args.max_output}) "
+                         f"can need {blocks_per_seq} blocks of {args.block_size} tokens, more than --kv-blocks "
+                         f"{args.kv_blocks} holds ({args.kv_blocks - 1} usable): raise --kv-blocks or --block-size, "
+                         f"or lower --max-output")
+    model, heads = load_shipped()
+    try:
+        cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
+                            max_blocks_per_seq=blocks_per_seq)
+        for policy in chosen.values():  # the engines' own checks (budgets, trees, widths), before any is served
+            eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
+        trace = make_trace(args)
+    except ValueError as err:
+        raise SystemExit(f"skvs bench: {err}") from None
+    return chosen, _verify_budget(args.verify_budget), model, heads, trace, cache
+
+
+def run(args: argparse.Namespace) -> int:
+    chosen, budget, model, heads, trace, cache = _setup(args)
+    names = list(chosen)
     total_tokens = sum(r.max_new_tokens for r in trace.requests) * len(names) * args.repeats
     bar = None
     if not args.quiet:

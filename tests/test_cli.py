@@ -136,7 +136,6 @@ def two_ablations(monkeypatch):
 
 def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     _keep_ablations(monkeypatch, "release", "prefix_barrier", "insert")
-    monkeypatch.setattr(bench, "load_shipped", lambda: (None, None))
     monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs -prefix_barrier": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--repeats", "3", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
@@ -179,7 +178,6 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
-    monkeypatch.setattr(bench, "load_shipped", lambda: (None, None))
     monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -prefix_barrier", stall={"skvs -release": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert cli.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
@@ -191,6 +189,27 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         cli.main(argv + ["--policies", "skvs"])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--max-output 500", "raise --kv-blocks or --block-size, or lower --max-output"),
+    ("--kv-blocks 10", "more than --kv-blocks 10 holds"),
+    ("--block-size 0", "--block-size must be >= 1"),
+    ("--max-seqs 0", "--max-seqs must be >= 1"),
+    ("--requests 0", "--requests must be >= 1"),
+    ("--draft-len 0", "draft_len must be >= 1"),
+    ("--policies ,", "--policies names no policy"),
+    ("--temperature -1", "temperature must be a finite float >= 0"),
+    ("--draft-len 5", "the model has 4 draft heads"),  # from the engine, before vllm_default is served
+])
+def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
+    def no_serve(*args, **kwargs):
+        raise AssertionError("a bad flag must be refused before anything is served")
+
+    monkeypatch.setattr(bench, "serve", no_serve)
+    with pytest.raises(SystemExit, match=re.escape(says)) as exc:
+        cli.main(["bench", "--quiet", "--no-plot", *flags.split()])
+    assert str(exc.value.code).startswith("skvs bench: ")
 
 
 def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
