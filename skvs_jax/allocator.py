@@ -263,13 +263,13 @@ def _grow(
     blocks, seqs = st.blocks, st.seqs
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
     alloc, held = seqs.num_allocated, seqs.num_blocks
-    new_alloc = alloc + num_tokens
+    new_alloc = alloc + num_tokens  # may wrap for an oversized count: such rows are refused just below
 
     requested = num_tokens != 0
     bad = num_tokens < 0
-    bad |= new_alloc > m * s
+    bad |= num_tokens > m * s - alloc  # not new_alloc > M * S, which an int32 wrap would pass
     if speculative:
-        bad |= seqs.num_drafts + num_tokens > max_draft_len
+        bad |= num_tokens > max_draft_len - seqs.num_drafts
     else:
         bad |= seqs.num_drafts > 0  # decode/prefill slots always precede the drafts of a step
     # Copy-on-write: the first token lands in a partially-filled block that someone else also references.
@@ -285,6 +285,10 @@ def _grow(
         available = blocks.free_top + blocks.pool_top
     else:
         available = blocks.free_top
+    if order is not None:  # inside a user's jit `order` is data: a non-permutation refuses every request
+        seen = jnp.zeros_like(order).at[order].add(1, mode="drop")
+        need = jnp.where(jnp.all(seen == 1), need, 0)
+        bad |= jnp.any(seen != 1)
     if order is None:  # slot order: no permutation to apply
         cum = jnp.cumsum(need, dtype=i32)
     else:
@@ -631,10 +635,14 @@ def _evict_lru(
 # value checks are skipped and bad values come back as ok=False flags and counters.
 
 
-def check_state(st: AllocatorState, cfg: CacheConfig) -> None:
-    """Raise if the state's shapes do not match cfg (e.g. a state built for another config)."""
+def _check_type(st) -> None:
     if not isinstance(st, AllocatorState):
         raise TypeError(f"st must be an AllocatorState, got {type(st).__name__}")
+
+
+def check_state(st: AllocatorState, cfg: CacheConfig) -> None:
+    """Raise if the state's shapes do not match cfg (e.g. a state built for another config)."""
+    _check_type(st)
     n, b, m = cfg.num_blocks, cfg.max_seqs, cfg.max_blocks_per_seq
     checks.array("st.blocks.state", st.blocks.state, (n,), "i")
     checks.array("st.blocks.pool_stack", st.blocks.pool_stack, (cfg.pool_capacity,), "i")
@@ -665,6 +673,7 @@ def allocate(
     slots come before the drafts of a step), a request wider than `window`, or no room in priority order.
     """
     check_state(st, cfg)
+    checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
     _check_counts("num_tokens", num_tokens, cfg)
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
@@ -689,6 +698,7 @@ def allocate_speculative(
     blocks. Refused as in `allocate`, and when pending drafts would exceed K.
     """
     check_state(st, cfg)
+    checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
     _check_counts("num_drafts", num_drafts, cfg)
     checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
     checks.scalar_int("generation", generation)
@@ -719,6 +729,7 @@ def commit(
     (commit it again with a wider window); with the default every sequence fits.
     """
     check_state(st, cfg)
+    checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
     checks.array("num_accepted", num_accepted, (cfg.max_seqs,), "i")
     if checks.is_concrete(num_accepted) and checks.is_concrete(st.seqs.num_allocated):
         pending = np.asarray(st.seqs.num_allocated) - np.asarray(st.seqs.num_committed)
@@ -784,6 +795,7 @@ def reclaim_expired(
     Both are int32 scalars and data, so one compiled program serves every threshold (vmap-able). The pool
     keeps its order; expired blocks are pushed bottom-of-pool first. Returns the state and the count.
     """
+    _check_type(st)
     checks.scalar_int("current_generation", current_generation)
     checks.scalar_int("threshold", threshold)
     checks.in_range("threshold", threshold, 0, 2**31 - 1)
@@ -796,6 +808,7 @@ def set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> A
     Only VALIDATED blocks held by a sequence can be pinned (others are ignored: the prefix cache must only
     ever hold validated content). Unpinning a ref-0 block returns it to the free stack.
     """
+    _check_type(st)
     if not hasattr(block_ids, "shape") or len(block_ids.shape) != 1:
         raise ValueError(f"block_ids must be a 1-D array, got {getattr(block_ids, 'shape', type(block_ids))}")
     checks.array("block_ids", block_ids, block_ids.shape, "i")
@@ -811,6 +824,7 @@ def evict_lru(
     Evicted blocks are unpinned and pushed to the free stack. Returns the state and the evicted ids,
     int32[max_evict] padded with NULL_BLOCK (the prefix index drops its entries for them).
     """
+    _check_type(st)
     if isinstance(max_evict, bool) or not isinstance(max_evict, int) or max_evict < 1:
         raise ValueError(f"max_evict must be a positive int, got {max_evict!r}")
     checks.scalar_int("num_blocks", num_blocks)

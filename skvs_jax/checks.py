@@ -42,12 +42,22 @@ def scalar_int(name: str, x) -> None:
 
 
 def in_range(name: str, x, lo: int, hi: int) -> None:
-    """Concrete values of x must lie in [lo, hi]."""
+    """Concrete values of x must lie in [lo, hi] (NaN does not)."""
     if is_concrete(x):
         v = np.asarray(x)
-        if v.size and (v.min() < lo or v.max() > hi):
-            bad = v[(v < lo) | (v > hi)].reshape(-1)[0]
-            raise ValueError(f"{name} must lie in [{lo}, {hi}], got {bad}")
+        outside = ~((v >= lo) & (v <= hi))  # written so that NaN, which fails every comparison, is outside
+        if outside.any():
+            raise ValueError(f"{name} must lie in [{lo}, {hi}], got {v[outside].reshape(-1)[0]}")
+
+
+def static_int(name: str, x, lo: int, hi: int, *, allow_none: bool = True) -> None:
+    """A static (Python) int argument in [lo, hi], or None when allowed."""
+    if x is None and allow_none:
+        return
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {type(x).__name__} {x!r}")
+    if not lo <= x <= hi:
+        raise ValueError(f"{name} must lie in [{lo}, {hi}], got {x}")
 
 
 def permutation(name: str, x, n: int) -> None:

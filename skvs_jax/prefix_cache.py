@@ -529,8 +529,9 @@ def insert_after_validation(
 
 
 def remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig) -> tuple[PrefixCache, RemoveResult]:
-    """Drop the entries of block_ids (int[X], e.g. `allocator.evict_lru`'s output; ids <= 0 and ids that are
-    not indexed are ignored) and of all their descendants, whose ids come back to be unpinned."""
+    """Drop the entries of block_ids (int[X] in [0, N), e.g. `allocator.evict_lru`'s output; 0 (padding) and ids
+    that are not indexed are ignored, and inside a user's jit so are negative ones) and of all their descendants,
+    whose ids come back to be unpinned."""
     check_cache(cache, cfg)
     if not hasattr(block_ids, "shape") or len(block_ids.shape) != 1:
         raise ValueError(f"block_ids must be a 1-D array, got shape {getattr(block_ids, 'shape', None)}")

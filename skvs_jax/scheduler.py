@@ -500,6 +500,9 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 
     # 1. Draft lengths: decode drafts, bounded by the output room (the bonus token comes on top) and the table.
     k_max = jnp.clip(knobs.draft_len, 0, pol.draft_len).astype(i32)
+    # Knobs are data (a vmapped sweep checks none of them at the boundary): a ratio outside [0, 1], or NaN, would
+    # let drafts claim blocks the allocator then refuses, so it is clamped here (NaN -> 0, no opportunistic drafts).
+    spec_ratio = jnp.where(knobs.max_spec_ratio >= 0, jnp.minimum(knobs.max_spec_ratio, 1), 0).astype(jnp.float32)
     out_room = seqs.max_new_tokens - (n - seqs.prompt_len) - 1
     k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - n)
     decoding = running & (remaining == 1)
@@ -570,7 +573,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 
     # 4. Opportunistic drafts: within max_spec_ratio of the free blocks left, in priority order.
     if not pol.drafts_preempt:
-        cap = jnp.floor(knobs.max_spec_ratio * jnp.maximum(free_now - need_total, 0).astype(jnp.float32))
+        cap = jnp.floor(spec_ratio * jnp.maximum(free_now - need_total, 0).astype(jnp.float32))
         granted = (need_d == 0) | (_in_order(need_d, order, rank) <= cap.astype(i32))
         d = jnp.where(granted, d, 0)
         need_d = jnp.where(granted, need_d, 0)
@@ -598,7 +601,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     cand_len = jnp.where(real, n[cs], 0)
     if pol.prefix_cache:
         window = jnp.full((a,), k_max if (pol.prefix_barrier and pol.speculation) else 0, i32)
-        ratio = knobs.max_spec_ratio.astype(jnp.float32)
+        ratio = spec_ratio
 
         def look(_):
             hit = pc._lookup(st.prefix, cand_tokens, cand_len, window, ratio, cfg=cfg.prefix)
@@ -928,8 +931,12 @@ def _check_knobs(knobs: Knobs, cfg: SchedulerConfig) -> None:
         raise TypeError(f"knobs must be a Knobs (policy.knobs()), got {type(knobs).__name__}")
     checks.scalar_int("knobs.draft_len", knobs.draft_len)
     checks.in_range("knobs.draft_len", knobs.draft_len, 0, cfg.policy.draft_len)
+    if getattr(knobs.max_spec_ratio, "shape", ()) != ():
+        raise ValueError(f"knobs.max_spec_ratio must be a scalar (vmap to sweep it), got shape "
+                         f"{knobs.max_spec_ratio.shape}")
     checks.in_range("knobs.max_spec_ratio", knobs.max_spec_ratio, 0, 1)
     checks.scalar_int("knobs.generation_threshold", knobs.generation_threshold)
+    checks.in_range("knobs.generation_threshold", knobs.generation_threshold, 0, 2**31 - 1)
     checks.scalar_int("knobs.verify_budget", knobs.verify_budget)
     checks.in_range("knobs.verify_budget", knobs.verify_budget, 1, NO_VERIFY_CAP)
 
@@ -1000,10 +1007,20 @@ def update(
     (clipped to [0, num_drafts]); draft_tokens: int32[B, max(K, 1)] the drafts it proposed; next_tokens: int32[B]
     the target's token after the accepted prefix. The row gains accepted + 1 tokens: draft_tokens[:accepted],
     then next_tokens. stop: bool[B] (e.g. EOS sampled) finishes the row. Returns the state and what happened.
+    batch must be the one `schedule` returned with this state: settled twice, a row would gain tokens no model
+    computed. Checked when both are concrete (a scheduled row starts at its committed length); inside a user's
+    jit that pairing is the caller's.
     """
     _check_state(st, cfg)
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be the Batch returned by schedule, got {type(batch).__name__}")
+    committed = st.alloc.seqs.num_committed
+    if checks.is_concrete(batch.start) and checks.is_concrete(committed):
+        stale = np.asarray(batch.scheduled) & (np.asarray(batch.start) != np.asarray(committed))
+        if stale.any():
+            raise ValueError(f"batch does not belong to this state: row {int(np.argmax(stale))} starts at "
+                             f"{int(np.asarray(batch.start)[stale][0])} but has {int(np.asarray(committed)[stale][0])} "
+                             f"committed tokens (was it already settled by update?)")
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     checks.array("accepted", accepted, (b,), "i")
     checks.array("next_tokens", next_tokens, (b,), "i")

@@ -252,6 +252,28 @@ def test_traced_bad_values_become_flags_not_exceptions():
     np.testing.assert_array_equal(com_ok, [True, False, True])  # 5 > 3 pending: clipped and flagged
     assert int(st.seqs.num_committed[1]) == 3 and int(st.counters.alloc_failures) == 2
 
+    # A count that wraps int32 when added to the row's length (3 + 2^31 - 3) is refused, not granted.
+    st, ok, _ = step(st, vec(0, 2**31 - 3, 0), vec(0, 0, 0))
+    np.testing.assert_array_equal(ok, [True, False, True])  # a zero count asks for nothing and is granted
+    assert int(st.seqs.num_allocated[1]) == 3
+    testing.check_invariants(st, CFG, SPEC)
+    spec_step = jax.jit(lambda st, d: allocator.allocate_speculative(st, d, 0, cfg=CFG, spec=SPEC))
+    _, res = spec_step(st, vec(0, 2**31 - 1, 0))
+    assert not bool(res.ok[1])
+
+
+def test_a_traced_non_permutation_order_refuses_every_request():
+    cfg = CacheConfig(num_blocks=9, block_size=4, max_seqs=3, max_blocks_per_seq=5)  # 8 usable blocks
+    step = jax.jit(lambda st, counts, order: allocator.allocate(st, counts, order, cfg=cfg, spec=SPEC))
+    for order in (vec(0, 7, 1), vec(0, 0, 1), vec(-1, 1, 2)):  # out of range, repeated, negative
+        st, res = step(allocator.init(cfg), vec(12, 12, 12), order)
+        np.testing.assert_array_equal(res.ok, [False, False, False])
+        assert int(st.counters.alloc_failures) == 3
+        testing.check_invariants(st, cfg, SPEC)
+        assert int(st.blocks.free_top) == cfg.usable_blocks
+    st, res = step(allocator.init(cfg), vec(12, 12, 12), vec(2, 0, 1))  # a permutation: served in its order
+    np.testing.assert_array_equal(res.ok, [True, False, True])  # 3 + 3 blocks granted, 2 left for slot 1
+
 
 def test_vmap_over_independent_pools():
     states = jax.vmap(lambda _: allocator.init(CFG))(jnp.arange(4))
@@ -277,6 +299,9 @@ def test_vmap_over_independent_pools():
         (lambda st: allocator.reclaim_expired(st, 3, -1), "threshold"),
         (lambda st: allocator.evict_lru(st, 5, max_evict=4), "num_blocks"),
         (lambda st: allocator.allocate(st, vec(1, 0, 0), cfg=CacheConfig(32, 4, 3, 5)), "st.blocks.state"),
+        (lambda st: allocator.allocate(st, vec(1, 0, 0), cfg=CFG, window=-1), "window"),
+        (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), 0, cfg=CFG, spec=SPEC, window=0), "window"),
+        (lambda st: allocator.commit(st, vec(0, 0, 0), cfg=CFG, window=6), "window"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_argument(call, match):
@@ -291,6 +316,10 @@ def test_bad_values_raise_value_error_naming_the_argument(call, match):
         (lambda st: allocator.free(st, vec(1, 0, 0), cfg=CFG), "seq_mask"),
         (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), 1.5, cfg=CFG), "generation"),
         (lambda st: allocator.allocate(st, [1, 0, 0], cfg=CFG), "num_tokens"),
+        (lambda st: allocator.allocate(st, vec(1, 0, 0), cfg=CFG, window=2.5), "window"),
+        (lambda st: allocator.reclaim_expired("st", 3, 1), "st must be an AllocatorState"),
+        (lambda st: allocator.set_cached(None, vec(1), jnp.ones(1, bool)), "st must be an AllocatorState"),
+        (lambda st: allocator.evict_lru(None, 1, max_evict=4), "st must be an AllocatorState"),
     ],
 )
 def test_bad_types_raise_type_error_naming_the_argument(call, match):

@@ -3,6 +3,7 @@
 import dataclasses
 import types
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -397,6 +398,39 @@ def test_a_custom_victim_rule_plugs_in():
     cfg = _cfg(NAIVE, num_blocks=12, max_running=6, token_budget=40, victim=youngest_first)
     h = _run(cfg, steps=30)
     assert int(h.st.counters.preempt_recompute) > 0
+
+
+def test_traced_knobs_are_clamped_and_bad_knobs_or_a_stale_batch_are_refused_at_the_boundary():
+    """Under vmap no knob is checked at the boundary: a ratio above 1 must not grant drafts without blocks (it
+    acts as 1), and NaN acts as 0."""
+    pol = policies.skvs(4).replace(adaptive_draft_len=False, draft_buckets=(4,))
+    cache = CacheConfig(num_blocks=10, block_size=2, max_seqs=2, max_blocks_per_seq=6)
+    cfg = sc.SchedulerConfig(cache=cache, policy=pol, max_running=2, token_budget=64, prefix_capacity=64)
+    st = sc.init(cfg)
+    st, _ = sc.add(st, jnp.asarray([[1, 2, 3, 4, 5], [2, 3, 4, 5, 6]], jnp.int32), jnp.asarray([5, 5], jnp.int32),
+                   jnp.asarray([6, 6], jnp.int32), cfg=cfg)
+    knobs = pol.knobs()
+    st, batch = sc.schedule(st, knobs, cfg=cfg)
+    st, _ = sc.update(st, batch, jnp.zeros(2, jnp.int32), jnp.asarray([7, 7], jnp.int32), cfg=cfg)
+    ratios = jnp.asarray([0.0, 1.0, 3.0, np.inf, np.nan], jnp.float32)
+    out = jax.vmap(lambda r: sc.schedule(st, knobs.replace(max_spec_ratio=r), cfg=cfg)[1])(ratios)
+    assert np.asarray(out.alloc_ok).all()
+    drafts = np.asarray(out.num_drafts)
+    assert drafts[1].sum() > drafts[0].sum()  # the pool is tight enough that the ratio matters
+    lane = lambda i: jax.tree.map(lambda x: x[i], out)  # noqa: E731
+    for i, same_as in ((2, 1), (3, 1), (4, 0)):
+        chex.assert_trees_all_equal(lane(i), lane(same_as))
+    with pytest.raises(ValueError, match="knobs.max_spec_ratio must lie in"):
+        sc.schedule(st, knobs.replace(max_spec_ratio=jnp.float32(np.nan)), cfg=cfg)
+    with pytest.raises(ValueError, match="knobs.max_spec_ratio must be a scalar"):
+        sc.schedule(st, knobs.replace(max_spec_ratio=jnp.ones(3, jnp.float32)), cfg=cfg)
+    with pytest.raises(ValueError, match="knobs.generation_threshold must lie in"):
+        sc.schedule(st, knobs.replace(generation_threshold=jnp.int32(-1)), cfg=cfg)
+    # A batch settles once: a second update with it would append tokens that no model computed.
+    after, batch = sc.schedule(st, knobs, cfg=cfg)
+    after, _ = sc.update(after, batch, jnp.zeros(2, jnp.int32), jnp.asarray([8, 8], jnp.int32), cfg=cfg)
+    with pytest.raises(ValueError, match="batch does not belong to this state"):
+        sc.update(after, batch, jnp.zeros(2, jnp.int32), jnp.asarray([9, 9], jnp.int32), cfg=cfg)
 
 
 def test_schedule_vmaps_over_knobs():
