@@ -112,6 +112,13 @@ class RequestRecord:
         if self.finish_time < self.arrival_time:  # False when either is NaN
             raise ValueError(f"finish_time ({self.finish_time}) precedes arrival_time ({self.arrival_time}) "
                              f"(request {self.request_id})")
+        if not self.aborted and not (math.isfinite(self.arrival_time) and math.isfinite(self.finish_time)):
+            raise ValueError(f"a finished request needs finite arrival_time and finish_time, got "
+                             f"{self.arrival_time} and {self.finish_time} (request {self.request_id})")
+        first = self.first_token_time
+        if first < self.arrival_time or first > self.finish_time:  # False for a NaN on either side
+            raise ValueError(f"first_token_time ({first}) must lie between arrival_time ({self.arrival_time}) and "
+                             f"finish_time ({self.finish_time}), or be NaN (request {self.request_id})")
 
 
 # ------------------------------------------------------------------------------------------------ step log
@@ -281,7 +288,7 @@ def _latency_metrics(c: dict[str, np.ndarray]) -> dict[str, float]:
     first, finish, arrival = c["first_token_time"], c["finish_time"], c["arrival_time"]
     outputs = c["num_output_tokens"]
     ttft = (first - arrival)[done & np.isfinite(first)]
-    has_tpot = done & np.isfinite(first) & (outputs >= 2)
+    has_tpot = done & np.isfinite(first) & np.isfinite(finish) & (outputs >= 2)
     tpot = (finish - first)[has_tpot] / (outputs[has_tpot] - 1)
     e2e = (finish - arrival)[done & np.isfinite(finish)]
     return {f"{name}_p{q}": _percentile(values, q)

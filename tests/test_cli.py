@@ -2,13 +2,16 @@
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from skvs_jax import __version__, bench, cli, metrics, policies
+from skvs_jax import __version__, bench, cli, metrics, policies, workloads
+from skvs_jax.config import CacheConfig
 from skvs_jax.sim import cost_model
 
 
@@ -51,7 +54,7 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     assert f"skvs verify budget {knee};" in out and 128 <= knee <= 256
     assert re.search(r"^skvs: TPOT speedup over vllm_default (falls below 1\.0x from rate|>= 1\.0x at every)", out,
                      re.MULTILINE)
-    doc = json.loads((tmp_path / "simulate.json").read_text())
+    doc = json.loads((tmp_path / "simulate.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert set(doc["lanes"]) == {"vllm_default", "skvs"} and len(doc["lanes"]["skvs"]) == 4  # 2 rates x 2 seeds
     assert {lane["rate"] for lane in doc["lanes"]["skvs"]} == {2.0, 64.0}
     assert all(lane["num_aborted"] == 0 for lanes in doc["lanes"].values() for lane in lanes)
@@ -60,6 +63,79 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
         cli.main(["simulate", "--policies", "nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--verify-budget"):
         cli.main(["simulate", "--verify-budget", "0", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("flags, says", [
+    ("--sweep --rates abc", "--rates must be comma-separated numbers"),
+    ("--sweep --rates 4,,8", "--rates must be comma-separated numbers"),
+    ("--sweep --rates 0,4", "--rates must be > 0"),
+    ("--rate nan", "--rate must be > 0"),
+    ("--scale 0", "--scale must be a finite number > 0"),
+    ("--token-budget 0", "--token-budget must be >= 1"),
+    ("--max-output-len 0", "--max-output-len must be >= 1"),
+    ("--prefill-chunk -1", "--prefill-chunk must be >= 0"),
+    ("--kv-blocks 2", "--kv-blocks 2 holds fewer blocks than one request can need"),
+    ("--policies ,", "--policies names no policy"),
+    ("--device cpu-measured", "pass --kv-blocks"),
+])
+def test_simulate_refuses_bad_flags_before_simulating(flags, says, tmp_path, monkeypatch):
+    from skvs_jax.sim import sweep
+
+    monkeypatch.setattr(sweep, "run", lambda *a, **k: pytest.fail("a bad flag must be refused before simulating"))
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        cli.main(["simulate", "--out", str(tmp_path), *flags.split()])
+
+
+def _sim_args(*flags):
+    from skvs_jax.sim import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(["--requests", "8", "--seeds", "2", "--max-prompt-len", "32", "--max-output-len", "16",
+                              *flags])
+
+
+def test_simulate_lanes_know_their_rate_and_seed_and_think_times_are_not_scaled():
+    from skvs_jax import scheduler as sc
+    from skvs_jax.sim import command
+
+    cfg = sc.SchedulerConfig(cache=CacheConfig(num_blocks=65, block_size=16, max_seqs=4, max_blocks_per_seq=4),
+                             policy=policies.skvs(4), max_running=4, token_budget=64)
+    alphas = np.full(4, 0.5)
+    # A Poisson workload is swept by scaling one trace per seed; 8 / (8 / 0.9) != 0.9 in floats, so a lane's rate
+    # must come from its label, not from dividing back.
+    args = _sim_args("--sweep", "--rates", "0.9,4")
+    trace_rates, lanes, where = command._lanes(args, cfg, [0.9, 4.0])
+    assert trace_rates == [8.0] and sorted(where) == [(0.9, 0), (0.9, 1), (4.0, 0), (4.0, 1)]
+    # A multi-turn trace's later turns follow think times: one trace per rate and seed, none scaled.
+    args = _sim_args("--workload", "multi_turn", "--sweep", "--rates", "2,64")
+    trace_rates, lanes, where = command._lanes(args, cfg, [2.0, 64.0])
+    assert trace_rates == [2.0, 64.0] and np.all(np.asarray(lanes.arrival_scale) == 1.0)
+    traces = command._traces(args, cfg, alphas, trace_rates)
+    for i, (rate, seed) in enumerate(where):
+        direct = workloads.make("multi_turn", 8, seed=seed, rate=rate, scale=1.0, max_prompt_len=32, max_output_len=16)
+        lane_arrivals = np.asarray(traces.arrival)[int(lanes.trace[i])]
+        np.testing.assert_allclose(np.sort(lane_arrivals), np.sort([r.arrival_time for r in direct.requests]),
+                                   rtol=1e-6)
+    # --rate inf (all at t = 0) without --sweep: one lane per seed, unscaled.
+    args = _sim_args("--rate", "inf")
+    trace_rates, lanes, where = command._lanes(args, cfg, [math.inf])
+    assert where == [(math.inf, 0), (math.inf, 1)] and np.all(np.asarray(lanes.arrival_scale) == 1.0)
+    assert np.all(np.asarray(command._traces(args, cfg, alphas, trace_rates).arrival) == 0)
+
+
+def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
+    from skvs_jax.sim import command
+
+    nan = math.nan
+    by_rate = {4.0: {"vllm_default": {"tpot_p50": nan, "mean_batch": 1.0},
+                     "naive_spec": {"tpot_p50": nan, "mean_batch": 1.0}}}
+    (line,) = command._verdicts(by_rate, ["vllm_default", "naive_spec"])
+    assert "undefined at rate(s) 4" in line and ">= 1.0x" not in line
+    by_rate[8.0] = {"vllm_default": {"tpot_p50": 0.02, "mean_batch": 4.0},
+                    "naive_spec": {"tpot_p50": 0.01, "mean_batch": 4.0}}
+    lines = command._verdicts(by_rate, ["vllm_default", "naive_spec"])
+    assert lines[1] == "naive_spec: TPOT speedup over vllm_default >= 1.0x at every rate swept with a TPOT (min 2.00x)"
 
 
 def test_micro_simulate_small_run_prints_its_ratio(capsys):

@@ -138,9 +138,16 @@ def test_records_are_frozen_and_checked():
                            ({"num_drafted": 1, "num_accepted": 2}, "num_accepted"),
                            ({"token_times": (1.5,)}, "token_times"),
                            ({"finish_time": 0.5}, "finish_time"),
+                           ({"finish_time": NAN}, "a finished request needs finite"),
+                           ({"first_token_time": 0.5}, "first_token_time"),  # before arrival
+                           ({"first_token_time": 2.5}, "first_token_time"),  # after finish
                            ({"num_output_tokens": -1}, "num_output_tokens")]:
         with pytest.raises(ValueError, match=match):
             RequestRecord(**(base | changes))
+    # An aborted request may have no finish time; it stays out of every latency, TPOT included.
+    aborted = RequestRecord(**(base | {"finish_time": NAN, "aborted": True}))
+    summary = metrics.summarize([RequestRecord(**base), aborted], None)
+    assert summary["tpot_p50"] == 0.5 and summary["num_aborted"] == 1
     with pytest.raises(ValueError, match="wall_time"):
         metrics.summarize([RequestRecord(**base)], None, wall_time=0.0)
     with pytest.raises(TypeError, match="steps"):

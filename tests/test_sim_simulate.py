@@ -38,3 +38,10 @@ def test_a_synthetic_trace_with_arrivals_runs_to_completion():
     arrival = np.asarray(st_trace.arrival)
     assert np.all(arrival <= first) and np.all(first <= finish)
     assert 0 < m["acceptance_rate"] < 1 and m["throughput"] > 0
+
+    # Cut after a few steps: requests that had not finished (some not even arrived) count as aborted.
+    _, cut = sim.simulate(st_trace, policies.naive_spec(4).knobs(), cfg=cfg, cost=cost, max_steps=4)
+    end = float(np.asarray(cut.start_time + cut.duration)[np.asarray(cut.active)].max())
+    assert np.sum(arrival > end) > 0  # the case that used to raise (a finish time before the arrival)
+    m = sim.summarize(cut, st_trace, cfg)
+    assert m["num_aborted"] == 24 - int(np.isfinite(np.asarray(cut.finish_time)).sum()) > 0

@@ -71,29 +71,71 @@ def _acceptance(spec: str, k: int) -> np.ndarray:
     return acceptance_model.alphas(values, k)
 
 
+# Workloads whose later requests follow earlier ones by a think time: scaling arrival times would shrink the think
+# times too, so `--sweep` generates their traces at each rate instead of scaling one.
+_THINK_TIME_WORKLOADS = ("multi_turn",)
+
+
 def _geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
     s = args.block_size
     m = -(-(args.max_prompt_len + args.max_output_len + k + 1) // s)
     blocks = args.kv_blocks
     if blocks is None:
-        blocks = min(cost.max_kv_tokens() // s, args.max_seqs * m)
+        try:
+            blocks = min(cost.max_kv_tokens() // s, args.max_seqs * m)
+        except ValueError as err:
+            raise SystemExit(f"skvs simulate: --device {args.device}: {err}; pass --kv-blocks") from None
         if blocks < m:
             raise SystemExit(f"skvs simulate: {args.model} on {args.tp} x {args.device} leaves room for {blocks} KV "
                              f"blocks, fewer than one request needs ({m})")
+    if blocks < m:
+        raise SystemExit(f"skvs simulate: --kv-blocks {blocks} holds fewer blocks than one request can need ({m} "
+                         f"of {s} tokens for --max-prompt-len + --max-output-len + drafts)")
     return CacheConfig(num_blocks=blocks + 1, block_size=s, max_seqs=args.max_seqs, max_blocks_per_seq=m)
 
 
-def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray) -> tuple[list[workloads.Trace], simulate.SimTrace]:
-    kw = dict(rate=None if math.isinf(args.rate) else args.rate, max_prompt_len=args.max_prompt_len,
-              max_output_len=args.max_output_len, scale=args.scale)
-    raw, sims = [], []
-    for seed in range(args.seeds):
-        trace = workloads.make(args.workload, args.requests, seed=seed, **kw)
-        raw.append(trace)
-        # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
-        sims.append(simulate.make_trace(trace, cfg, alphas=alphas, seed=seed,
-                                        vocab_size=cost_model.MODELS[args.model].vocab_size))
-    return raw, sweep.stack(sims)
+def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float]) -> simulate.SimTrace:
+    """One trace per (rate, seed), rate-major, stacked."""
+    sims = []
+    for rate in rates:
+        kw = dict(rate=None if math.isinf(rate) else rate, max_prompt_len=args.max_prompt_len,
+                  max_output_len=args.max_output_len, scale=args.scale)
+        for seed in range(args.seeds):
+            trace = workloads.make(args.workload, args.requests, seed=seed, **kw)
+            # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
+            sims.append(simulate.make_trace(trace, cfg, alphas=alphas, seed=seed,
+                                            vocab_size=cost_model.MODELS[args.model].vocab_size))
+    return sweep.stack(sims)
+
+
+def _parse_rates(args) -> list[float]:
+    if not args.sweep:
+        rates = [args.rate]
+    else:
+        try:
+            rates = [float(r) for r in args.rates.split(",")]
+        except ValueError:
+            raise SystemExit(f"skvs simulate: --rates must be comma-separated numbers, got {args.rates!r}") from None
+    if any(not r > 0 for r in rates):  # also refuses NaN
+        raise SystemExit(f"skvs simulate: --rate{'s' if args.sweep else ''} must be > 0, got {rates}")
+    return rates
+
+
+def _lanes(args, cfg, rates: list[float]):
+    """(traces, lanes, where): where[i] = (rate, seed) of lane i. A sweep over a Poisson workload scales one
+    trace per seed (the same requests at every rate); a think-time workload gets a trace per rate and seed."""
+    per_rate = args.sweep and args.workload in _THINK_TIME_WORKLOADS
+    trace_rates = rates if per_rate else [args.rate]
+    scales = [1.0] if per_rate or not args.sweep else [args.rate / r for r in rates]
+    lanes, labels = sweep.grid(cfg.policy.knobs(), cfg=cfg, arrival_scale=scales,
+                               traces=list(range(len(trace_rates) * args.seeds)))
+    rate_of_scale = {} if per_rate else dict(zip(scales, rates, strict=True))
+    where = []
+    for lab in labels:
+        t = lab["trace"]
+        rate = trace_rates[t // args.seeds] if per_rate else rate_of_scale[lab["arrival_scale"]]
+        where.append((rate, t % args.seeds))
+    return trace_rates, lanes, where
 
 
 def _verify_budget(value: str, cost: cost_model.CostModel) -> int | None:
@@ -115,14 +157,20 @@ def run(args: argparse.Namespace) -> int:
     for n in names:
         if n not in policies.PRESETS:
             raise SystemExit(f"skvs simulate: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
-    for flag in ("requests", "seeds", "max_seqs", "block_size", "chunk", "max_steps", "draft_len"):
+    if not names:
+        raise SystemExit(f"skvs simulate: --policies names no policy; choose from {sorted(policies.PRESETS)}")
+    for flag in ("requests", "seeds", "max_seqs", "block_size", "chunk", "max_steps", "draft_len", "token_budget",
+                 "max_prompt_len", "max_output_len"):
         if getattr(args, flag) < 1:
-            raise SystemExit(f"skvs simulate: --{flag.replace('_', '-')} must be >= 1")
+            raise SystemExit(f"skvs simulate: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.prefill_chunk < 0:
+        raise SystemExit(f"skvs simulate: --prefill-chunk must be >= 0 (0: the token budget), got "
+                         f"{args.prefill_chunk}")
+    if not (math.isfinite(args.scale) and args.scale > 0):
+        raise SystemExit(f"skvs simulate: --scale must be a finite number > 0, got {args.scale}")
     if args.sweep and math.isinf(args.rate):
         raise SystemExit("skvs simulate: --sweep scales arrival times, so it needs a finite --rate")
-    rates = [float(r) for r in args.rates.split(",")] if args.sweep else [args.rate]
-    if any(not r > 0 for r in rates):
-        raise SystemExit("skvs simulate: --rates must be > 0")
+    rates = _parse_rates(args)
     try:
         alphas = _acceptance(args.acceptance, args.draft_len)
         cost = cost_model.CostModel(cost_model.MODELS[args.model], cost_model.DEVICES[args.device], tp=args.tp)
@@ -137,7 +185,6 @@ def run(args: argparse.Namespace) -> int:
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), (sweep.DP,)) if jax.device_count() > 1 else None
     t_start = time.perf_counter()
     per_policy: dict[str, list[dict]] = {}
-    labels = None
     steps_run = 0
     for name in names:
         policy = policies.preset(name, args.draft_len)
@@ -145,9 +192,8 @@ def run(args: argparse.Namespace) -> int:
             policy = policy.replace(verify_budget=verify_budget)
         cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=args.token_budget,
                                  prefill_chunk=min(args.prefill_chunk, args.token_budget))
-        raw, traces = _traces(args, cfg, alphas)
-        lanes, labels = sweep.grid(policy.knobs(), cfg=cfg, arrival_scale=[args.rate / r for r in rates],
-                                   traces=list(range(args.seeds)))
+        trace_rates, lanes, where = _lanes(args, cfg, rates)
+        traces = _traces(args, cfg, alphas, trace_rates)
         t0 = time.perf_counter()
         states, logs = sweep.run(traces, lanes, cfg=cfg, cost=cost, max_steps=args.max_steps, chunk=args.chunk,
                                  mesh=mesh, strategy=args.strategy)
@@ -158,9 +204,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {name}: {int(np.sum(done < args.requests))} of {len(done)} lanes did not finish in "
                   f"{args.max_steps} steps (raise --max-steps); their metrics cover what ran")
         ms = sweep.summaries(logs, traces, lanes, cfg)
-        for lab, m in zip(labels, ms, strict=True):
-            m["rate"] = args.rate / lab["arrival_scale"]
-            m["seed"] = lab["trace"]
+        for (rate, seed), m in zip(where, ms, strict=True):
+            m["rate"], m["seed"] = rate, seed
         per_policy[name] = ms
         steps = int(np.asarray(logs.active).sum())
         steps_run += steps
@@ -186,11 +231,22 @@ def run(args: argparse.Namespace) -> int:
         "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}},
         "lanes": {n: per_policy[n] for n in names},
         "by_rate": {str(r): by_rate[r] for r in rates}}
-    (out_dir / "simulate.json").write_text(json.dumps(doc, indent=1, default=float))
+    # Strict JSON: an undefined metric (NaN, e.g. TPOT when no request made two tokens) is written as null.
+    (out_dir / "simulate.json").write_text(json.dumps(_nan_to_none(doc), indent=1, default=float, allow_nan=False))
     if not args.no_plot:
         _plot(by_rate, names, out_dir / "simulate.png")
     print(f"wrote {out_dir / 'simulate.json'}" + ("" if args.no_plot else f" and {out_dir / 'simulate.png'}"))
     return 0
+
+
+def _nan_to_none(x):
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_nan_to_none(v) for v in x]
+    if isinstance(x, (float, np.floating)) and not math.isfinite(x):
+        return None
+    return x
 
 
 def _speedup(by_rate, rate, name, key="tpot_p50") -> float:
@@ -223,13 +279,17 @@ def _verdicts(by_rate, names) -> list[str]:
             continue
         ups = {r: _speedup(by_rate, r, n) for r in by_rate}
         below = [r for r, u in ups.items() if u < 1.0]
+        undefined = [r for r, u in ups.items() if math.isnan(u)]
+        if undefined:  # no conclusion from a rate without a TPOT (e.g. no request made two tokens)
+            out.append(f"{n}: TPOT speedup over vllm_default undefined at rate(s) "
+                       f"{', '.join(f'{r:g}' for r in undefined)} req/s (no TPOT measured)")
         if below:
             r = min(below)
             out.append(f"{n}: TPOT speedup over vllm_default falls below 1.0x from rate {r:g} req/s "
                        f"(mean batch {by_rate[r][n]['mean_batch']:.1f}): speculation stops paying there")
-        else:
-            out.append(f"{n}: TPOT speedup over vllm_default >= 1.0x at every rate swept "
-                       f"(min {min(ups.values()):.2f}x)")
+        elif len(undefined) < len(ups):
+            out.append(f"{n}: TPOT speedup over vllm_default >= 1.0x at every rate swept"
+                       f"{' with a TPOT' if undefined else ''} (min {min(u for u in ups.values() if u == u):.2f}x)")
     return out
 
 

@@ -324,7 +324,9 @@ def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: Co
 
 def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
     """The DESIGN.md metrics of a simulated run (`metrics.summarize`), times in simulated seconds; the scheduler
-    time metrics are left out (the simulated clock has no host time)."""
+    time metrics are left out (the simulated clock has no host time). A request that did not finish within the
+    run (cut by max_steps) counts as aborted: out of throughput and latency, in hit rate and preemptions; its
+    finish time is the end of the run, or its arrival if it had not arrived by then."""
     log = jax.device_get(log)
     act = np.asarray(log.active)
     steps = metrics.StepRecord(
@@ -334,11 +336,11 @@ def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str
         num_accepted=log.accepted[act], num_verifications=log.verifications[act],
         num_output_tokens=log.output_tokens[act])
     arrival, plen = np.asarray(trace.arrival), np.asarray(trace.prompt_len)
+    end = float(np.nanmax(log.start_time + log.duration, initial=0.0))
     records = [metrics.RequestRecord(
         request_id=int(trace.request_id[i]), arrival_time=float(arrival[i]),
         first_token_time=float(log.first_token_time[i]),
-        finish_time=float(log.finish_time[i]) if np.isfinite(log.finish_time[i]) else float(np.nanmax(
-            log.start_time + log.duration)),
+        finish_time=float(log.finish_time[i]) if np.isfinite(log.finish_time[i]) else max(end, float(arrival[i])),
         num_prompt_tokens=int(plen[i]), num_output_tokens=int(log.req_output[i]),
         num_cached_prompt_tokens=int(log.cached_tokens[i]), num_admitted_prompt_tokens=int(log.admitted_tokens[i]),
         num_preemptions=int(log.preemptions[i]), num_drafted=int(log.req_drafted[i]),

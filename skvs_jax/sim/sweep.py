@@ -5,7 +5,9 @@ A lane is one simulation. Everything that differs between lanes is data, so all 
   knobs          the policy's numeric knobs (draft length, max_spec_ratio, generation threshold)
   kv_blocks      the KV budget in blocks (`simulate.with_kv_budget`)
   arrival_scale  arrival times are multiplied by it: a Poisson trace at rate r becomes one at rate r / scale with
-                 the same requests in the same order (exponential gaps scale with their mean)
+                 the same requests in the same order (exponential gaps scale with their mean). Every gap scales,
+                 so a multi-turn trace's think times would shrink too: `skvs simulate --sweep` stacks a trace
+                 per rate for such workloads instead
   trace          which of the stacked traces to run (traces of different seeds, or workloads, stacked by
                  `stack`; they must share R requests and the table widths)
 
