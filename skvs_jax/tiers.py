@@ -6,7 +6,8 @@ This is host-side orchestration around two jitted device programs, kept delibera
   swap_in:  bytes out of tier slots  ->  one host-to-device copy  ->  device scatter into the new blocks
 
 `kv_pages` is a tuple of device arrays sharing the leading block axis N: the K and V pages [N, S, Hkv, D] of any
-dtype (float32, bfloat16, int8, float8_e4m3fn, ...) and, for quantised pages, their scales [N, S, Hkv]; any
+real dtype (float32, bfloat16, int8, float8_e4m3fn, ...; not bool or complex) and, for quantised pages, their
+scales [N, S, Hkv]; any
 trailing shape works. A tier stores each block of each array as raw bytes (uint8 [capacity, bytes per block]),
 so the round trip is bit-identical whatever the dtype (NaN payloads included). Capacity is in blocks; the
 tier's free slots are a host-side bitmap. A tier that cannot hold a request returns a handle with ok=False and
@@ -78,6 +79,9 @@ def _layout(kv_pages) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
     for i, x in enumerate(kv_pages):
         if x.shape[0] != n:
             raise ValueError(f"kv_pages[{i}] has {x.shape[0]} blocks, kv_pages[0] has {n}")
+        real = jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)  # ml_dtypes too
+        if not real or np.dtype(x.dtype).itemsize not in _UINT:  # blocks are moved as unsigned-integer bits
+            raise TypeError(f"kv_pages[{i}] must have a real numeric dtype, got {x.dtype}")
     return tuple((tuple(x.shape[1:]), np.dtype(x.dtype)) for x in kv_pages)
 
 
@@ -94,6 +98,7 @@ class Tier:
             raise ValueError(f"kind must be {HOST!r} or {DISK!r}, got {kind!r}")
         self.kind, self.capacity, self.paths = kind, capacity, []
         self.owner = np.zeros((capacity,), np.int64)  # serial of the swap holding each slot, 0 = free
+        self.live: set[int] = set()  # serials of swaps not yet swapped in or released (empty ones included)
         self.storage = []
         for i, (shape, dtype) in enumerate(self.layout):
             row = (max(1, capacity), int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
@@ -115,6 +120,7 @@ class Tier:
         """Drop the storage; a disk tier deletes its files. Live handles become invalid."""
         self.storage = []
         self.owner[:] = -1
+        self.live.clear()
         for path in self.paths:
             if os.path.exists(path):
                 os.remove(path)
@@ -197,6 +203,7 @@ def swap_out(kv_pages: tuple, block_ids, tier: Tier) -> SwapHandle:
         for store, data in zip(tier.storage, blocks):  # a handful of arrays (K, V, scales), not blocks
             store[slots] = np.ascontiguousarray(data[: ids.size]).view(np.uint8).reshape(ids.size, -1)
     tier.owner[slots] = serial
+    tier.live.add(serial)
     return SwapHandle(tier=tier, slots=slots, ok=True, serial=serial)
 
 
@@ -205,7 +212,9 @@ def _check_handle(handle) -> None:
         raise TypeError(f"handle must be a SwapHandle, got {type(handle).__name__}")
     if not handle.ok:
         raise ValueError("handle is a failed swap (ok=False): there is nothing to swap in")
-    if not np.all(handle.tier.owner[handle.slots] == handle.serial):
+    if not handle.tier.storage:
+        raise ValueError("handle's tier was closed")
+    if handle.serial not in handle.tier.live:  # a swap of zero blocks owns no slot, so the set, not `owner`, says
         raise ValueError("handle was already swapped in or released")
 
 
@@ -231,6 +240,7 @@ def swap_in(kv_pages: tuple, handle: SwapHandle, dst_block_ids) -> tuple:
             blocks.append(jnp.asarray(data.view(_UINT[dtype.itemsize]).reshape((size,) + shape)))
         kv_pages = _scatter(kv_pages, jnp.asarray(padded), tuple(blocks))
     tier.owner[handle.slots] = 0
+    tier.live.discard(handle.serial)
     return kv_pages
 
 
@@ -238,3 +248,4 @@ def release(handle: SwapHandle) -> None:
     """Free a swapped-out sequence's tier slots without swapping it in (it finished or was aborted)."""
     _check_handle(handle)
     handle.tier.owner[handle.slots] = 0
+    handle.tier.live.discard(handle.serial)

@@ -94,7 +94,17 @@ def test_a_full_tier_fails_as_data_and_handles_are_used_once():
         assert host.free_blocks == 3
         with pytest.raises(ValueError, match="already swapped in or released"):
             tiers.release(kept)
+        empty = tiers.swap_out(pages, np.zeros((0,), np.int32), host)  # owns no slot, and is still used once
+        assert empty.ok and empty.num_blocks == 0
+        tiers.swap_in(pages, empty, np.zeros((0,), np.int32))
+        with pytest.raises(ValueError, match="already swapped in or released"):
+            tiers.swap_in(pages, empty, np.zeros((0,), np.int32))
+        with pytest.raises(ValueError, match="already swapped in or released"):
+            tiers.release(empty)
+        live = tiers.swap_out(pages, np.asarray([1], np.int32), disk)
         disk.close()
+        with pytest.raises(ValueError, match="tier was closed"):
+            tiers.swap_in(pages, live, np.asarray([1], np.int32))
 
 
 @pytest.mark.parametrize(
@@ -118,6 +128,9 @@ def test_a_full_tier_fails_as_data_and_handles_are_used_once():
         (lambda p, t: tiers.Tier(p, 2, tiers.DISK, "/nonexistent/dir"), ValueError, "directory"),
         (lambda p, t: tiers.TierConfig(host_blocks=1, disk_blocks=2), ValueError, "disk_dir"),
         (lambda p, t: tiers.TierConfig(host_blocks=1.5), TypeError, "host_blocks"),
+        (lambda p, t: tiers.Tier((p[0], jnp.zeros(p[1].shape[:1], bool)), 2), TypeError,
+         "kv_pages\\[1\\] must have a real"),
+        (lambda p, t: tiers.Tier((p[0].astype(jnp.complex64),), 2), TypeError, "kv_pages\\[0\\] must have a real"),
     ],
 )
 def test_bad_inputs_raise_naming_the_argument(call, error, match):
