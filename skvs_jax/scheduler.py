@@ -867,7 +867,10 @@ def _update(
 def _add(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: SchedulerConfig):
     b = cfg.cache.max_seqs
     seqs = st.seqs
-    valid = prompt_len > 0
+    # A row that breaks add's rules (checked at the boundary when concrete) is padding here, never a sequence
+    # that could outgrow its table.
+    fits = (prompt_len <= prompts.shape[1]) & (max_new >= 1) & (max_new <= cfg.max_len - prompt_len)
+    valid = (prompt_len > 0) & fits
     empty = seqs.status == EMPTY
     free_slots = jnp.nonzero(empty, size=b, fill_value=b)[0]
     rank = jnp.cumsum(valid, dtype=i32) - 1
@@ -955,7 +958,8 @@ def add(
 
     prompts: int32[A, Lp] (Lp <= L = M * S, padded); prompt_len: int32[A], 0 = padding row; max_new_tokens,
     priority, request_id: int32[A]. A request needs prompt_len + max_new_tokens <= L. Returns the state and
-    int32[A] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it again later).
+    int32[A] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it again later). A padding
+    row's max_new_tokens is ignored. Inside a user's jit a row that breaks these rules is treated as padding.
     """
     _check_state(st, cfg)
     if not hasattr(prompts, "shape") or len(prompts.shape) != 2:
@@ -970,8 +974,8 @@ def add(
                     ("request_id", request_id)):
         checks.array(name, x, (a,), "i")
     checks.in_range("prompt_len", prompt_len, 0, lp)
-    checks.in_range("max_new_tokens", max_new_tokens, 1, cfg.max_len)
     if checks.is_concrete(prompt_len) and checks.is_concrete(max_new_tokens):
+        checks.in_range("max_new_tokens", np.asarray(max_new_tokens)[np.asarray(prompt_len) > 0], 1, cfg.max_len)
         total = np.asarray(prompt_len) + np.asarray(max_new_tokens)
         bad = (np.asarray(prompt_len) > 0) & (total > cfg.max_len)
         if bad.any():

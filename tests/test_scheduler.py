@@ -377,6 +377,13 @@ def test_bad_inputs_raise_naming_the_argument():
                cfg=cfg)
     with pytest.raises(ValueError, match="prompts"):
         sc.add(st, jnp.ones((4,), jnp.int32), one, one, cfg=cfg)
+    # A padding row's max_new_tokens is ignored; inside jit a row that breaks the rules is padding too.
+    _, slots = sc.add(st, jnp.ones((2, 4), jnp.int32), jnp.asarray([0, 4], jnp.int32), jnp.asarray([0, 3], jnp.int32),
+                      cfg=cfg)
+    assert np.asarray(slots).tolist() == [-1, 0]
+    jit_add = jax.jit(lambda st, n, new: sc.add(st, jnp.ones((3, 20), jnp.int32), n, new, cfg=cfg))
+    added, slots = jit_add(st, jnp.asarray([20, 4, 4], jnp.int32), jnp.asarray([20, 0, 3], jnp.int32))
+    assert np.asarray(slots).tolist() == [-1, -1, 0] and int(added.next_arrival) == 1
     with pytest.raises(ValueError, match="knobs.verify_budget"):
         sc.schedule(st, SKVS.knobs().replace(verify_budget=jnp.asarray(0, jnp.int32)), cfg=cfg)
     with pytest.raises(ValueError, match="verify_budget"):
