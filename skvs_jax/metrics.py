@@ -127,7 +127,8 @@ class RequestRecord:
 STEP_FIELDS: dict[str, type] = {
     "start_time": np.float64,  # when the step began [s]
     "duration": np.float64,  # step wall (or simulated) time [s]
-    # Non-free blocks after the step: every usable block off the free stack (held by sequences, in the
+    # Non-free blocks at the step's peak (after its allocations, before its commit returns rejected drafts'
+    # blocks; `scheduler.Batch.blocks_used`): every usable block off the free stack (held by sequences, in the
     # speculative pool, or cached with ref_count 0). vLLM's KV-usage gauge instead counts the last as free.
     "blocks_used": np.int64,
     "blocks_total": np.int64,  # usable blocks of the pool (N - 1: the null block excluded), >= 1
