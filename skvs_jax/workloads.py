@@ -53,7 +53,7 @@ SHAREGPT_OUTPUT_SIGMA = 0.8
 
 # Defaults sized for a CPU benchmark of the tiny model (1024 positions). One `scale` multiplies both lengths,
 # keeping the distribution's shape (input/output ratio, coefficient of variation) but not its absolute size:
-# 0.25 gives mean lengths of ~40 prompt and ~84 output tokens before capping (~68 after the output cap of 128).
+# 0.25 gives mean lengths of ~40 prompt and ~84 output tokens before capping (~69 after the output cap of 128).
 DEFAULT_SCALE = 0.25
 DEFAULT_MAX_PROMPT_LEN = 512
 DEFAULT_MAX_OUTPUT_LEN = 128
