@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,9 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
     C = P * S  # tokens per step
     M_pad = -(-M // P) * P
     tables = jnp.pad(block_tables, ((0, 0), (0, M_pad - M)))  # pad with the null block (masked anyway)
+    # Keys end at the table (M * S) even if a traced context_lens runs past it, as in the reference: the padding
+    # above is the null block, which must never be read as context.
+    key_end = jnp.minimum(context_lens, M * S)
     tree = tree_mask if has_tree else None
     qf = jnp.transpose(q.astype(jnp.float32).reshape(B, Q, Hkv, G, D), (0, 2, 3, 1, 4)) * jnp.float32(sm_scale)
 
@@ -124,8 +128,9 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
         kc = c.dequantize_kv(k_pages[ids], None if k_scales is None else k_scales[ids]).reshape(B, C, Hkv, D)
         vc = c.dequantize_kv(v_pages[ids], None if v_scales is None else v_scales[ids]).reshape(B, C, Hkv, D)
         pos = i * C + jnp.arange(C, dtype=jnp.int32)
-        vc = jnp.where((pos[None, :] < context_lens[:, None])[:, :, None, None], vc, 0.0)
-        seen = visibility(pos, context_lens, query_lens, tree, Q)[:, None, None]  # [B, 1, 1, Q, C]
+        vc = jnp.where((pos[None, :] < key_end[:, None])[:, :, None, None], vc, 0.0)
+        in_table = (pos < M * S)[None, None, None, None, :]
+        seen = visibility(pos, context_lens, query_lens, tree, Q)[:, None, None] & in_table  # [B, 1, 1, Q, C]
         s = jnp.einsum("bhgqd,bchd->bhgqc", qf, kc, precision=lax.Precision.HIGHEST)
         s = jnp.where(seen, _soft_cap(s, soft_cap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -144,7 +149,7 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
 
 
 # ---------------------------------------------------------------------------------------------- Pallas path
-def _attention_kernel(*refs, S, PP, G, W, steps_per_split, sm_scale, soft_cap, quantised, has_tree, use_dot,
+def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap, quantised, has_tree, use_dot,
                       dot_dtype):
     """Program (b, h, p): rows [R, D] = the Q*G query rows of sequence b sharing KV head h, over steps
     [p * steps_per_split, (p + 1) * steps_per_split) of the sequence (split-K, flash-decoding style); step j
@@ -162,6 +167,7 @@ def _attention_kernel(*refs, S, PP, G, W, steps_per_split, sm_scale, soft_cap, q
     ctx = ctx_ref[b]
     qlen = qlen_ref[b]
     prefix = ctx - qlen
+    key_end = jnp.minimum(ctx, L)  # L = M * S: keys end at the table, never in the null-block padding
     q = q_ref[...]
     q = q.astype(jnp.float32) * jnp.float32(sm_scale) if dot_dtype == jnp.float32 else q
     C = PP * S  # tokens per step
@@ -193,14 +199,14 @@ def _attention_kernel(*refs, S, PP, G, W, steps_per_split, sm_scale, soft_cap, q
             seen = (pos < prefix) | ((pos >= prefix) & in_tree)
         else:
             seen = pos <= prefix + qi
-        seen = seen & (pos < ctx) & (qi < qlen)
+        seen = seen & (pos < key_end) & (qi < qlen)
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.where(seen, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, C]
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=1)
-        in_ctx = (j * C + lax.broadcasted_iota(jnp.int32, (C, D), 0)) < ctx
+        in_ctx = (j * C + lax.broadcasted_iota(jnp.int32, (C, D), 0)) < key_end
         v = jnp.where(in_ctx, v.astype(jnp.float32), 0.0)  # garbage past the context never reaches the sum
         if use_dot:
             pv = jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32,
@@ -211,7 +217,7 @@ def _attention_kernel(*refs, S, PP, G, W, steps_per_split, sm_scale, soft_cap, q
 
     init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, D), jnp.float32))
     first = split * steps_per_split
-    last = jnp.minimum(first + steps_per_split, (ctx + C - 1) // C)
+    last = jnp.minimum(first + steps_per_split, (key_end + C - 1) // C)
     m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
     o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     m_ref[...] = m
@@ -285,7 +291,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, que
     whole = pl.no_block_spec
     in_specs = [pl.BlockSpec((None, None, Rp, D), lambda b, h, p: (b, h, 0, 0))] + [whole] * (len(inputs) - 1)
     kernel = functools.partial(
-        _attention_kernel, S=S, PP=PP, G=G, W=W, steps_per_split=-(-steps // P), sm_scale=sm_scale,
+        _attention_kernel, S=S, PP=PP, G=G, W=W, L=M * S, steps_per_split=-(-steps // P), sm_scale=sm_scale,
         soft_cap=soft_cap, quantised=quantised, has_tree=has_tree, use_dot=use_dot, dot_dtype=dot_dtype)
     o, m, l = pl.pallas_call(
         kernel,
@@ -324,10 +330,14 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
     if tree_mask is not None:
         c.check_shape("tree_mask", tree_mask, (B, Q, Q), "[B, Q, Q]")
         c.check_dtype("tree_mask", tree_mask, (jnp.bool_,))
-    if sm_scale is not None and not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a Python float or None, got {type(sm_scale).__name__}")
-    if soft_cap is not None and (not isinstance(soft_cap, (int, float)) or soft_cap <= 0):
-        raise ValueError(f"soft_cap must be a positive Python float or None, got {soft_cap!r}")
+    for name, value in (("sm_scale", sm_scale), ("soft_cap", soft_cap)):  # static: they shape the program
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+        if not math.isfinite(value) or (name == "soft_cap" and value <= 0):  # inf * tanh(x / inf) is NaN
+            raise ValueError(f"{name} must be a finite{' positive' if name == 'soft_cap' else ''} float or None "
+                             f"(None: {'1 / sqrt(D)' if name == 'sm_scale' else 'no cap'}), got {value!r}")
     # Eager value checks (skipped under tracing).
     M = block_tables.shape[1]
     bt = c.concrete(block_tables)

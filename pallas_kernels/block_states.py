@@ -110,6 +110,9 @@ def update_block_states(states, generations, block_ids, accept_mask, valid, gene
     c.check_dtype("valid", valid, (jnp.bool_,))
     if jnp.ndim(generation) != 0 or not jnp.issubdtype(jnp.result_type(generation), jnp.integer):
         raise TypeError(f"generation must be an integer scalar, got {generation!r}")
+    gen = c.concrete(generation)
+    if gen is not None and not -(2**31) <= int(gen) < 2**31:  # stored as int32: a wider value would wrap
+        raise ValueError(f"generation must fit in int32, got {int(gen)}")
     ids, ok = c.concrete(block_ids), c.concrete(valid)
     if ids is not None and ok is not None and ok.any():
         bad = ids[ok]

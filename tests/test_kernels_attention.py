@@ -292,6 +292,27 @@ def test_bad_impl_and_soft_cap():
         pk.paged_attention(**_good(), impl="cuda")
     with pytest.raises(ValueError, match="soft_cap"):
         pk.paged_attention(**_good(), soft_cap=-1.0)
+    for kw in (dict(soft_cap=float("inf")), dict(soft_cap=float("nan")), dict(sm_scale=float("nan")),
+               dict(sm_scale=float("inf"))):  # each gave all-zero rows (or NaN, depending on impl)
+        with pytest.raises(ValueError, match="must be a finite"):
+            pk.paged_attention(**_good(), **kw)
+    with pytest.raises(TypeError, match="soft_cap must be a float"):
+        pk.paged_attention(**_good(), soft_cap="30")
+    np.testing.assert_array_equal(pk.paged_attention(**_good(), sm_scale=np.float32(0.5), impl="reference"),
+                                  pk.paged_attention(**_good(), sm_scale=0.5, impl="reference"))
+
+
+def test_a_traced_context_past_the_table_ends_at_the_table():
+    """Under jit a context length above M * S is not refused: keys end at the table in every implementation, as
+    in the reference, never in the (NaN-poisoned) null block the fast paths pad the table with."""
+    case = make_case(9, B=2, Q=2, Hkv=1, G=2, D=16, S=8, M=3, ctx_kind="full")
+    args = {k: case[k] for k in ("q", "k_pages", "v_pages", "block_tables", "context_lens")}
+    longer = args | {"context_lens": args["context_lens"] + 5}
+    run_jit = lambda impl: jax.jit(lambda a: pk.paged_attention(**a, impl=impl))(longer)  # noqa: E731
+    want = np.asarray(run_jit("reference"), np.float64)
+    assert np.all(np.isfinite(want)) and np.any(want != 0)
+    for impl in ("xla", "pallas"):
+        assert_close(run_jit(impl), want, rtol=1e-5)
 
 
 def test_value_checks_are_skipped_under_jit():

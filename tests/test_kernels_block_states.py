@@ -142,6 +142,7 @@ class TestPallasCompiled(BlockStatesContract):
     (dict(valid=jnp.ones((1, 2), jnp.int32)), TypeError, "valid must have dtype"),
     (dict(block_ids=jnp.asarray([[0, 4]], jnp.int32)), ValueError, "block_ids of valid entries must lie"),
     (dict(generation=1.5), TypeError, "generation must be an integer scalar"),
+    (dict(generation=np.int64(2**40)), ValueError, "generation must fit in int32"),  # was stored as 0
 ])
 def test_update_bad_input_names_the_argument(kw, error, match):
     args = dict(states=jnp.zeros((4,), jnp.int8), generations=jnp.zeros((4,), jnp.int32),
