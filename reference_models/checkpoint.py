@@ -144,23 +144,31 @@ def load_medusa(directory: str | pathlib.Path) -> MedusaHeads:
     """A Medusa checkpoint directory (`config.json` + `medusa_lm_head.safetensors`) -> `MedusaHeads` in fp32."""
     directory = pathlib.Path(directory)
     hf = json.loads((directory / "config.json").read_text())
+    if "medusa_num_heads" not in hf:
+        raise ValueError(f"{directory}/config.json: missing 'medusa_num_heads'")
     num_heads, num_layers = int(hf["medusa_num_heads"]), int(hf.get("medusa_num_layers", 1))
     raw = _read_safetensors([directory / MEDUSA_WEIGHTS])
-    tensors = {}
+    tensors, source = {}, {}
     for key, value in raw.items():
         match = _MEDUSA_KEY.match(key)
         if match is None:
             raise ValueError(f"{directory}: unknown tensor {key!r} in {MEDUSA_WEIGHTS}")
         head, layer, kind = int(match[1]), int(match[2]), match[3]
         if kind == "weight" and layer == num_layers:
-            tensors[f"heads.{head}.lm_head.weight"] = value
+            name = f"heads.{head}.lm_head.weight"
         elif kind != "weight" and layer < num_layers:
-            tensors[f"heads.{head}.blocks.{layer}.{kind}"] = value
+            name = f"heads.{head}.blocks.{layer}.{kind}"
         else:
             raise ValueError(f"{directory}: unknown tensor {key!r} for medusa_num_layers={num_layers}")
+        if name in tensors:  # the same parameter with and without the "medusa_head." prefix
+            raise ValueError(f"{directory}: tensors {source[name]!r} and {key!r} are the same parameter")
+        tensors[name], source[name] = value, key
     lm_key = "heads.0.lm_head.weight"
     if lm_key not in tensors:
         raise ValueError(f"{directory}: missing tensor '0.{num_layers}.weight' (head 0's LM head)")
+    if len(tensors[lm_key].shape) != 2:
+        raise ValueError(f"{directory}: tensor {source[lm_key]!r} (head 0's LM head) must be [vocab, hidden], got "
+                         f"shape {tuple(tensors[lm_key].shape)}")
     vocab, hidden = tensors[lm_key].shape
     config = MedusaConfig(hidden_size=int(hidden), vocab_size=int(vocab), num_heads=num_heads, num_layers=num_layers)
     heads = nnx.eval_shape(lambda: MedusaHeads(config))

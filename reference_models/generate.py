@@ -16,6 +16,7 @@ length. Dimensions: B sequences, P prompt length, K drafts, V vocab, Dm width.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -56,6 +57,7 @@ def greedy_reference(model: Llama, prompts: np.ndarray, num_new: int) -> np.ndar
     (zeros) from influencing earlier positions, so one compilation serves every step.
     """
     prompts = check_prompts(model, prompts)
+    num_new = check_num_new(num_new)
     b, p = prompts.shape
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros((b, p + num_new), jnp.int32).at[:, :p].set(jnp.asarray(prompts))
@@ -87,9 +89,27 @@ def check_prompts(model: Llama, prompts: np.ndarray) -> np.ndarray:
     return prompts.astype(np.int32)
 
 
+def check_num_new(num_new) -> int:
+    """num_new: the tokens to generate per row, an int >= 0 (0 returns the prompts)."""
+    if isinstance(num_new, bool) or not isinstance(num_new, numbers.Integral):
+        raise TypeError(f"num_new must be an int, got {type(num_new).__name__}")
+    if num_new < 0:
+        raise ValueError(f"num_new must be >= 0, got {num_new}")
+    return int(num_new)
+
+
+def check_heads(model: Llama, heads) -> None:
+    """Medusa heads must read the base model's hidden states and predict over its vocabulary."""
+    if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"heads (hidden {heads.config.hidden_size}, vocab {heads.config.vocab_size}) do not match "
+                         f"the base model (hidden {model.config.hidden_size}, vocab {model.config.vocab_size})")
+
+
 def greedy_generate(model: Llama, prompts: np.ndarray, num_new: int, *, block_size: int = 16) -> np.ndarray:
     """prompts [B, P] -> tokens [B, P + num_new]: paged prefill, then paged decode (Q = 1) per token."""
     prompts = check_prompts(model, prompts)
+    if check_num_new(num_new) == 0:
+        return prompts
     b, p = prompts.shape
     graphdef, state = nnx.split(model)
     cache, tables = contiguous_layout(model, b, p + num_new, block_size)
@@ -144,8 +164,8 @@ def medusa_generate(
 ) -> tuple[np.ndarray, MedusaStats]:
     """prompts [B, P] -> (tokens [B, P + num_new] identical to greedy decoding, acceptance statistics)."""
     prompts = check_prompts(model, prompts)
-    if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
-        raise ValueError("Medusa heads do not match the base model's hidden size / vocabulary")
+    check_num_new(num_new)
+    check_heads(model, heads)
     k = heads.config.num_heads
     return speculative_loop(model, heads, prompts, num_new, _medusa_step, lookahead=k, slots=k + 1,
                             block_size=block_size)

@@ -87,12 +87,21 @@ class LlamaConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ValueError(f"head_dim must be an int >= 0 (0: hidden_size // num_heads), got {self.head_dim!r}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError("hidden_size must be a multiple of num_heads when head_dim is not given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        m = self.max_position_embeddings
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_position_embeddings must be a positive int, got {m!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
     @property
     def num_params(self) -> int:
@@ -136,6 +145,10 @@ class LlamaConfig:
                 raise ValueError(f"{flag}=True is not supported")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act must be silu, got {hf.get('hidden_act')!r}")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ValueError(f"Llama config is missing {missing}")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))

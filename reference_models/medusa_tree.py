@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from reference_models.generate import MedusaStats, accepted_prefix_len, check_prompts, speculative_loop
+from reference_models.generate import (
+    MedusaStats,
+    accepted_prefix_len,
+    check_heads,
+    check_num_new,
+    check_prompts,
+    speculative_loop,
+)
 from reference_models.llama import KVCache, Llama
 from reference_models.medusa import MedusaHeads
 
@@ -157,9 +164,14 @@ def medusa_tree_generate(
 ) -> tuple[np.ndarray, MedusaStats]:
     """prompts [B, P] -> (tokens [B, P + num_new] identical to greedy decoding, acceptance statistics)."""
     prompts = check_prompts(model, prompts)
+    check_num_new(num_new)
+    check_heads(model, heads)
     depth = int(tree.depth.max())
     if depth > heads.config.num_heads:
         raise ValueError(f"tree depth {depth} exceeds the {heads.config.num_heads} Medusa heads")
+    top = max(c[-1] for c in tree.choices)
+    if top >= model.config.vocab_size:
+        raise ValueError(f"tree asks for rank {top} of a {model.config.vocab_size}-token vocabulary")
     step = functools.partial(_tree_step_with, tree)
     return speculative_loop(model, heads, prompts, num_new, step, lookahead=depth, slots=tree.num_slots,
                             block_size=block_size)

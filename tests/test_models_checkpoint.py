@@ -88,3 +88,9 @@ def test_medusa_round_trip_and_original_layout(model, tmp_path):
     save_file(raw, str(tmp_path / "orig" / checkpoint.MEDUSA_WEIGHTS), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"medusa_head\.0\.5\.linear\.weight"):
         checkpoint.load_medusa(tmp_path / "orig")
+    raw["medusa_head.0.0.linear.weight"] = raw.pop("medusa_head.0.5.linear.weight")
+    raw["0.0.linear.bias"] = raw["medusa_head.0.0.linear.bias"] + 7.0  # the same parameter, unprefixed
+    save_file(raw, str(tmp_path / "orig" / checkpoint.MEDUSA_WEIGHTS), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="are the same parameter") as err:
+        checkpoint.load_medusa(tmp_path / "orig")
+    assert "'medusa_head.0.0.linear.bias'" in str(err.value) and "'0.0.linear.bias'" in str(err.value)

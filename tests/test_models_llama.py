@@ -166,6 +166,13 @@ def test_config_round_trips_through_hf_dict_and_validates():
         RopeScaling("yarn", 2.0)
     with pytest.raises(ValueError, match="attention_bias"):
         LlamaConfig.from_hf_dict({**CONFIG.to_hf_dict(), "attention_bias": True})
+    with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):
+        LlamaConfig.from_hf_dict({k: v for k, v in CONFIG.to_hf_dict().items() if k != "vocab_size"})
+    for kwargs, match in ((dict(head_dim=-2), "head_dim"), (dict(head_dim=8.0), "head_dim"),
+                          (dict(rms_norm_eps=-1.0), "rms_norm_eps"), (dict(rope_theta=0.0), "rope_theta"),
+                          (dict(max_position_embeddings=0), "max_position_embeddings")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(CONFIG, **kwargs)
     assert Llama(CONFIG, rngs=nnx.Rngs(0)).config.num_params == sum(
         x.size for x in jax.tree.leaves(nnx.state(Llama(CONFIG, rngs=nnx.Rngs(0)), nnx.Param)))
 

@@ -76,6 +76,16 @@ def test_bad_prompts_raise():
         greedy_generate(model, np.array([1, 2]), 4)
     with pytest.raises(ValueError, match="do not match"):
         medusa_generate(model, MedusaHeads(MedusaConfig(16, 32, num_heads=2)), np.array([[1, 2]]), 4)
+    with pytest.raises(ValueError, match="do not match"):  # the tree path checks the heads too
+        medusa_tree_generate(model, MedusaHeads(MedusaConfig(16, 32, num_heads=3)), np.array([[1, 2]]), 4, TREE)
+    with pytest.raises(ValueError, match="rank 40 of a 32-token vocabulary"):
+        medusa_tree_generate(model, heads, np.array([[1, 2]]), 4, DraftTree(((0,), (40,))))
+    for generate in (greedy_generate, greedy_reference):
+        with pytest.raises(ValueError, match="num_new must be >= 0"):
+            generate(model, np.array([[1, 2]]), -1)
+        with pytest.raises(TypeError, match="num_new must be an int"):
+            generate(model, np.array([[1, 2]]), 2.0)
+        np.testing.assert_array_equal(generate(model, np.array([[1, 2]]), 0), [[1, 2]])  # nothing to generate
 
 
 TREE = DraftTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)))
