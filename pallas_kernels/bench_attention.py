@@ -29,8 +29,7 @@ from pallas_kernels.attention import paged_attention
 CHUNK = 32  # tokens per online-softmax step, as in the paged XLA path
 
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="skvs micro attention", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=32, help="sequences B")
     p.add_argument("--context", type=int, default=2048, help="context length of every sequence")
     p.add_argument("--heads", type=int, default=32, help="query heads Hq")
@@ -43,6 +42,11 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--with-reference", action="store_true",
                    help="also time the gather-then-dense reference path (why 'auto' chunks instead)")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="skvs micro attention", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -107,10 +111,19 @@ def copy_bandwidth(nbytes: int, repeats: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    a = _parse(argv)
+    return run(_parse(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    for flag in ("batch", "context", "heads", "kv_heads", "head_dim", "block_size", "repeats"):
+        if getattr(a, flag) < 1:
+            raise SystemExit(f"skvs micro attention: --{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.warmup < 0:
+        raise SystemExit(f"skvs micro attention: --warmup must be >= 0, got {a.warmup}")
     B, L, Hq, Hkv, D, S = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.block_size
     if L % S or L % CHUNK or Hq % Hkv:
-        raise SystemExit("context must be a multiple of --block-size and of 32; heads a multiple of kv-heads")
+        raise SystemExit("skvs micro attention: --context must be a multiple of --block-size and of 32, and --heads "
+                         "a multiple of --kv-heads")
     dtype = jnp.dtype(a.dtype)
     M = L // S
     N = B * M + 1  # + the null block 0
@@ -139,7 +152,7 @@ def main(argv: list[str]) -> int:
     for name, out in outs.items():
         err = float(np.max(np.abs(np.asarray(out.astype(jnp.float32)) - ref)))
         if err > (1e-4 if dtype == jnp.float32 else 3e-2):
-            raise SystemExit(f"{name} disagrees with dense attention: max abs err {err:.3g}")
+            raise SystemExit(f"skvs micro attention: {name} disagrees with dense attention: max abs err {err:.3g}")
     for _ in range(a.warmup):
         for fn, args in variants.values():
             _time_once(fn, *args)

@@ -66,8 +66,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench_simulate.add_arguments(
         micro_commands.add_parser("simulate", help="simulated steps/s, and a vmapped sweep vs sequential runs"))
-    attention = micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)")
-    attention.add_argument("args", nargs=argparse.REMAINDER, help="flags passed to the attention benchmark")
+    from pallas_kernels import bench_attention
+
+    bench_attention.add_arguments(
+        micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)"))
     return parser
 
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "micro" and args.target == "attention":
         from pallas_kernels import bench_attention
 
-        return bench_attention.main(args.args)
+        return bench_attention.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -138,6 +138,17 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
     assert lines[1] == "naive_spec: TPOT speedup over vllm_default >= 1.0x at every rate swept with a TPOT (min 2.00x)"
 
 
+def test_micro_attention_takes_its_flags(capsys):
+    argv = ("micro attention --batch 2 --context 64 --heads 4 --kv-heads 2 --head-dim 16 --block-size 16 --repeats 2 "
+            "--warmup 0 --with-reference")
+    assert cli.main(argv.split()) == 0  # the flags reach the benchmark (argparse.REMAINDER refused every one)
+    out = capsys.readouterr().out
+    assert "paged (gather-then-dense)" in out and re.fullmatch(r"paged/dense time ratio: [0-9.]+",
+                                                               out.strip().splitlines()[-1])
+    with pytest.raises(SystemExit, match="skvs micro attention: --kv-heads must be >= 1"):
+        cli.main(["micro", "attention", "--kv-heads", "0"])
+
+
 def test_micro_simulate_small_run_prints_its_ratio(capsys):
     argv = "micro simulate --max-seqs 4 --requests 6 --points 8 --steps 32 --max-prompt-len 32 --max-output-len 16"
     assert cli.main(argv.split()) == 0
