@@ -15,6 +15,7 @@ from pallas_kernels._common import (
     VALIDATED,
     dequantize_kv,
     quantize_kv,
+    resolve_impl,
 )
 from pallas_kernels.attention import paged_attention, paged_attention_reference
 from pallas_kernels.block_states import (
@@ -39,6 +40,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_reference",
     "quantize_kv",
+    "resolve_impl",
     "update_block_states",
     "update_block_states_reference",
     "write_kv",

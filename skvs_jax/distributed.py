@@ -52,13 +52,23 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
     return Mesh(np.asarray(devices[: dp * tp]).reshape(dp, tp), (DP, TP), axis_types=(AxisType.Auto,) * 2)
 
 
-def tp_size(mesh: Any) -> int:
-    """The number of devices on the mesh's `tp` axis; TypeError / ValueError naming `mesh` if it has none."""
+def check_mesh(mesh: Any, axis: str) -> Mesh:
+    """mesh must be a `Mesh` with `axis` and Auto axis types (the sharding here is placed and propagated by XLA;
+    `jax.make_mesh`'s default Explicit axes would ask every op for sharding rules it does not have)."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if TP not in mesh.axis_names:
-        raise ValueError(f"mesh must have a {TP!r} axis (see distributed.make_mesh), got axes {mesh.axis_names}")
-    return int(mesh.shape[TP])
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh must have a {axis!r} axis (see distributed.make_mesh), got axes {mesh.axis_names}")
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if any(t != AxisType.Auto for t in types):
+        raise ValueError(f"mesh axes must be AxisType.Auto, got {types}: build it with distributed.make_mesh, or "
+                         f"jax.make_mesh(..., axis_types=(AxisType.Auto,) * {len(types)})")
+    return mesh
+
+
+def tp_size(mesh: Any) -> int:
+    """The number of devices on the mesh's `tp` axis; TypeError / ValueError naming `mesh` if it has none."""
+    return int(check_mesh(mesh, TP).shape[TP])
 
 
 def _names(path) -> tuple[str, ...]:

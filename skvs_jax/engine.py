@@ -388,9 +388,9 @@ class Engine:
                swaps: bool):
         """Validate `mesh` and place the weights on it; returns (params, the cache arrays' shardings)."""
         distributed.tp_size(mesh)
-        if impl == "pallas":
-            raise ValueError("mesh: impl='pallas' does not run sharded yet (its kernels would need shard_map); "
-                             "use impl='xla' with a mesh")
+        if pk.resolve_impl(impl, None)[0] == "pallas":  # "auto" is the compiled Pallas kernels on a GPU
+            raise ValueError(f"mesh: impl={impl!r} (Pallas) does not run sharded yet (its kernels would need "
+                             "shard_map); use impl='xla' with a mesh")
         if swaps and jax.process_count() > 1:
             raise ValueError("mesh: swap preemption reads the cache to this host, which holds only part of it "
                              "when the mesh spans several processes; use preemption='recompute'")

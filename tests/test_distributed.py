@@ -208,6 +208,11 @@ def test_a_mesh_is_validated_at_the_boundary(shipped):
         engine.Engine(model, heads, policies.skvs(4), cache, mesh=Mesh(np.asarray(jax.devices()[:1]), ("x",)))
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
         engine.Engine(model, heads, policies.skvs(4), cache, mesh="tp")
+    explicit = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))  # jax.make_mesh's default
+    with pytest.raises(ValueError, match="mesh axes must be AxisType.Auto"):
+        engine.Engine(model, heads, policies.skvs(4), cache, mesh=explicit)
+    with pytest.raises(ValueError, match="mesh axes must be AxisType.Auto"):
+        distributed.check_mesh(jax.make_mesh((1,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,)), "dp")
     mesh = distributed.make_mesh(tp=1)
     with pytest.raises(ValueError, match="impl='pallas'"):
         engine.Engine(model, heads, policies.skvs(4), cache, mesh=mesh, impl="pallas")

@@ -37,13 +37,14 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from skvs_jax import distributed
 from skvs_jax import scheduler as sc
 from skvs_jax.policies import NO_VERIFY_CAP, Knobs
 from skvs_jax.sim import simulate
 from skvs_jax.sim.cost_model import CostModel
 from skvs_jax.sim.simulate import SimLog, SimTrace, summarize
 
-DP = "dp"  # the mesh axis lanes are sharded over
+DP = distributed.DP  # the mesh axis lanes are sharded over
 
 
 @struct.dataclass
@@ -179,8 +180,7 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
         raise ValueError(f"lane trace indices {bad} out of range for {traces.arrival.shape[0]} stacked traces")
     pad = 0
     if mesh is not None:
-        if not isinstance(mesh, Mesh) or DP not in mesh.axis_names:
-            raise ValueError(f"mesh must be a jax.sharding.Mesh with a {DP!r} axis, got {mesh!r}")
+        distributed.check_mesh(mesh, DP)
         pad = -num % mesh.shape[DP]
         if pad:
             lanes = jax.tree.map(lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], pad, axis=0)]), lanes)
