@@ -112,6 +112,11 @@ def _median_us(times: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, low in (("seqs", 1), ("blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1), ("steps", 1),
+                      ("steps_per_call", 1), ("dispatch_steps", 2), ("draft_len", 0)):
+        if getattr(args, flag) < low:  # dispatch: one untimed call, then at least one timed
+            raise SystemExit(f"skvs micro allocator: --{flag.replace('_', '-')} must be >= {low}, got "
+                             f"{getattr(args, flag)}")
     b, k = args.seqs, args.draft_len
     cfg = CacheConfig(
         num_blocks=args.blocks, block_size=args.block_size, max_seqs=b, max_blocks_per_seq=args.max_blocks_per_seq
@@ -123,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     total = (calls + 1) * chunk + args.dispatch_steps  # warm-up call + timed calls + per-call steps
     headroom = total * (1 + k) + 2 * cfg.block_size
     if headroom >= cfg.max_tokens_per_seq:
-        raise SystemExit("--steps too large for --max-blocks-per-seq: sequences would outgrow their tables")
+        raise SystemExit("skvs micro allocator: --steps too large for --max-blocks-per-seq: sequences would outgrow "
+                         "their tables")
     prompt = rng.integers(1, cfg.max_tokens_per_seq - headroom, size=b).astype(np.int32)
     masks = rng.random((total, b, k)) < args.accept_prob
     accepted = (1 + np.cumprod(masks, axis=-1).sum(-1)).astype(np.int32)  # decode token + accepted drafts
@@ -132,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     st = allocator.init(cfg)
     st, res = allocator.allocate(st, jnp.asarray(prompt), cfg=cfg, spec=spec)
     if not bool(np.all(res.ok)):
-        raise SystemExit("the pool cannot hold the prompts: raise --blocks")
+        raise SystemExit("skvs micro allocator: the pool cannot hold the prompts: raise --blocks")
     st, _ = allocator.commit(st, jnp.asarray(prompt), cfg=cfg, spec=spec)
     oracle = OracleAllocator(cfg, spec)
     oracle.allocate(prompt)
@@ -209,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         return jax.lax.scan(lambda pm, a: (_sequential_step(pm, a, cfg=cfg, draft_len=k), None), pm, accepted)[0]
 
     seq_jit = jax.jit(seq_steps, donate_argnums=0)
-    seq_calls = max(2, calls // 4)
+    seq_calls = min(max(2, calls // 4), calls)  # chunks[1..calls] exist
     times = []
     for c in range(seq_calls + 1):
         acc_c = chunks[c][0]

@@ -149,10 +149,15 @@ def run(args: argparse.Namespace) -> int:
     from skvs_jax.bench import load_shipped
 
     dtypes = _parse_dtypes(args.dtypes)
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len or args.prompts < 1 or args.new_tokens < 1:
-        raise SystemExit("skvs micro precision: need --prompts >= 1, --new-tokens >= 1 and "
-                         "1 <= --min-prompt-len <= --max-prompt-len")
+    if (not 1 <= args.min_prompt_len <= args.max_prompt_len or args.prompts < 1 or args.new_tokens < 2
+            or args.block_size < 1):
+        raise SystemExit("skvs micro precision: need --prompts >= 1, --new-tokens >= 2 (drafting starts after the "
+                         "first), --block-size >= 1 and 1 <= --min-prompt-len <= --max-prompt-len")
     model, heads = load_shipped()
+    limit = model.config.max_position_embeddings
+    if args.max_prompt_len + args.new_tokens > limit:
+        raise SystemExit(f"skvs micro precision: --max-prompt-len + --new-tokens = "
+                         f"{args.max_prompt_len + args.new_tokens} exceeds the shipped model's {limit} positions")
     if not 1 <= args.max_draft_len <= heads.config.num_heads:
         raise SystemExit(f"skvs micro precision: --max-draft-len must lie in [1, {heads.config.num_heads}] "
                          f"(the shipped model's Medusa heads)")
@@ -197,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
     lines += _table("acceptance ratio to float32 (this run)", ks, dtypes, cell("acceptance_vs_fp32", ".3f"))
     lines += _table("the same ratio on the requests whose output equals float32's (same text: only drafts differ)",
                     ks, dtypes, cell("acceptance_vs_fp32_same_text", ".3f"))
-    se = max(np.sqrt(r["acceptance"] * (1 - r["acceptance"]) / r["drafted"])
-             for by_k in results.values() for r in by_k.values() if r["drafted"])
+    se = max((np.sqrt(r["acceptance"] * (1 - r["acceptance"]) / r["drafted"])
+              for by_k in results.values() for r in by_k.values() if r["drafted"]), default=float("nan"))
     lines.append(f"  noise: binomial standard error of an acceptance rate <= {se:.3f} (drafts within a request are "
                  "correlated, so the real spread is larger)")
     drafted = {d: sum(results[d][k]["drafted"] for k in ks) for d in dtypes}

@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag in ("seqs", "blocks", "block_size", "max_blocks_per_seq", "prompt_len", "steps_per_call", "calls"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"skvs micro scheduler: --{flag.replace('_', '-')} must be >= 1, got "
+                             f"{getattr(args, flag)}")
     b, k = args.seqs, args.draft_len
     cache = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,
                         max_blocks_per_seq=args.max_blocks_per_seq)
@@ -102,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         ok &= bool(good)
         oracle_step(t)
         t += 1
+    if not decoding.all():  # the timings would describe a smaller batch than the one they name
+        raise SystemExit(f"skvs micro scheduler: after {t} prefill steps only {int(decoding.sum())} of {b} sequences "
+                         f"decode (the pool or the table is too small): raise --blocks or --max-blocks-per-seq, or "
+                         f"lower --seqs or --prompt-len")
     prefill_steps = t
     in_use = cache.usable_blocks - int(st.alloc.blocks.free_top)
 
@@ -144,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
     same_index = testing.prefix_index_as_dict(st.prefix, cfg.prefix) == oracle.index.index
     ok &= same_index
 
+    running = int(np.sum(np.asarray(st.seqs.status) == sc.RUNNING))
+    if running < b:
+        raise SystemExit(f"skvs micro scheduler: only {running} of {b} sequences still ran at the end (they reached "
+                         f"their output limit or were preempted): raise --max-blocks-per-seq, or lower --calls or "
+                         f"--steps-per-call")
     c = st.counters
     print("skvs micro scheduler: schedule + update (no model) per step, full decode batch")
     print(f"  setup: B={b} running sequences, N={cache.num_blocks:,} blocks x S={cache.block_size} tokens, "

@@ -22,6 +22,7 @@ cache reads `prefix_barrier`, `insert` and `max_spec_ratio`; the scheduler reads
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 from flax import struct
@@ -207,12 +208,15 @@ def preset(name: str, draft_len: int = 4) -> Policy:
 
 def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
     """A verify budget written on a command line: "none" -> None (no cap), a positive integer -> that many
-    tokens, and, when the caller knows the device's compute knee (tokens per step), "knee" -> int(knee).
+    tokens, and, when the caller knows the device's compute knee (tokens per step), "knee" -> int(knee) (None
+    when the knee is infinite: such a device is never compute-bound).
     Raises ValueError naming the forms accepted."""
     if text == "none":
         return None
     if text == "knee" and knee is not None:
-        return max(int(knee), 1)
+        if not math.isfinite(knee):  # a device with unbounded compute is never compute-bound: no cap
+            return None
+        return min(max(int(knee), 1), NO_VERIFY_CAP)
     try:
         tokens = int(text)
     except ValueError:

@@ -138,6 +138,22 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
     assert lines[1] == "naive_spec: TPOT speedup over vllm_default >= 1.0x at every rate swept with a TPOT (min 2.00x)"
 
 
+@pytest.mark.parametrize("argv, says", [
+    ("micro allocator --dispatch-steps 1", "skvs micro allocator: --dispatch-steps must be >= 2"),
+    ("micro allocator --steps-per-call 0", "skvs micro allocator: --steps-per-call must be >= 1"),
+    ("micro precision --new-tokens 1", "--new-tokens >= 2"),
+    ("micro simulate --steps 0", "skvs micro simulate: --steps must be >= 1"),
+    ("micro simulate --max-seqs 0", "skvs micro simulate: --max-seqs must be >= 1"),
+    ("micro scheduler --calls 0", "skvs micro scheduler: --calls must be >= 1"),
+    # a pool that cannot hold the batch in decode: timing it would describe an empty batch
+    ("micro scheduler --seqs 8 --blocks 12 --max-blocks-per-seq 8 --block-size 8 --prompt-len 24",
+     "only 0 of 8 sequences decode"),
+])
+def test_micro_benchmarks_refuse_what_they_cannot_measure(argv, says):
+    with pytest.raises(SystemExit, match=re.escape(says)):
+        cli.main(argv.split())
+
+
 def test_micro_attention_takes_its_flags(capsys):
     argv = ("micro attention --batch 2 --context 64 --heads 4 --kv-heads 2 --head-dim 16 --block-size 16 --repeats 2 "
             "--warmup 0 --with-reference")

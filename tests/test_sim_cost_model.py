@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from skvs_jax import policies
 from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device
 
 KIB = 1024
@@ -249,3 +250,12 @@ def test_fit_cpu_device_accepts_plain_tuples_and_clamps_negative_constants():
     assert fitted.host_overhead_s >= 0 and fitted.peak_flops_per_s > 0 and fitted.hbm_bytes_per_s > 0
     with pytest.raises(ValueError, match="samples"):
         fit_cpu_device([(0, 0, 10, 1.0)] * 5, TINY)
+    for bad in ((0, 4, -100, 1e-3), (0, -4, 100, 1e-3), (0, float("nan"), 100, 1e-3)):
+        with pytest.raises(ValueError, match="counts must be finite and >= 0"):
+            fit_cpu_device(samples + [bad], TINY)
+    # A fit whose per-FLOP cost is 0 (as for step times that do not grow with tokens) has infinite compute: the
+    # knee is then infinite (never compute-bound), and a "knee" verify budget means no cap, not a division by 0.
+    flat = dataclasses.replace(fitted, peak_flops_per_s=math.inf)
+    assert math.isinf(CostModel(TINY, flat).knee_tokens())
+    assert policies.parse_verify_budget("knee", knee=CostModel(TINY, flat).knee_tokens()) is None
+    assert policies.parse_verify_budget("knee", knee=150.7) == 150

@@ -19,6 +19,7 @@ work between steps is included.
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax
 import numpy as np
@@ -82,22 +83,31 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve each policy this many times (round-robin); the engine's latency is the median "
                              "over repeats, and the fit uses every run's steps")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
+    for flag in ("repeats", "requests"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"skvs_jax.sim.calibrate: --{flag} must be >= 1, got {getattr(args, flag)}")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in policies.PRESETS]
+    if not names or unknown:
+        raise SystemExit(f"skvs_jax.sim.calibrate: --policies must name presets from {sorted(policies.PRESETS)}, "
+                         f"got {args.policies!r}")
     model, heads = bench.load_shipped()
     runner, params = LlamaMedusaRunner.create(model, heads)
     trace = workloads.make("system_prompts", args.requests, seed=args.seed, system_prompt_len=40, max_prompt_len=80,
                            max_output_len=20)
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
     runs = {n: [] for n in names}
     for _ in range(args.repeats):  # round-robin, so a slow spell of the machine touches every policy
         for n in names:
             runs[n].append(serve(model, heads, policies.preset(n), trace))
-    device = cm.fit_cpu_device([s for es in runs.values() for e in es for s in samples(e)])
+    try:
+        device = cm.fit_cpu_device([s for es in runs.values() for e in es for s in samples(e)])
+    except ValueError as err:  # e.g. too few steps to fit three constants
+        raise SystemExit(f"skvs_jax.sim.calibrate: {err}; serve more --requests") from None
     print(f"fitted on {sum(len(e.step_log) for es in runs.values() for e in es)} steps of {', '.join(names)}, "
           f"{args.repeats} run(s) each (jax {jax.__version__}, {jax.devices()[0].platform}):")
-    print(f'    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s={device.peak_flops_per_s:.4g}, '
-          f'hbm_bytes_per_s={device.hbm_bytes_per_s:.4g}, hbm_capacity_bytes=math.inf, compute_efficiency=1.0, '
+    rate = lambda x: "math.inf" if math.isinf(x) else f"{x:.4g}"  # noqa: E731  (a literal that pastes)
+    print(f'    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s={rate(device.peak_flops_per_s)}, '
+          f'hbm_bytes_per_s={rate(device.hbm_bytes_per_s)}, hbm_capacity_bytes=math.inf, compute_efficiency=1.0, '
           f'bandwidth_efficiency=1.0, link_bytes_per_s=math.inf, allreduce_latency_s=0.0, '
           f'host_overhead_s={device.host_overhead_s:.4g}, compute_memory_overlap=0.0),')
     for name, es in runs.items():

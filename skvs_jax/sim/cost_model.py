@@ -422,6 +422,8 @@ class CostModel:
         """
         weight_read_s = self.model.weight_bytes / self._bytes_per_s
         compute_per_token_s = 2.0 * self.model.matmul_params / self._flops_per_s
+        if compute_per_token_s == 0:  # infinite compute (a fitted device can have it): never compute-bound
+            return math.inf
         return weight_read_s / compute_per_token_s
 
     def max_kv_tokens(self, memory_utilization: float = 0.9) -> int:
@@ -489,6 +491,10 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
       name: the device's name.  memory_bytes: its memory, for `max_kv_tokens` (unbounded by default).
     """
     rows = [StepSample(*s) for s in samples]
+    for s in rows:
+        counts = (s.prefill_tokens, s.decode_tokens, s.kv_tokens_read, s.num_seqs, s.medusa_rows)
+        if not all(math.isfinite(c) and c >= 0 for c in counts):
+            raise ValueError(f"samples' token and sequence counts must be finite and >= 0, got {s}")
     rows = [s for s in rows if s.prefill_tokens + s.decode_tokens + s.medusa_rows > 0]
     if len(rows) < 3:
         raise ValueError(f"samples must hold at least 3 steps with tokens, got {len(rows)}")

@@ -318,6 +318,8 @@ def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: Co
     """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
     and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation.
     For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps)
     return carry.st, finish(carry, rows)
 
