@@ -44,8 +44,9 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
     """A `("dp", "tp")` mesh of dp * tp devices (the first ones of `devices`, default `jax.devices()`, which on
     several hosts lists every process's devices). Neighbouring devices share a `tp` group."""
     for name, value in (("tp", tp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    tp, dp = int(tp), int(dp)
     devices = list(jax.devices() if devices is None else devices)
     if dp * tp > len(devices):
         raise ValueError(f"dp * tp = {dp * tp} devices requested, only {len(devices)} available")

@@ -177,6 +177,14 @@ def test_sweep_inputs_are_checked_at_the_boundary():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",))
     with pytest.raises(ValueError, match="'dp' axis"):
         sweep.run(traces, lanes, cfg=cfg, cost=COST, max_steps=8, mesh=mesh)
+    # Lanes built by hand get grid's checks (out-of-range values used to run as data).
+    for bad, match in ((lanes.replace(kv_blocks=lanes.kv_blocks + 1000), "kv_blocks"),
+                       (lanes.replace(knobs=lanes.knobs.replace(draft_len=lanes.knobs.draft_len + 9)), "draft_len"),
+                       (lanes.replace(arrival_scale=-lanes.arrival_scale), "arrival_scale")):
+        with pytest.raises(ValueError, match=match):
+            sweep.run(traces, bad, cfg=cfg, cost=COST, max_steps=8)
+    with pytest.raises(TypeError, match="stacked SimTrace"):
+        sweep.run(_trace(cfg, 1), lanes, cfg=cfg, cost=COST, max_steps=8)
     with pytest.raises(ValueError, match="equal shapes"):
         sweep.stack([_trace(cfg, 1), _trace(_cfg(CacheConfig(num_blocks=48, block_size=8, max_seqs=8,
                                                               max_blocks_per_seq=12)), 1)])

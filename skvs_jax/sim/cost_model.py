@@ -347,6 +347,8 @@ class CostModel:
             raise ValueError(f"device must be a DeviceSpec, got {type(self.device).__name__}")
         if self.tp is None:
             object.__setattr__(self, "tp", self.device.tp_degree)
+        if isinstance(self.tp, np.integer):  # a static field: a plain int hashes and prints like the presets
+            object.__setattr__(self, "tp", int(self.tp))
         _check_int("tp", self.tp, 1)
         m, t = self.model, self.tp
         if m.num_heads % t or m.intermediate_size % t:

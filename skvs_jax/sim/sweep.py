@@ -174,10 +174,21 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
     chunk = max_steps if chunk is None else chunk
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if not isinstance(lanes, Lane) or not isinstance(traces, SimTrace) or traces.arrival.ndim != 2:
+        raise TypeError("lanes must be a Lane (sweep.grid) and traces a stacked SimTrace (sweep.stack)")
     num = int(lanes.kv_blocks.shape[0])
     bad = [int(t) for t in np.asarray(lanes.trace) if not 0 <= int(t) < traces.arrival.shape[0]]
     if bad:
         raise ValueError(f"lane trace indices {bad} out of range for {traces.arrival.shape[0]} stacked traces")
+    # Lanes built by hand get the checks `grid` makes (a lane's values are data: out of range, they would run).
+    k, usable = cfg.policy.draft_len, cfg.cache.usable_blocks
+    for name, values, lo, hi in (("kv_blocks", lanes.kv_blocks, 1, usable), ("knobs.draft_len", lanes.knobs.draft_len,
+                                 0, k), ("knobs.max_spec_ratio", lanes.knobs.max_spec_ratio, 0, 1)):
+        v = np.asarray(values)
+        if np.any(~((v >= lo) & (v <= hi))):
+            raise ValueError(f"lane {name} values must lie in [{lo}, {hi}], got {v.tolist()}")
+    if not np.all(np.asarray(lanes.arrival_scale) > 0):
+        raise ValueError(f"lane arrival_scale values must be > 0, got {np.asarray(lanes.arrival_scale).tolist()}")
     pad = 0
     if mesh is not None:
         distributed.check_mesh(mesh, DP)
