@@ -96,11 +96,14 @@ def run(args: argparse.Namespace) -> int:
     # Prefill everyone (both implementations, same inputs), until every sequence decodes.
     t = 0
     ok = True
+    # A generous bound on the prefill steps (prompt tokens over the budget, plus preemption churn); a batch that
+    # has not reached decode by then never will.
+    limit = 4 * -(-int(lens.sum()) // budget) + 2 * b + 10
     while True:
         status = np.asarray(st.seqs.status)
         decoding = (status == sc.RUNNING) & (np.asarray(st.seqs.num_tokens) - np.asarray(st.alloc.seqs.num_committed)
                                              == 1)
-        if decoding.all() or t > 200:
+        if decoding.all() or t > limit:
             break
         st, good = step_jit(st, tuple(jnp.asarray(x) for x in draw(t)))
         ok &= bool(good)
