@@ -319,6 +319,12 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
     c.check_kv_pages(k_pages, v_pages, k_scales, v_scales)
     B, Q, Hq, D = q.shape
     N, S, Hkv, Dk = k_pages.shape
+    M = block_tables.shape[1] if len(getattr(block_tables, "shape", ())) == 2 else 1
+    for name, size in (("the head dim D of q", D), ("the heads Hq of q", Hq), ("the blocks N of k_pages", N),
+                       ("the block size S of k_pages", S), ("the KV heads Hkv of k_pages", Hkv),
+                       ("the table width M of block_tables", M)):
+        if size < 1:  # B = 0 sequences or Q = 0 queries are fine: an empty output
+            raise ValueError(f"{name} must be >= 1, got {size}")
     if Dk != D:
         raise ValueError(f"k_pages head dim {Dk} must equal q head dim {D}")
     if Hq % Hkv:
@@ -367,6 +373,8 @@ def paged_attention(
     _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tree_mask, sm_scale, soft_cap,
                 k_scales, v_scales)
     impl, interpret = c.resolve_impl(impl, interpret)
+    if q.shape[0] == 0 or q.shape[1] == 0:  # nothing to attend for: no kernel launch with an empty grid
+        return jnp.zeros(q.shape, q.dtype)
     D = q.shape[-1]
     scale = float(1.0 / math.sqrt(D) if sm_scale is None else sm_scale)
     cap = None if soft_cap is None else float(soft_cap)

@@ -277,6 +277,9 @@ def _good():
     ("context_lens", jnp.full((2,), 17, jnp.int32), ValueError, "context_lens must lie"),
     ("tree_mask", jnp.zeros((2, 2, 3), bool), ValueError, "tree_mask must have shape"),
     ("query_lens", jnp.full((2,), 3, jnp.int32), ValueError, "query_lens must lie"),
+    ("k_pages", jnp.zeros((7, 0, 2, 16)), ValueError, "block size S of k_pages must be >= 1"),
+    ("block_tables", jnp.zeros((2, 0), jnp.int32), ValueError, "table width M of block_tables must be >= 1"),
+    ("q", jnp.zeros((2, 2, 4, 0)), ValueError, "head dim D of q must be >= 1"),
 ])
 def test_bad_input_names_the_argument(name, bad, error, match):
     args = _good()
@@ -313,6 +316,15 @@ def test_a_traced_context_past_the_table_ends_at_the_table():
     assert np.all(np.isfinite(want)) and np.any(want != 0)
     for impl in ("xla", "pallas"):
         assert_close(run_jit(impl), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+def test_no_sequences_or_no_queries_give_an_empty_output(impl):
+    for b, q in ((0, 2), (2, 0)):  # B = 0 crashed the Pallas grid
+        args = _good()
+        args |= {"q": jnp.zeros((b, q, 4, 16)), "block_tables": args["block_tables"][:b],
+                 "context_lens": args["context_lens"][:b]}
+        assert pk.paged_attention(**args, impl=impl).shape == (b, q, 4, 16)
 
 
 def test_value_checks_are_skipped_under_jit():
