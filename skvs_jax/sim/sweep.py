@@ -84,18 +84,6 @@ def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | Non
     for name, values in axes.items():
         if not values:
             raise ValueError(f"{name} must hold at least one value")
-    k = cfg.policy.draft_len
-    if any(not 0 <= int(d) <= k for d in axes["draft_len"]):
-        raise ValueError(f"draft_len values must lie in [0, {k}] (the policy's static K), got {axes['draft_len']}")
-    if any(not 0.0 <= float(r) <= 1.0 for r in axes["max_spec_ratio"]):
-        raise ValueError(f"max_spec_ratio values must lie in [0, 1], got {axes['max_spec_ratio']}")
-    if any(not 1 <= int(b) <= cfg.cache.usable_blocks for b in axes["kv_blocks"]):
-        raise ValueError(f"kv_blocks values must lie in [1, {cfg.cache.usable_blocks}] (the static pool), "
-                         f"got {axes['kv_blocks']}")
-    if any(not 1 <= int(v) <= NO_VERIFY_CAP for v in axes["verify_budget"]):
-        raise ValueError(f"verify_budget values must lie in [1, {NO_VERIFY_CAP}], got {axes['verify_budget']}")
-    if any(not float(s) > 0 for s in axes["arrival_scale"]):
-        raise ValueError(f"arrival_scale values must be > 0, got {axes['arrival_scale']}")
     labels = [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     col = lambda name, dtype: jnp.asarray(np.asarray([lab[name] for lab in labels], dtype))  # noqa: E731
     lanes = Lane(
@@ -104,7 +92,23 @@ def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | Non
                     verify_budget=col("verify_budget", np.int32)),
         kv_blocks=col("kv_blocks", np.int32), arrival_scale=col("arrival_scale", np.float32),
         trace=col("trace", np.int32))
+    _check_lanes(lanes, cfg)
     return lanes, labels
+
+
+def _check_lanes(lanes: Lane, cfg: sc.SchedulerConfig) -> None:
+    """The lanes' values must be ones the static configuration can run (out of range, data would run anyway)."""
+    k, usable = cfg.policy.draft_len, cfg.cache.usable_blocks
+    for name, values, lo, hi, why in (
+            ("draft_len", lanes.knobs.draft_len, 0, k, " (the policy's static K)"),
+            ("max_spec_ratio", lanes.knobs.max_spec_ratio, 0, 1, ""),
+            ("kv_blocks", lanes.kv_blocks, 1, usable, " (the static pool)"),
+            ("verify_budget", lanes.knobs.verify_budget, 1, NO_VERIFY_CAP, "")):
+        v = np.asarray(values)
+        if np.any(~((v >= lo) & (v <= hi))):  # NaN is outside
+            raise ValueError(f"{name} values must lie in [{lo}, {hi}]{why}, got {v.tolist()}")
+    if not np.all(np.asarray(lanes.arrival_scale) > 0):
+        raise ValueError(f"arrival_scale values must be > 0, got {np.asarray(lanes.arrival_scale).tolist()}")
 
 
 def _lane_trace(traces: SimTrace, ln: Lane) -> SimTrace:
@@ -180,15 +184,7 @@ def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostMod
     bad = [int(t) for t in np.asarray(lanes.trace) if not 0 <= int(t) < traces.arrival.shape[0]]
     if bad:
         raise ValueError(f"lane trace indices {bad} out of range for {traces.arrival.shape[0]} stacked traces")
-    # Lanes built by hand get the checks `grid` makes (a lane's values are data: out of range, they would run).
-    k, usable = cfg.policy.draft_len, cfg.cache.usable_blocks
-    for name, values, lo, hi in (("kv_blocks", lanes.kv_blocks, 1, usable), ("knobs.draft_len", lanes.knobs.draft_len,
-                                 0, k), ("knobs.max_spec_ratio", lanes.knobs.max_spec_ratio, 0, 1)):
-        v = np.asarray(values)
-        if np.any(~((v >= lo) & (v <= hi))):
-            raise ValueError(f"lane {name} values must lie in [{lo}, {hi}], got {v.tolist()}")
-    if not np.all(np.asarray(lanes.arrival_scale) > 0):
-        raise ValueError(f"lane arrival_scale values must be > 0, got {np.asarray(lanes.arrival_scale).tolist()}")
+    _check_lanes(lanes, cfg)  # lanes built by hand get grid's checks
     pad = 0
     if mesh is not None:
         distributed.check_mesh(mesh, DP)
