@@ -100,7 +100,8 @@ def paged_attention_reference(
     p = jnp.where(mask, jnp.exp(logits - m), 0.0)
     denom = jnp.sum(p, axis=-1)  # [B, Hkv, G, Q]
     out = jnp.einsum("bhgql,blhd->bhgqd", p, v, precision=lax.Precision.HIGHEST)
-    out = jnp.where(denom[..., None] > 0, out / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    # == 0, not > 0: a NaN in a visible key must give NaN, not a quiet zero row that hides the upstream bug.
+    out = jnp.where(denom[..., None] == 0, 0.0, out / jnp.where(denom == 0, 1.0, denom)[..., None])
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Q, Hq, D).astype(q.dtype)
 
 
@@ -144,7 +145,7 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
     steps = (jnp.max(context_lens, initial=0) + C - 1) // C
     init = (jnp.full((B, Hkv, G, Q), -jnp.inf), jnp.zeros((B, Hkv, G, Q)), jnp.zeros((B, Hkv, G, Q, D)))
     _, l, acc = lax.fori_loop(0, jnp.minimum(steps, M_pad // P), step, init)
-    out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+    out = jnp.where(l[..., None] == 0, 0.0, acc / jnp.where(l == 0, 1.0, l)[..., None])  # NaN stays NaN
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Q, Hq, D).astype(q.dtype)
 
 
@@ -219,7 +220,7 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
     first = split * steps_per_split
     last = jnp.minimum(first + steps_per_split, (key_end + C - 1) // C)
     m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
-    o_ref[...] = jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    o_ref[...] = jnp.where(l[:, None] == 0, 0.0, acc / jnp.where(l == 0, 1.0, l)[:, None])  # NaN stays NaN
     m_ref[...] = m
     l_ref[...] = l
 
@@ -231,7 +232,7 @@ def _merge_splits(o, m, l):
     w = l * jnp.exp(m - m_safe)  # [..., P, R]; 0 for splits that saw nothing
     total = jnp.sum(w, axis=-2)  # [..., R]
     out = jnp.sum(w[..., None] * o, axis=-3)
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    return jnp.where(total[..., None] == 0, 0.0, out / jnp.where(total == 0, 1.0, total)[..., None])
 
 
 def default_num_splits(B: int, Hkv: int, steps: int, interpret: bool) -> int:

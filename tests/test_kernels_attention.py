@@ -318,6 +318,25 @@ def test_a_traced_context_past_the_table_ends_at_the_table():
         assert_close(run_jit(impl), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas", "pallas-split"])
+def test_a_nan_in_a_visible_key_gives_nan_where_it_is_seen(impl):
+    """NaN inside the context propagates, as in any attention, to exactly the rows that see it (it used to give
+    quiet zero rows, which hid the upstream bug); masked NaN (the poisoned padding) still changes nothing.
+    pallas-split: three split-K programs per row, the NaN in the first, so the merge must carry it."""
+    case = make_case(4, B=3, Q=2, Hkv=2, G=2, D=16, S=4, M=3, ctx_kind="full")
+    k = np.array(case["k_pages"])
+    k[case["np"]["tables"][0, 0], 1, 0, 3] = np.nan  # row 0, position 1, kv head 0: visible to both queries
+    with mock.patch.object(attention_module, "default_num_splits", lambda *a: 3 if impl == "pallas-split" else 1), \
+            mock.patch.object(attention_module, "default_pages_per_step", lambda *a: 1):
+        impl = impl.removesuffix("-split")
+        clean = np.asarray(run(impl, None, case), np.float64)
+        poisoned = np.asarray(run(impl, None, case | {"k_pages": jnp.asarray(k)}), np.float64)
+    assert np.isnan(poisoned[0, :, :2]).all()  # query heads 0, 1 share kv head 0
+    np.testing.assert_array_equal(poisoned[0, :, 2:], clean[0, :, 2:])
+    np.testing.assert_array_equal(poisoned[1:], clean[1:])
+    assert np.isfinite(clean).all()
+
+
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
 def test_no_sequences_or_no_queries_give_an_empty_output(impl):
     for b, q in ((0, 2), (2, 0)):  # B = 0 crashed the Pallas grid
