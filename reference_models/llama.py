@@ -284,13 +284,16 @@ class DecoderLayer(nnx.Module):
 
 
 def dense_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """q [B, T, Hq, D], k/v [B, T, Hkv, D], mask [B, T, T] bool (query, key) -> [B, T, Hq, D]. Grouped-query."""
+    """q [B, T, Hq, D], k/v [B, T, Hkv, D], mask [B, T, T] bool (query, key) -> [B, T, Hq, D]. Grouped-query.
+
+    A query whose mask row is all False gives 0, as in the paged kernels (softmax over no keys would be NaN)."""
     b, t, hq, hd = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.asarray(-jnp.inf, scores.dtype))
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, jnp.zeros((), v.dtype))
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, hq, hd)
 
 

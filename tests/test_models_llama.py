@@ -15,7 +15,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference_models.llama import KVCache, Llama, LlamaConfig, RopeScaling, slot_mapping
+from reference_models.llama import KVCache, Llama, LlamaConfig, RopeScaling, dense_attention, slot_mapping
 
 CONFIG = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                      rms_norm_eps=1e-5, rope_theta=500.0)
@@ -141,6 +141,18 @@ def test_tree_mask_with_chain_equals_causal():
     tree, _, _ = paged(q, pos, cache, tables, jnp.asarray([11], jnp.int32), None,
                        tree_mask=jnp.tril(jnp.ones((5, 5), jnp.bool_))[None])
     np.testing.assert_allclose(np.asarray(tree), np.asarray(causal), rtol=0, atol=1e-5)
+
+
+def test_dense_attention_gives_zero_for_a_query_that_sees_nothing():
+    """As the paged kernels do (softmax over no keys was NaN); the other queries are untouched."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 5, h, 8)), jnp.float32) for h in (4, 2, 2))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), jnp.bool_)), (2, 5, 5))
+    mask = causal.at[1, 2].set(False)
+    want, got = np.asarray(dense_attention(q, k, v, causal)), np.array(dense_attention(q, k, v, mask))
+    assert np.isfinite(got).all() and (got[1, 2] == 0).all()
+    got[1, 2] = want[1, 2]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_token_ids_out_of_vocabulary_raise():
