@@ -426,6 +426,13 @@ class OracleScheduler:
         cfg, pol, a = self.cfg, self.pol, self.alloc
         s, big_l = cfg.cache.block_size, cfg.max_len
         slots = range(cfg.cache.max_seqs)
+        # A row aborted since schedule is dropped: it computes, commits and indexes nothing.
+        live = [self.status[b] == RUNNING for b in slots]
+        batch = dataclasses.replace(
+            batch, scheduled=[x and y for x, y in zip(batch.scheduled, live)],
+            samples=[x and y for x, y in zip(batch.samples, live)],
+            **{f: [x if y else 0 for x, y in zip(getattr(batch, f), live)]
+               for f in ("num_query", "num_drafts", "restore")})
         acc = [min(max(int(accepted[b]), 0), batch.num_drafts[b]) if batch.samples[b] else 0 for b in slots]
         n = [len(self.tokens[b]) for b in slots]
 

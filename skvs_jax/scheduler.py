@@ -774,6 +774,12 @@ def _update(
     b = ccfg.max_seqs
     b_idx = jnp.arange(b, dtype=i32)
     seqs, alloc, prefix = st.seqs, st.alloc, st.prefix
+    # A row aborted since `schedule` (no longer RUNNING) has lost its blocks: its batch.block_table row names
+    # freed blocks, which must never be indexed or committed. Drop it.
+    live = seqs.status == RUNNING
+    batch = batch.replace(scheduled=batch.scheduled & live, samples=batch.samples & live,
+                          num_query=jnp.where(live, batch.num_query, 0),
+                          num_drafts=jnp.where(live, batch.num_drafts, 0), restore=jnp.where(live, batch.restore, 0))
     n, c = seqs.num_tokens, batch.start
     sampling = batch.samples
     acc = jnp.where(sampling, jnp.clip(accepted, 0, batch.num_drafts), 0).astype(i32)
@@ -1013,14 +1019,15 @@ def update(
     then next_tokens. stop: bool[B] (e.g. EOS sampled) finishes the row. Returns the state and what happened.
     batch must be the one `schedule` returned with this state: settled twice, a row would gain tokens no model
     computed. Checked when both are concrete (a scheduled row starts at its committed length); inside a user's
-    jit that pairing is the caller's.
+    jit that pairing is the caller's. A row aborted between schedule and update is dropped: it gains nothing.
     """
     _check_state(st, cfg)
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be the Batch returned by schedule, got {type(batch).__name__}")
     committed = st.alloc.seqs.num_committed
     if checks.is_concrete(batch.start) and checks.is_concrete(committed):
-        stale = np.asarray(batch.scheduled) & (np.asarray(batch.start) != np.asarray(committed))
+        running = np.asarray(st.seqs.status) == RUNNING  # rows aborted since schedule are dropped, not stale
+        stale = np.asarray(batch.scheduled) & running & (np.asarray(batch.start) != np.asarray(committed))
         if stale.any():
             raise ValueError(f"batch does not belong to this state: row {int(np.argmax(stale))} starts at "
                              f"{int(np.asarray(batch.start)[stale][0])} but has {int(np.asarray(committed)[stale][0])} "
@@ -1039,7 +1046,11 @@ def update(
 
 
 def abort(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedState:
-    """End the requests in mask: bool[B] whatever their status; their blocks and host-tier room are released."""
+    """End the requests in mask: bool[B] whatever their status; their blocks and host-tier room are released.
+
+    Safe between `schedule` and `update`: `update` then drops the aborted rows of the batch (their blocks are
+    gone, so nothing of theirs is committed or indexed); the model's writes for them land in freed blocks.
+    """
     _check_state(st, cfg)
     checks.array("mask", mask, (cfg.cache.max_seqs,), "b")
     return _abort(st, mask, cfg=cfg)

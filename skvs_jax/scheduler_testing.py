@@ -67,17 +67,20 @@ class Harness:
         self.check()
         return want
 
-    def abort(self, mask) -> None:
+    def abort(self, mask, check: bool = True) -> None:
         mask = np.asarray(mask, bool)
         status = np.asarray(self.st.seqs.status)
         for b in np.flatnonzero(mask & (status == sc.SWAPPED)):
             self.host.pop(int(b), None)
         self.st = sc.abort(self.st, jnp.asarray(mask), cfg=self.cfg)
         self.oracle.abort(mask)
-        self.check()
+        if check:  # mid-step, the index may name blocks whose drafts update has yet to roll back
+            self.check()
 
-    def step(self, rng: np.random.Generator, accept: str = "random") -> sc.Batch:
-        """schedule → shadow model → update, with drafts accepted at random ("random"), all, or none."""
+    def step(self, rng: np.random.Generator, accept: str = "random", abort_mid: bool = False) -> sc.Batch:
+        """schedule → shadow model → update, with drafts accepted at random ("random"), all, or none.
+
+        abort_mid: abort a random ~30% of the slots after the model ran, before update (which drops them)."""
         cfg, s = self.cfg, self.cfg.cache.block_size
         b_seqs, k = cfg.cache.max_seqs, max(cfg.policy.draft_len, 1)
         self.st, batch = sc.schedule(self.st, self.knobs, cfg=cfg)
@@ -117,6 +120,8 @@ class Harness:
             accepted = rng.integers(0, d + 1).astype(np.int32)
         next_tokens = rng.integers(0, self.vocab, b_seqs).astype(np.int32)
         stop = rng.random(b_seqs) < 0.02
+        if abort_mid:
+            self.abort(rng.random(b_seqs) < 0.3, check=False)
         self.st, _ = sc.update(self.st, batch, jnp.asarray(accepted, jnp.int32), jnp.asarray(next_tokens),
                                jnp.asarray(drafts), jnp.asarray(stop), self.knobs, cfg=cfg)
         self.oracle.update(ob, accepted, next_tokens, drafts, stop, self.knobs)
@@ -137,6 +142,8 @@ class Harness:
                 self.add(*op[1:])
             elif kind == "step":
                 self.step(np.random.default_rng(op[1]), *op[2:])
+            elif kind == "step_abort":  # an abort between schedule and update
+                self.step(np.random.default_rng(op[1]), abort_mid=True)
             elif kind == "abort":
                 self.abort(np.random.default_rng(op[1]).random(self.cfg.cache.max_seqs) < 0.3)
             else:
