@@ -272,10 +272,11 @@ def _grow(
         bad |= num_tokens > max_draft_len - seqs.num_drafts
     else:
         bad |= seqs.num_drafts > 0  # decode/prefill slots always precede the drafts of a step
-    # Copy-on-write: the first token lands in a partially-filled block that someone else also references.
+    # Copy-on-write: the first token lands in a partially-filled block that someone else also references, or
+    # that the prefix cache pins (its index entry promises the old content; `share` may end inside it).
     partial_col = alloc // s
     partial_blk = seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
-    cow = (alloc % s != 0) & (blocks.ref_count[partial_blk] > 1)
+    cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
     need = jnp.maximum(_cdiv(new_alloc, s) - held, 0) + cow.astype(i32)
     # The window covers logical blocks partial_col .. ceil(new_alloc / S) - 1.
     bad |= _cdiv(new_alloc, s) - partial_col > window
@@ -617,6 +618,7 @@ def _evict_lru(
     # Eviction is rare (only when the free stack runs dry), so a stable sort over N is affordable here.
     key = jnp.where(evictable, blocks.last_used, jnp.iinfo(jnp.int32).max)
     ids = jnp.argsort(key, stable=True)[:max_evict].astype(i32)
+    ids = jnp.pad(ids, (0, max_evict - ids.shape[0]))  # max_evict > N: the null block, never evictable, pads
     take = (jnp.arange(max_evict) < num_blocks) & evictable[ids]
     flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
     free_stack, free_top = _push(blocks.free_stack, blocks.free_top, ids, take, jnp.cumsum(take, dtype=i32))
@@ -702,6 +704,7 @@ def allocate_speculative(
     _check_counts("num_drafts", num_drafts, cfg)
     checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
     checks.scalar_int("generation", generation)
+    checks.in_range("generation", generation, 0, 2**31 - 1)  # reclaim's age is a difference of two of these
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
     return _allocate(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
@@ -792,18 +795,21 @@ def reclaim_expired(
 ) -> tuple[AllocatorState, jax.Array]:
     """Return speculative-pool blocks with current_generation - generation > threshold to the free stack.
 
+    Generations are step numbers in [0, 2^31 - 1] (refused otherwise when concrete), so the age never wraps.
+
     Both are int32 scalars and data, so one compiled program serves every threshold (vmap-able). The pool
     keeps its order; expired blocks are pushed bottom-of-pool first. Returns the state and the count.
     """
     _check_type(st)
     checks.scalar_int("current_generation", current_generation)
+    checks.in_range("current_generation", current_generation, 0, 2**31 - 1)
     checks.scalar_int("threshold", threshold)
     checks.in_range("threshold", threshold, 0, 2**31 - 1)
     return _reclaim_expired(st, current_generation, threshold)
 
 
 def set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
-    """Pin (cached=True) or unpin blocks for the prefix cache. block_ids: int32[X]; ids <= 0 are ignored.
+    """Pin (cached=True) or unpin blocks for the prefix cache. block_ids: int32[X] below N; ids <= 0 are ignored.
 
     Only VALIDATED blocks held by a sequence can be pinned (others are ignored: the prefix cache must only
     ever hold validated content). Unpinning a ref-0 block returns it to the free stack.
@@ -812,6 +818,7 @@ def set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> A
     if not hasattr(block_ids, "shape") or len(block_ids.shape) != 1:
         raise ValueError(f"block_ids must be a 1-D array, got {getattr(block_ids, 'shape', type(block_ids))}")
     checks.array("block_ids", block_ids, block_ids.shape, "i")
+    checks.in_range("block_ids", block_ids, -(2**31), st.blocks.state.shape[0] - 1)
     checks.array("cached", cached, block_ids.shape, "b")
     return _set_cached(st, block_ids, cached)
 

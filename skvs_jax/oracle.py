@@ -95,7 +95,8 @@ class OracleAllocator:
         cow = []
         for b in range(num_seqs):
             alloc = self.allocated[b]
-            cow.append(alloc % s != 0 and self.ref[self.tables[b][alloc // s]] > 1)
+            blk = self.tables[b][alloc // s] if alloc % s else NULL_BLOCK
+            cow.append(alloc % s != 0 and (self.ref[blk] > 1 or self.cached[blk]))
         cowed_old: dict[int, int] = {}  # old block -> last slot that copied it
         remaining = self._available()
         stopped = False

@@ -482,6 +482,7 @@ def lookup(
     checks.in_range("lengths", lengths, 0, length)
     if not hasattr(spec_window, "shape"):
         checks.scalar_int("spec_window", spec_window)
+        checks.in_range("spec_window", spec_window, 0, 2**31 - 1)  # before the int32 conversion overflows
         spec_window = jnp.asarray(spec_window, i32)
     if spec_window.shape == ():
         checks.scalar_int("spec_window", spec_window)

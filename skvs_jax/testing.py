@@ -190,6 +190,7 @@ class Fork:
 class SharePrefix:
     source: int  # share the full committed blocks of this slot into every empty slot in `into`
     into: tuple[bool, ...]
+    short: int = 0  # share this many tokens fewer (at least one), so a share can end inside a (cached) block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +263,7 @@ def apply(
         for slot in range(b):
             if op.into[slot] and full > 0:
                 ids[slot, :full] = oracle.tables[op.source][:full]
-                tokens[slot] = full * cfg.block_size
+                tokens[slot] = max(full * cfg.block_size - op.short, 1)
         st, ok = allocator.share(st, jnp.asarray(ids), jnp.asarray(tokens), cfg=cfg)
         _same("share ok", ok, oracle.share(ids, tokens))
     elif isinstance(op, SetCached):
@@ -348,7 +349,7 @@ def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[Operatio
         hs.builds(Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
         hs.builds(Free, vec(hs.booleans())),
         hs.builds(Fork, vec(hs.integers(-1, b - 1))),
-        hs.builds(SharePrefix, slots, vec(hs.booleans())),
+        hs.builds(SharePrefix, slots, vec(hs.booleans()), hs.sampled_from([0, 0, 1])),
         hs.builds(SetCached, slots, hs.booleans()),
         hs.builds(Evict, hs.integers(0, MAX_EVICT)),
         hs.builds(Reclaim, hs.integers(0, 4)),

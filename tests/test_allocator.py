@@ -240,6 +240,38 @@ def test_cached_blocks_become_evictable_and_are_evicted_lru():
     testing.check_invariants(st, CFG, SPEC)
 
 
+def test_appending_inside_a_cached_block_copies_it_first():
+    """A share may end inside a block (here 3 of a cached block's 4 tokens, ref 0 -> 1); the next token must go
+    to a copy, never into the block the prefix cache pins (its index entry promises the old content)."""
+    st, oracle = allocator.init(CFG), OracleAllocator(CFG, SPEC)
+    for op in [testing.Allocate((4, 0, 0), (0, 1, 2)), testing.Commit((4, 0, 0)), testing.SetCached(0, True),
+               testing.Free((True, False, False))]:
+        st = testing.apply(op, st, oracle, CFG, SPEC)
+    cached = 1
+    ids = np.zeros((3, 5), np.int32)
+    ids[1, 0] = cached
+    st, ok = allocator.share(st, jnp.asarray(ids), vec(0, 3, 0), cfg=CFG)
+    assert np.asarray(ok).tolist() == oracle.share(ids, [0, 3, 0]) == [True] * 3
+    assert bool(st.blocks.cached[cached]) and int(st.blocks.ref_count[cached]) == 1
+    st = testing.apply(testing.Allocate((0, 1, 0), (0, 1, 2)), st, oracle, CFG, SPEC)  # also checks the oracle
+    assert int(st.counters.cow_copies) == 1 and int(st.seqs.block_table[1, 0]) != cached
+    assert bool(st.blocks.cached[cached]) and int(st.blocks.ref_count[cached]) == 0  # evictable, unchanged
+    testing.check_invariants(st, CFG, SPEC)
+    testing.assert_matches_oracle(st, oracle)
+
+
+def test_evict_lru_pads_when_max_evict_exceeds_the_pool():
+    st = allocator.init(CFG)
+    st, _ = allocator.allocate(st, vec(8, 0, 0), cfg=CFG, spec=SPEC)
+    st, _ = allocator.commit(st, vec(8, 0, 0), cfg=CFG, spec=SPEC)
+    st = allocator.set_cached(st, vec(1, 2), jnp.array([True, True]))
+    st, _ = allocator.free(st, jnp.array([True, False, False]), cfg=CFG, spec=SPEC)
+    st, evicted = allocator.evict_lru(st, 3, max_evict=CFG.num_blocks + 4)  # raised a shape error
+    assert evicted.shape == (CFG.num_blocks + 4,) and sorted(np.asarray(evicted)[:2].tolist()) == [1, 2]
+    assert (np.asarray(evicted)[2:] == NULL_BLOCK).all()
+    testing.check_invariants(st, CFG, SPEC)
+
+
 def test_traced_bad_values_become_flags_not_exceptions():
     @jax.jit
     def step(st, counts, accepted):
@@ -302,6 +334,12 @@ def test_vmap_over_independent_pools():
         (lambda st: allocator.allocate(st, vec(1, 0, 0), cfg=CFG, window=-1), "window"),
         (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), 0, cfg=CFG, spec=SPEC, window=0), "window"),
         (lambda st: allocator.commit(st, vec(0, 0, 0), cfg=CFG, window=6), "window"),
+        # Generations are step numbers: a negative one made reclaim's int32 age wrap.
+        (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), -1, cfg=CFG, spec=SPEC), "generation"),
+        (lambda st: allocator.allocate_speculative(st, vec(1, 0, 0), 2**31, cfg=CFG, spec=SPEC), "generation"),
+        (lambda st: allocator.reclaim_expired(st, -1, 0), "current_generation"),
+        (lambda st: allocator.reclaim_expired(st, 2**40, 0), "current_generation"),
+        (lambda st: allocator.set_cached(st, vec(CFG.num_blocks), jnp.ones(1, bool)), "block_ids"),
     ],
 )
 def test_bad_values_raise_value_error_naming_the_argument(call, match):

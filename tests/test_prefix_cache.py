@@ -310,6 +310,7 @@ TABLE = jnp.ones((B, M), i32)
         (lambda c: pc.lookup(c, TOK, LEN + L + 1, 0, cfg=CFG), ValueError, "lengths"),
         (lambda c: pc.lookup(c, TOK, LEN[:2], 0, cfg=CFG), ValueError, "lengths"),
         (lambda c: pc.lookup(c, TOK, LEN, -1, cfg=CFG), ValueError, "spec_window"),
+        (lambda c: pc.lookup(c, TOK, LEN, 2**31, cfg=CFG), ValueError, "spec_window"),  # was an OverflowError
         (lambda c: pc.lookup(c, TOK, LEN, 1.5, cfg=CFG), TypeError, "spec_window"),
         (lambda c: pc.lookup(c, TOK, LEN, jnp.zeros((3,), i32), cfg=CFG), ValueError, "spec_window"),
         (lambda c: pc.lookup(c, TOK, LEN, 0, cfg=CFG, max_spec_ratio=1.5), ValueError, "max_spec_ratio"),
