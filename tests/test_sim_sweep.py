@@ -44,7 +44,7 @@ def _assert_same_run(alone: sim.SimLog, lanes_log: sim.SimLog, i: int) -> None:
     for field in FIELDS:
         got = np.asarray(getattr(lanes_log, field))[i, :n]
         np.testing.assert_array_equal(np.asarray(getattr(alone, field))[:n], got, err_msg=field)
-    for field in ("first_token_time", "finish_time", "cached_tokens", "preemptions", "req_output"):
+    for field in ("ttft", "e2e", "cached_tokens", "preemptions", "req_output"):
         np.testing.assert_array_equal(np.asarray(getattr(alone, field)), np.asarray(getattr(lanes_log, field))[i],
                                       err_msg=field)
 
