@@ -97,7 +97,10 @@ class RequestRecord:
         object.__setattr__(self, "token_times", tuple(float(t) for t in self.token_times))
         for name in ("num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens",
                      "num_admitted_prompt_tokens", "num_preemptions", "num_drafted", "num_accepted"):
-            if getattr(self, name) < 0:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 2.5 tokens gave a TPOT
+                raise TypeError(f"{name} must be an int, got {value!r} (request {self.request_id})")
+            if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)} (request {self.request_id})")
         if self.num_cached_prompt_tokens > self.num_admitted_prompt_tokens:
             raise ValueError(f"num_cached_prompt_tokens ({self.num_cached_prompt_tokens}) exceeds "

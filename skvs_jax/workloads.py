@@ -82,10 +82,17 @@ class Request:
     turn: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prompt, tuple):  # e.g. a list from JSON; generators already pass tuples of int
-            object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
-        if not self.prompt:
+        prompt = tuple(self.prompt)  # e.g. a list from JSON
+        for t in prompt:  # make_trace writes them to int32 arrays: 1.5 would silently become 1
+            if not _is_int(t):
+                raise TypeError(f"prompt tokens must be ints, got {t!r}")
+            if not 0 <= t < VOCAB_SIZE:
+                raise ValueError(f"prompt tokens must lie in [0, {VOCAB_SIZE}), got {t}")
+        object.__setattr__(self, "prompt", tuple(int(t) for t in prompt))
+        if not prompt:
             raise ValueError("prompt must hold at least one token")
+        if not _is_int(self.max_new_tokens):
+            raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (math.isfinite(self.arrival_time) and self.arrival_time >= 0):
@@ -112,6 +119,10 @@ class Trace:
 
 
 # ---------------------------------------------------------------------------------------------- validation
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:

@@ -70,6 +70,8 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     ("--sweep --rates 4,,8", "--rates must be comma-separated numbers"),
     ("--sweep --rates 0,4", "--rates must be > 0"),
     ("--rate nan", "--rate must be > 0"),
+    ("--sweep --rate 0", "--rate must be > 0"),  # crashed in sweep's lane checks
+    ("--workload system_prompts --max-prompt-len 100", "--max-prompt-len must be > 128"),
     ("--scale 0", "--scale must be a finite number > 0"),
     ("--token-budget 0", "--token-budget must be >= 1"),
     ("--max-output-len 0", "--max-output-len must be >= 1"),

@@ -144,6 +144,8 @@ def test_records_are_frozen_and_checked():
                            ({"num_output_tokens": -1}, "num_output_tokens")]:
         with pytest.raises(ValueError, match=match):
             RequestRecord(**(base | changes))
+    with pytest.raises(TypeError, match="num_output_tokens must be an int"):
+        RequestRecord(**(base | {"num_output_tokens": 2.5}))
     # An aborted request may have no finish time; it stays out of every latency, TPOT included.
     aborted = RequestRecord(**(base | {"finish_time": NAN, "aborted": True}))
     summary = metrics.summarize([RequestRecord(**base), aborted], None)

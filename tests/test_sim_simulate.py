@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from skvs_jax import engine, policies, workloads
 from skvs_jax.config import CacheConfig
@@ -38,6 +39,10 @@ def test_a_synthetic_trace_with_arrivals_runs_to_completion():
     arrival = np.asarray(st_trace.arrival)
     assert np.all(0 < ttft) and np.all(ttft <= e2e)
     assert 0 < m["acceptance_rate"] < 1 and m["throughput"] > 0
+
+    for bad in (0, CACHE.usable_blocks + 1):  # a larger budget stacked blocks that do not exist
+        with pytest.raises(ValueError, match="kv_blocks"):
+            sim.simulate(st_trace, policies.naive_spec(4).knobs(), cfg=cfg, cost=cost, max_steps=4, kv_blocks=bad)
 
     # Cut after a few steps: requests that had not finished (some not even arrived) count as aborted.
     _, cut = sim.simulate(st_trace, policies.naive_spec(4).knobs(), cfg=cfg, cost=cost, max_steps=4)

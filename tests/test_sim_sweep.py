@@ -202,6 +202,8 @@ def test_acceptance_presets_and_the_chain_fit():
         am.alphas([0.5] * 4, 5)
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         am.alphas([0.5, 1.5], 2)
+    tiny = am.alphas("tiny", 4)  # its own float32 output, and numpy ints, were refused
+    np.testing.assert_array_equal(am.alphas(tiny, np.int64(4)), tiny)
     # fit_chain recovers the conditional probabilities a chain model was drawn from.
     truth = jnp.asarray([0.8, 0.6, 0.5, 0.3], jnp.float32)
     runs = np.asarray(sim.chain_acceptance(truth, (400, 100), jax.random.key(3))).ravel()

@@ -203,5 +203,12 @@ def test_request_and_trace_invariants():
     with pytest.raises(ValueError, match="arrival_time"):
         Request(0, math.inf, (1,), 1)
     assert Request(0, 0.0, [1, 2], 1).prompt == (1, 2)
+    assert Request(0, 0.0, (np.int64(3),), np.int32(2)).prompt == (3,)
+    with pytest.raises(TypeError, match="prompt tokens must be ints"):  # make_trace truncated 1.5 to 1
+        Request(0, 0.0, (1.5, 2), 1)
+    with pytest.raises(ValueError, match="prompt tokens must lie in"):
+        Request(0, 0.0, (1, 300), 1)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+        Request(0, 0.0, (1,), 2.5)
     with pytest.raises(ValueError, match="sorted"):
         Trace((Request(0, 1.0, (1,), 1), Request(1, 0.5, (1,), 1)), 0, "sharegpt", {})

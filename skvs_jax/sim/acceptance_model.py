@@ -29,6 +29,7 @@ drafts plus the target's own token): sum over i of prod_{j<=i} alphas[j], plus 1
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +47,7 @@ PRESETS: dict[str, tuple[float, ...]] = {
 def alphas(spec: str | Sequence[float], k: int) -> np.ndarray:
     """float32[k] conditional acceptance probabilities from a preset name or explicit values (at least k of
     them, each in [0, 1])."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
         raise ValueError(f"k must be an int >= 0, got {k!r}")
     if isinstance(spec, str):
         if spec not in PRESETS:
@@ -56,10 +57,10 @@ def alphas(spec: str | Sequence[float], k: int) -> np.ndarray:
         values = tuple(spec)
     if len(values) < k:
         raise ValueError(f"the acceptance model gives {len(values)} probabilities, the draft length is {k}")
-    if any(not isinstance(a, (int, float)) or isinstance(a, bool) or math.isnan(a) or not 0 <= a <= 1
+    if any(not isinstance(a, numbers.Real) or isinstance(a, bool) or math.isnan(a) or not 0 <= a <= 1
            for a in values):
         raise ValueError(f"acceptance probabilities must be numbers in [0, 1], got {values!r}")
-    return np.asarray(values[:k], np.float32)
+    return np.asarray(values[: int(k)], np.float32)
 
 
 def tokens_per_step(alphas: Sequence[float]) -> float:

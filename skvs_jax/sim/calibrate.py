@@ -83,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve each policy this many times (round-robin); the engine's latency is the median "
                              "over repeats, and the fit uses every run's steps")
     args = parser.parse_args(argv)
-    for flag in ("repeats", "requests"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"skvs_jax.sim.calibrate: --{flag} must be >= 1, got {getattr(args, flag)}")
+    for flag, low in (("repeats", 1), ("requests", 1), ("seed", 0)):
+        if getattr(args, flag) < low:
+            raise SystemExit(f"skvs_jax.sim.calibrate: --{flag} must be >= {low}, got {getattr(args, flag)}")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in policies.PRESETS]
     if not names or unknown:

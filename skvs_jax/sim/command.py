@@ -168,8 +168,14 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.prefill_chunk}")
     if not (math.isfinite(args.scale) and args.scale > 0):
         raise SystemExit(f"skvs simulate: --scale must be a finite number > 0, got {args.scale}")
+    if not args.rate > 0:  # NaN fails this too
+        raise SystemExit(f"skvs simulate: --rate must be > 0 (inf: every request at t = 0), got {args.rate}")
     if args.sweep and math.isinf(args.rate):
         raise SystemExit("skvs simulate: --sweep scales arrival times, so it needs a finite --rate")
+    system_len = workloads.system_prompts.__kwdefaults__["system_prompt_len"]
+    if args.workload == "system_prompts" and args.max_prompt_len <= system_len:
+        raise SystemExit(f"skvs simulate: --workload system_prompts shares {system_len}-token system prompts, so "
+                         f"--max-prompt-len must be > {system_len}, got {args.max_prompt_len}")
     rates = _parse_rates(args)
     try:
         alphas = _acceptance(args.acceptance, args.draft_len)

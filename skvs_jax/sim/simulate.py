@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import branch, metrics, workloads
+from skvs_jax import branch, checks, metrics, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel
@@ -321,14 +321,23 @@ def finish(carry: SimCarry, rows: dict) -> SimLog:
     return SimLog(**rows, **carry.req, kv_blocks=carry.kv_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
 def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
-             kv_blocks: jax.Array | None = None) -> tuple[sc.SchedState, SimLog]:
+             kv_blocks: jax.Array | int | None = None) -> tuple[sc.SchedState, SimLog]:
     """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
-    and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation.
+    and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation;
+    checked to lie in [1, cfg.cache.usable_blocks] when concrete (a larger one put blocks that do not exist on
+    the free stack). A budget smaller than one request needs stalls that request until max_steps.
     For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done."""
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+    if kv_blocks is not None:
+        checks.scalar_int("kv_blocks", kv_blocks)
+        checks.in_range("kv_blocks", kv_blocks, 1, cfg.cache.usable_blocks)
+    return _simulate(trace, knobs, cfg=cfg, cost=cost, max_steps=max_steps, kv_blocks=kv_blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
+def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks):
     carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps)
     return carry.st, finish(carry, rows)
 
