@@ -100,6 +100,8 @@ def check_num_new(num_new) -> int:
 
 def check_heads(model: Llama, heads) -> None:
     """Medusa heads must read the base model's hidden states and predict over its vocabulary."""
+    if not isinstance(heads, MedusaHeads):
+        raise TypeError(f"heads must be MedusaHeads, got {type(heads).__name__}")
     if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"heads (hidden {heads.config.hidden_size}, vocab {heads.config.vocab_size}) do not match "
                          f"the base model (hidden {model.config.hidden_size}, vocab {model.config.vocab_size})")

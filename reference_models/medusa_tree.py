@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,10 @@ class DraftTree:
     choices: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        choices = tuple(sorted({tuple(c) for c in self.choices}, key=lambda c: (len(c), c)))
+        paths = [tuple(c) for c in self.choices]
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for c in paths for r in c):
+            raise TypeError(f"choices must be paths of int ranks, got {self.choices!r}")  # 0.5 became rank 0
+        choices = tuple(sorted({tuple(int(r) for r in c) for c in paths}, key=lambda c: (len(c), c)))
         if not choices or any(len(c) == 0 or min(c) < 0 for c in choices):
             raise ValueError("choices must be non-empty paths of non-negative ranks")
         for c in choices:
@@ -166,6 +170,8 @@ def medusa_tree_generate(
     prompts = check_prompts(model, prompts)
     check_num_new(num_new)
     check_heads(model, heads)
+    if not isinstance(tree, DraftTree):
+        raise TypeError(f"tree must be a DraftTree, got {type(tree).__name__}")
     depth = int(tree.depth.max())
     if depth > heads.config.num_heads:
         raise ValueError(f"tree depth {depth} exceeds the {heads.config.num_heads} Medusa heads")

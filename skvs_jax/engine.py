@@ -316,6 +316,10 @@ class Engine:
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
             raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
         tree = self._check_speculation(runner, policy, tree, acceptance, sample_drafts, posterior_threshold,
                                        posterior_alpha)
         max_len = cache_config.max_tokens_per_seq

@@ -57,7 +57,7 @@ class Policy:
       adaptive_draft_len: choose each request's draft length from its acceptance histogram and memory
         pressure (bounded by K); off = always K.
       draft_buckets: draft lengths that get their own compiled program; requests are padded up to the next
-        bucket (the article's CUDA-graph pitfall). Must include K when speculating.
+        bucket (the article's CUDA-graph pitfall). Must include K when speculating; empty means (K,).
       release: "immediate" (rejected-only blocks leave the sequence at commit) or "lazy" (held until it ends).
       spec_pool: released draft blocks go to the speculative pool and are reused first.
       generation_threshold: pool blocks older than this many steps return to the free stack.

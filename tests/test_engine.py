@@ -132,6 +132,9 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(shipped, trace, r
     assert all(type(v) in (int, float, tuple) for v in (sp.max_tokens, sp.temperature, sp.stop_token_ids))
     with pytest.raises(ValueError, match="impl must be one of"):
         engine.Engine(model, heads, policies.skvs(4), CACHE, impl="bogus")
+    for seed, error in ((1.5, TypeError), ("a", TypeError), (None, TypeError), (-1, ValueError), (2**64, ValueError)):
+        with pytest.raises(error, match="seed must"):  # JAX errors that did not name it, or an OverflowError
+            engine.Engine(model, heads, policies.skvs(4), CACHE, seed=seed)
     assert not e.queue and not e.requests  # nothing refused was queued
     r = trace.requests[1]
     assert e.generate([r.prompt], engine.SamplingParams(max_tokens=r.max_new_tokens))[0] == reference[r.request_id]

@@ -80,6 +80,14 @@ def test_bad_prompts_raise():
         medusa_tree_generate(model, MedusaHeads(MedusaConfig(16, 32, num_heads=3)), np.array([[1, 2]]), 4, TREE)
     with pytest.raises(ValueError, match="rank 40 of a 32-token vocabulary"):
         medusa_tree_generate(model, heads, np.array([[1, 2]]), 4, DraftTree(((0,), (40,))))
+    with pytest.raises(TypeError, match="tree must be a DraftTree"):
+        medusa_tree_generate(model, heads, np.array([[1, 2]]), 4, ((0,), (1,)))
+    with pytest.raises(TypeError, match="heads must be MedusaHeads"):
+        medusa_generate(model, None, np.array([[1, 2]]), 4)
+    for ranks in (((0.5,),), ((True,),), (("a",),)):  # 0.5 silently became rank 0
+        with pytest.raises(TypeError, match="int ranks"):
+            DraftTree(ranks)
+    assert DraftTree(((np.int64(1),),)).choices == ((1,),)
     for generate in (greedy_generate, greedy_reference):
         with pytest.raises(ValueError, match="num_new must be >= 0"):
             generate(model, np.array([[1, 2]]), -1)
