@@ -109,6 +109,9 @@ def check_kv_pages(k_pages, v_pages, k_scales, v_scales) -> bool:
     """Validate a paged K/V pair [N, S, Hkv, D] (+ scales [N, S, Hkv]); return True if quantised."""
     check_ndim("k_pages", k_pages, 4, "[N, S, Hkv, D]")
     check_shape("v_pages", v_pages, k_pages.shape, "[N, S, Hkv, D] like k_pages")
+    for name, size in zip(("N", "S", "Hkv", "D"), k_pages.shape):  # quantising over D = 0 fails in a reduction
+        if size < 1:
+            raise ValueError(f"k_pages [N, S, Hkv, D] must have every dimension >= 1, got {name} = {size}")
     check_dtype("k_pages", k_pages, FLOAT_KV_DTYPES + QUANT_KV_DTYPES)
     if v_pages.dtype != k_pages.dtype:
         raise TypeError(f"v_pages dtype {v_pages.dtype} must equal k_pages dtype {k_pages.dtype}")

@@ -54,7 +54,7 @@ def visibility(pos, context_lens, query_lens, tree_mask, num_queries: int) -> ja
         seen = p <= prefix + qi
     else:
         j = p - prefix  # [B, 1, P] index of the key among the query tokens
-        in_tree = (j >= 0) & (j < qlen)
+        in_tree = (j >= 0) & (j < qlen) & (j < num_queries)  # a traced qlen > Q: keys past Q are not in the tree
         jc = jnp.clip(j, 0, num_queries - 1)
         jc = jnp.broadcast_to(jc, (tree_mask.shape[0], num_queries, pos.shape[0]))
         tree = jnp.take_along_axis(tree_mask, jc, axis=2)  # [B, Q, P]
@@ -313,6 +313,9 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, que
 
 
 # ----------------------------------------------------------------------------------------------- public API
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tree_mask, sm_scale, soft_cap,
                 k_scales, v_scales):
     c.check_ndim("q", q, 4, "[B, Q, Hq, D]")
@@ -321,8 +324,7 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
     B, Q, Hq, D = q.shape
     N, S, Hkv, Dk = k_pages.shape
     M = block_tables.shape[1] if len(getattr(block_tables, "shape", ())) == 2 else 1
-    for name, size in (("the head dim D of q", D), ("the heads Hq of q", Hq), ("the blocks N of k_pages", N),
-                       ("the block size S of k_pages", S), ("the KV heads Hkv of k_pages", Hkv),
+    for name, size in (("the head dim D of q", D), ("the heads Hq of q", Hq),  # k_pages: check_kv_pages
                        ("the table width M of block_tables", M)):
         if size < 1:  # B = 0 sequences or Q = 0 queries are fine: an empty output
             raise ValueError(f"{name} must be >= 1, got {size}")
@@ -342,7 +344,8 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
-        if not math.isfinite(value) or (name == "soft_cap" and value <= 0):  # inf * tanh(x / inf) is NaN
+        # Used as float32: 1e39 is finite here but inf there. inf * tanh(x / inf) is NaN.
+        if not (math.isfinite(value) and abs(value) <= F32_MAX) or (name == "soft_cap" and value <= 0):
             raise ValueError(f"{name} must be a finite{' positive' if name == 'soft_cap' else ''} float or None "
                              f"(None: {'1 / sqrt(D)' if name == 'sm_scale' else 'no cap'}), got {value!r}")
     # Eager value checks (skipped under tracing).

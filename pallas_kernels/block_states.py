@@ -120,7 +120,7 @@ def update_block_states(states, generations, block_ids, accept_mask, valid, gene
             raise ValueError(f"block_ids of valid entries must lie in [0, {states.shape[0]}), "
                              f"got range [{bad.min()}, {bad.max()}]")
     impl, interpret = c.resolve_impl(impl, interpret)
-    if impl != "pallas":
+    if impl != "pallas" or states.shape[0] == 0 or block_ids.size == 0:  # an empty Pallas grid crashes
         return update_block_states_reference(states, generations, block_ids, accept_mask, valid, generation)
     return _update_block_states_pallas(states, generations, block_ids, accept_mask, valid,
                                        jnp.asarray(generation, jnp.int32), interpret=interpret)
@@ -135,6 +135,12 @@ def _rejected(accept_mask, draft_lens):
 
 
 @jax.jit
+def _killed(rejected, pos, blk, N, L):
+    """bool [B, K]: the draft slots to zero. Under a caller's jit a position or table entry out of range is
+    skipped: a block id of -1 or N would otherwise wrap or clamp onto block N - 1, another sequence's block."""
+    return rejected & (pos >= 0) & (pos < L) & (blk >= 0) & (blk < N)
+
+
 def invalidate_drafts_reference(k_pages, v_pages, block_tables, draft_start, accept_mask, *, draft_lens=None,
                                 k_scales=None, v_scales=None):
     """Pure-jnp scatter of zeros. Same contract as `invalidate_drafts`."""
@@ -143,8 +149,8 @@ def invalidate_drafts_reference(k_pages, v_pages, block_tables, draft_start, acc
     M = block_tables.shape[1]
     lens = jnp.full((B,), K, jnp.int32) if draft_lens is None else draft_lens
     pos = draft_start[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]  # [B, K]
-    kill = _rejected(accept_mask, lens) & (pos >= 0) & (pos < M * S)
     blk = jnp.take_along_axis(block_tables, jnp.clip(pos // S, 0, M - 1), axis=1)
+    kill = _killed(_rejected(accept_mask, lens), pos, blk, N, M * S)
     slots = jnp.where(kill, blk * S + pos % S, N * S).reshape(-1)  # [B*K]; N*S = dropped
 
     def scrub(x):
@@ -161,7 +167,7 @@ def _invalidate_kernel(bt_ref, start_ref, kill_ref, *refs, S, M, n_bufs):
     b, k = pl.program_id(0), pl.program_id(1)
     pos = start_ref[b] + k
 
-    @pl.when((kill_ref[b, k] != 0) & (pos >= 0) & (pos < M * S))
+    @pl.when(kill_ref[b, k] != 0)  # position and block id checked by `_killed`
     def _zero():
         blk = bt_ref[b, pos // S]
         for out_ref in out_refs:
@@ -172,10 +178,13 @@ def _invalidate_kernel(bt_ref, start_ref, kill_ref, *refs, S, M, n_bufs):
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _invalidate_drafts_pallas(k_pages, v_pages, block_tables, draft_start, accept_mask, draft_lens, k_scales,
                               v_scales, *, interpret):
-    S = k_pages.shape[1]
+    N, S = k_pages.shape[:2]
     B, K = accept_mask.shape
+    M = block_tables.shape[1]
     bufs = [k_pages, v_pages] + ([k_scales, v_scales] if k_scales is not None else [])
-    kill = _rejected(accept_mask, draft_lens).astype(jnp.int32)
+    pos = draft_start[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]  # [B, K]
+    blk = jnp.take_along_axis(block_tables, jnp.clip(pos // S, 0, M - 1), axis=1)
+    kill = _killed(_rejected(accept_mask, draft_lens), pos, blk, N, M * S).astype(jnp.int32)
     return tuple(pl.pallas_call(
         functools.partial(_invalidate_kernel, S=S, M=block_tables.shape[1], n_bufs=len(bufs)),
         grid=(B, K),
@@ -213,7 +222,7 @@ def invalidate_drafts(k_pages, v_pages, block_tables, draft_start, accept_mask, 
         raise ValueError(f"block_tables entries must lie in [0, {N}), got range [{bt.min()}, {bt.max()}]")
     impl, interpret = c.resolve_impl(impl, interpret)
     c.check_triton_row(k_pages, impl, interpret)
-    if impl != "pallas" or K == 0:
+    if impl != "pallas" or K == 0 or B == 0 or block_tables.shape[1] == 0:  # an empty Pallas grid crashes
         return invalidate_drafts_reference(k_pages, v_pages, block_tables, draft_start, accept_mask,
                                            draft_lens=draft_lens, k_scales=k_scales, v_scales=v_scales)
     lens = jnp.full((B,), K, jnp.int32) if draft_lens is None else draft_lens

@@ -277,7 +277,7 @@ def _good():
     ("context_lens", jnp.full((2,), 17, jnp.int32), ValueError, "context_lens must lie"),
     ("tree_mask", jnp.zeros((2, 2, 3), bool), ValueError, "tree_mask must have shape"),
     ("query_lens", jnp.full((2,), 3, jnp.int32), ValueError, "query_lens must lie"),
-    ("k_pages", jnp.zeros((7, 0, 2, 16)), ValueError, "block size S of k_pages must be >= 1"),
+    ("k_pages", jnp.zeros((7, 0, 2, 16)), ValueError, "k_pages .* every dimension >= 1, got S = 0"),
     ("block_tables", jnp.zeros((2, 0), jnp.int32), ValueError, "table width M of block_tables must be >= 1"),
     ("q", jnp.zeros((2, 2, 4, 0)), ValueError, "head dim D of q must be >= 1"),
 ])
@@ -296,7 +296,8 @@ def test_bad_impl_and_soft_cap():
     with pytest.raises(ValueError, match="soft_cap"):
         pk.paged_attention(**_good(), soft_cap=-1.0)
     for kw in (dict(soft_cap=float("inf")), dict(soft_cap=float("nan")), dict(sm_scale=float("nan")),
-               dict(sm_scale=float("inf"))):  # each gave all-zero rows (or NaN, depending on impl)
+               dict(sm_scale=float("inf")),  # each gave all-zero rows (or NaN, depending on impl)
+               dict(sm_scale=1e39), dict(soft_cap=1e39)):  # finite in float64, inf in float32: all NaN
         with pytest.raises(ValueError, match="must be a finite"):
             pk.paged_attention(**_good(), **kw)
     with pytest.raises(TypeError, match="soft_cap must be a float"):
@@ -335,6 +336,19 @@ def test_a_nan_in_a_visible_key_gives_nan_where_it_is_seen(impl):
     np.testing.assert_array_equal(poisoned[0, :, 2:], clean[0, :, 2:])
     np.testing.assert_array_equal(poisoned[1:], clean[1:])
     assert np.isfinite(clean).all()
+
+
+def test_a_traced_query_len_past_q_with_a_tree_agrees_across_implementations():
+    """Outside the contract (query_lens <= Q, checked only when concrete), but every implementation must still
+    read the same keys: those past the Q tree nodes are not in the tree (the reference reused node Q - 1's
+    column for them, the kernel did not)."""
+    case = make_case(5, B=1, Q=2, Hkv=1, G=2, D=16, S=4, M=3, ctx_kind="full", tree=True)
+    args = {k: case[k] for k in ("q", "k_pages", "v_pages", "block_tables", "context_lens", "tree_mask")}
+    args["query_lens"] = jnp.asarray([4], jnp.int32)
+    run_jit = lambda impl: jax.jit(lambda a: pk.paged_attention(**a, impl=impl))(args)  # noqa: E731
+    want = np.asarray(run_jit("reference"), np.float64)
+    for impl in ("xla", "pallas"):
+        assert_close(run_jit(impl), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])

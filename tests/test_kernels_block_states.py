@@ -102,6 +102,30 @@ class BlockStatesContract:
             assert np.all(got[killed] == 0)
             np.testing.assert_array_equal(got[~killed], before[~killed])
 
+    def test_traced_out_of_range_table_entries_zero_nothing(self):
+        """Under jit the range checks are skipped: a rejected draft whose table entry is -1 or >= N must be
+        skipped, not written to block N - 1 (the reference wrapped -1 there; the kernel clamped N there)."""
+        N, S = 4, 4
+        k = jnp.ones((N, S, 1, 8), jnp.float32)
+        fn = jax.jit(lambda t: pk.invalidate_drafts(k, k, t, jnp.asarray([0], jnp.int32), jnp.asarray([[False]]),
+                                                    impl=self.impl, interpret=self.interpret))
+        for entry in (-1, N, N + 1):
+            k2, _ = fn(jnp.asarray([[entry, 1]], jnp.int32))
+            assert float(jnp.min(k2)) == 1.0, entry
+        k2, _ = fn(jnp.asarray([[2, 1]], jnp.int32))  # in range: the slot is zeroed
+        assert float(jnp.abs(k2[2, 0]).sum()) == 0.0 and float(jnp.min(k2[3])) == 1.0
+
+    def test_empty_batches_return_the_pages_unchanged(self):  # the Pallas grid crashed on B = 0 or M = 0
+        k = jnp.ones((3, 4, 1, 8), jnp.float32)
+        for b, m in ((0, 2), (1, 0)):
+            out = pk.invalidate_drafts(k, k, jnp.zeros((b, m), jnp.int32), jnp.zeros((b,), jnp.int32),
+                                       jnp.zeros((b, 2), bool), impl=self.impl, interpret=self.interpret)
+            np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(k))
+        s, g, n = pk.update_block_states(jnp.zeros((4,), jnp.int8), jnp.zeros((4,), jnp.int32),
+                                         jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2), bool),
+                                         jnp.zeros((0, 2), bool), 1, impl=self.impl, interpret=self.interpret)
+        assert int(n) == 0 and not np.asarray(s).any()
+
     def test_rolled_back_sequence_attends_only_to_accepted_tokens(self):
         """After a rejection the caller shrinks context_len; attention then equals attention over a cache that
         never held the rejected drafts, and the scrubbed slots hold zeros."""
@@ -159,6 +183,7 @@ def test_update_bad_input_names_the_argument(kw, error, match):
     (dict(draft_start=jnp.zeros((1,), jnp.float32)), TypeError, "draft_start must have dtype"),
     (dict(accept_mask=jnp.ones((1, 2), jnp.int32)), TypeError, "accept_mask must have dtype"),
     (dict(draft_lens=jnp.zeros((2,), jnp.int32)), ValueError, "draft_lens must have shape"),
+    (dict(k_pages=jnp.zeros((3, 8, 1, 0)), v_pages=jnp.zeros((3, 8, 1, 0))), ValueError, "D = 0"),
 ])
 def test_invalidate_bad_input_names_the_argument(kw, error, match):
     args = dict(k_pages=jnp.zeros((3, 8, 1, 16)), v_pages=jnp.zeros((3, 8, 1, 16)),

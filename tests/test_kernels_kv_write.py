@@ -121,6 +121,10 @@ def test_quantize_round_trip_and_zero_vector():
     (dict(slot_mapping=jnp.asarray([0, 24], jnp.int32)), ValueError, "slot_mapping entries must be <"),
     (dict(k_new=jnp.zeros((2, 2, 16), jnp.int32)), TypeError, "k_new must have dtype"),
     (dict(k_scales=jnp.zeros((3, 8, 2))), ValueError, "must be None"),
+    (dict(k_pages=jnp.zeros((0, 8, 2, 16)), v_pages=jnp.zeros((0, 8, 2, 16))), ValueError, "N = 0"),
+    (dict(k_pages=jnp.zeros((3, 8, 2, 0), jnp.int8), v_pages=jnp.zeros((3, 8, 2, 0), jnp.int8),
+          k_scales=jnp.zeros((3, 8, 2)), v_scales=jnp.zeros((3, 8, 2)), k_new=jnp.zeros((2, 2, 0)),
+          v_new=jnp.zeros((2, 2, 0))), ValueError, "D = 0"),  # failed inside the quantiser's reduction
 ])
 def test_bad_input_names_the_argument(kw, error, match):
     args = dict(k_pages=jnp.zeros((3, 8, 2, 16)), v_pages=jnp.zeros((3, 8, 2, 16)), k_new=jnp.zeros((2, 2, 16)),
