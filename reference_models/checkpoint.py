@@ -104,6 +104,12 @@ def load_llama(directory: str | pathlib.Path) -> Llama:
     config = LlamaConfig.from_hf_dict(json.loads((directory / "config.json").read_text()))
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     raw = _read_safetensors(_llama_files(directory))
+    if config.tie_word_embeddings and "lm_head.weight" in raw:  # some exporters store the tied copy too
+        embed = raw.get("model.embed_tokens.weight")
+        if embed is None or not np.array_equal(np.asarray(raw["lm_head.weight"]), np.asarray(embed)):
+            raise ValueError(f"{directory}: tie_word_embeddings is set but lm_head.weight differs from "
+                             f"model.embed_tokens.weight")
+        del raw["lm_head.weight"]
     tensors = {_hf_to_ours(k): v for k, v in raw.items() if not _IGNORED_HF_KEYS.match(k)}
     assign_params(model, tensors, source=str(directory))
     return model
@@ -114,9 +120,15 @@ def _save(tensors: dict[str, jax.Array], file: pathlib.Path) -> None:
 
 
 def save_llama(model: Llama, directory: str | pathlib.Path, max_shard_params: int | None = None) -> None:
-    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_params` is given)."""
+    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_params` is given), replacing
+    the weights of any earlier save in `directory`."""
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # An earlier save's weights would outlive this one: a stale index wins in load_llama, a stale
+    # model.safetensors in transformers. Either way the directory would load as a different model.
+    for stale in [directory / "model.safetensors", directory / "model.safetensors.index.json",
+                  *directory.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
     (directory / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
     tensors = {_ours_to_hf(k): v for k, v in param_dict(model).items()}
     if max_shard_params is None:

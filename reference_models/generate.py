@@ -75,6 +75,11 @@ def paged_forward(graphdef, state, tokens, positions, cache, block_tables, conte
 
 def contiguous_layout(model: Llama, batch: int, max_len: int, block_size: int) -> tuple[KVCache, Array]:
     """A cache and block tables [B, M] giving sequence b the blocks 1 + b*M .. (b+1)*M."""
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+    if block_size < 1:  # 0 divided by zero here
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    block_size = int(block_size)
     m = -(-max_len // block_size)
     tables = 1 + jnp.arange(batch * m, dtype=jnp.int32).reshape(batch, m)
     return KVCache.zeros(model.config, 1 + batch * m, block_size), tables

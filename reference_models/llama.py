@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -57,10 +58,23 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3"):
             raise ValueError(f"unsupported rope_type {self.rope_type!r} (supported: default, linear, llama3)")
-        if self.factor <= 0:
-            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):  # NaN gave NaN logits, 0 a ZeroDivision
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ValueError(f"rope scaling {name} must be a finite number > 0, got {value!r}")
+        m = self.original_max_position_embeddings
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 1:
+            raise ValueError(f"rope scaling original_max_position_embeddings must be a positive int, got {m!r}")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF rope parameters of this scaling: only the keys its type reads."""
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": float(self.factor)}
+        if self.rope_type == "llama3":
+            out |= {"low_freq_factor": float(self.low_freq_factor), "high_freq_factor": float(self.high_freq_factor),
+                    "original_max_position_embeddings": int(self.original_max_position_embeddings)}
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +116,10 @@ class LlamaConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        if not isinstance(self.tie_word_embeddings, bool):  # "no" was truthy, so tied
+            raise TypeError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
 
     @property
     def num_params(self) -> int:
@@ -110,10 +128,11 @@ class LlamaConfig:
         return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The `config.json` of an equivalent HF `LlamaForCausalLM` (transformers >= 5 layout)."""
+        """The `config.json` of an equivalent HF `LlamaForCausalLM`: the transformers >= 5 layout
+        (`rope_parameters`), plus `rope_theta` and `rope_scaling`, which transformers < 5 reads instead."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
-        if self.rope_scaling is not None:
-            rope.update(dataclasses.asdict(self.rope_scaling))
+        scaling = None if self.rope_scaling is None else self.rope_scaling.to_hf()
+        rope |= scaling or {}
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -127,6 +146,7 @@ class LlamaConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": float(self.rope_theta),  # read by transformers < 5
+            "rope_scaling": scaling,  # read by transformers < 5 (without it, a scaled model loaded as unscaled)
             "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
@@ -154,6 +174,8 @@ class LlamaConfig:
         rope_type = rope.pop("rope_type", rope.pop("type", "default"))
         scaling = None
         if rope_type != "default":
+            if "factor" not in rope:
+                raise ValueError(f"Llama config: {rope_type} rope scaling is missing its 'factor'")
             keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
             scaling = RopeScaling(rope_type=rope_type, **{k: rope[k] for k in keys if k in rope})
         heads = hf["num_attention_heads"]

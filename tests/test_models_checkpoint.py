@@ -1,6 +1,7 @@
 """Weights in and out: our own save/load round trip (single file and sharded), the Medusa checkpoint layout,
 and strict loading (unknown tensors, missing tensors, shape mismatches are named)."""
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -31,6 +32,30 @@ def test_llama_round_trip(model, tmp_path, max_shard_params):
     loaded = checkpoint.load_llama(tmp_path)
     assert loaded.config == CONFIG
     np.testing.assert_array_equal(loaded.forward_dense(TOKENS)[0], model.forward_dense(TOKENS)[0])
+
+
+def test_a_later_save_replaces_the_earlier_weights(model, tmp_path):
+    """Sharded, then single-file, then sharded again into one directory: each load gives the last model saved,
+    in load_llama and in the file layout transformers reads (a stale index or model.safetensors used to win)."""
+    other = Llama(CONFIG, rngs=nnx.Rngs(2), std=0.3)
+    for saved, shards in ((model, 700), (other, None), (model, 700)):
+        checkpoint.save_llama(saved, tmp_path, max_shard_params=shards)
+        assert (tmp_path / "model.safetensors").exists() == (shards is None)
+        assert (tmp_path / "model.safetensors.index.json").exists() == (shards is not None)
+        got = checkpoint.load_llama(tmp_path).forward_dense(TOKENS)[0]
+        np.testing.assert_array_equal(got, saved.forward_dense(TOKENS)[0])
+
+
+def test_a_tied_checkpoint_may_carry_its_lm_head_copy(tmp_path):
+    tied = Llama(dataclasses.replace(CONFIG, tie_word_embeddings=True), rngs=nnx.Rngs(3), std=0.3)
+    checkpoint.save_llama(tied, tmp_path)
+    embed = load_file(str(tmp_path / "model.safetensors"))["model.embed_tokens.weight"]
+    _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": embed}))  # as some exporters write it
+    np.testing.assert_array_equal(checkpoint.load_llama(tmp_path).forward_dense(TOKENS)[0],
+                                  tied.forward_dense(TOKENS)[0])
+    _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": embed + 1}))
+    with pytest.raises(ValueError, match="lm_head.weight differs"):
+        checkpoint.load_llama(tmp_path)
 
 
 def _rewrite(tmp_path, edit):

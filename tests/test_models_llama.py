@@ -6,6 +6,7 @@ next logits), config parsing, and bad input at the API boundary.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,23 @@ def test_config_round_trips_through_hf_dict_and_validates():
         LlamaConfig(num_heads=6, num_kv_heads=4)
     with pytest.raises(ValueError, match="unsupported rope_type"):
         RopeScaling("yarn", 2.0)
+    # transformers < 5 reads rope_scaling, not rope_parameters (a scaled model loaded there as unscaled), and
+    # each type gets only the keys it reads.
+    assert config.to_hf_dict()["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    linear = dataclasses.replace(CONFIG, rope_scaling=RopeScaling("linear", 2.0))
+    assert linear.to_hf_dict()["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    assert LlamaConfig.from_hf_dict(linear.to_hf_dict()) == linear and CONFIG.to_hf_dict()["rope_scaling"] is None
+    for args in (("linear", math.nan), ("linear", math.inf), ("llama3", 8.0, 0.0, 4.0), ("llama3", 8.0, -2.0, -1.0),
+                 ("llama3", 8.0, 1.0, 4.0, 0)):  # NaN logits, a ZeroDivisionError, or silently accepted
+        with pytest.raises(ValueError, match="rope scaling"):
+            RopeScaling(*args)
+    with pytest.raises(TypeError, match="rope_scaling must be a RopeScaling"):
+        dataclasses.replace(CONFIG, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(TypeError, match="tie_word_embeddings must be a bool"):
+        dataclasses.replace(CONFIG, tie_word_embeddings="no")
+    with pytest.raises(ValueError, match="missing its 'factor'"):
+        LlamaConfig.from_hf_dict({**CONFIG.to_hf_dict(), "rope_parameters": {"rope_type": "llama3"}})
     with pytest.raises(ValueError, match="attention_bias"):
         LlamaConfig.from_hf_dict({**CONFIG.to_hf_dict(), "attention_bias": True})
     with pytest.raises(ValueError, match=r"missing \['vocab_size'\]"):

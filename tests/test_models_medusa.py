@@ -80,6 +80,9 @@ def test_bad_prompts_raise():
         medusa_tree_generate(model, MedusaHeads(MedusaConfig(16, 32, num_heads=3)), np.array([[1, 2]]), 4, TREE)
     with pytest.raises(ValueError, match="rank 40 of a 32-token vocabulary"):
         medusa_tree_generate(model, heads, np.array([[1, 2]]), 4, DraftTree(((0,), (40,))))
+    for size, error in ((0, ValueError), (-4, ValueError), (2.5, TypeError)):  # ZeroDivisionError, shape errors
+        with pytest.raises(error, match="block_size"):
+            greedy_generate(model, np.array([[1, 2]]), 4, block_size=size)
     with pytest.raises(TypeError, match="tree must be a DraftTree"):
         medusa_tree_generate(model, heads, np.array([[1, 2]]), 4, ((0,), (1,)))
     with pytest.raises(TypeError, match="heads must be MedusaHeads"):
