@@ -344,3 +344,20 @@ def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["ablation"]["rows"]) == ["release", "prefix_barrier", "naive_spec"]
     assert all(r["metrics"]["throughput"]["off"] > 0 for r in doc["ablation"]["rows"].values())
+
+
+def test_every_package_ships_in_a_non_editable_install():
+    """pyproject's package patterns must cover every package on disk: an explicit list once left out
+    skvs_jax.sim, so an installed wheel failed every `skvs` command but --help (the editable install hid it)."""
+    import fnmatch
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    setuptools_cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    include = setuptools_cfg["packages"]["find"]["include"]
+    tops = ("skvs_jax", "pallas_kernels", "reference_models")
+    inits = [init for top in tops for init in (root / top).rglob("__init__.py")]
+    packages = [".".join(init.parent.relative_to(root).parts) for init in inits]
+    assert "skvs_jax.sim" in packages
+    assert all(any(fnmatch.fnmatch(p, pattern) for pattern in include) for p in packages), (packages, include)
