@@ -242,6 +242,8 @@ def _setup(args: argparse.Namespace):
 
     Bad flags end in `SystemExit("skvs bench: ...")` naming the flag, not in a traceback minutes into the run.
     """
+    if args.block_size > 1024:  # one block would outgrow the longest sequence (96 + --max-output <= 1024 tokens)
+        raise SystemExit(f"skvs bench: --block-size must be <= 1024, got {args.block_size}")
     for flag, value, low in (("--repeats", args.repeats, 1), ("--requests", args.requests, 1),
                              ("--block-size", args.block_size, 1), ("--max-seqs", args.max_seqs, 1),
                              ("--max-output", args.max_output, 1), ("--token-budget", args.token_budget, 1),

@@ -118,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"skvs micro allocator: --{flag.replace('_', '-')} must be >= {low}, got "
                              f"{getattr(args, flag)}")
     b, k = args.seqs, args.draft_len
-    cfg = CacheConfig(
-        num_blocks=args.blocks, block_size=args.block_size, max_seqs=b, max_blocks_per_seq=args.max_blocks_per_seq
-    )
+    try:
+        cfg = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,
+                          max_blocks_per_seq=args.max_blocks_per_seq)
+    except ValueError as err:
+        raise SystemExit(f"skvs micro allocator: {err}") from None
     spec = SpecConfig(draft_len=k, generation_threshold=8)
     rng = np.random.default_rng(args.seed)
     chunk = args.steps_per_call

@@ -146,13 +146,15 @@ def _parse_dtypes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skvs_jax.bench import load_shipped
+    from skvs_jax.bench import _finite, load_shipped
 
     dtypes = _parse_dtypes(args.dtypes)
-    if (not 1 <= args.min_prompt_len <= args.max_prompt_len or args.prompts < 1 or args.new_tokens < 2
-            or args.block_size < 1):
-        raise SystemExit("skvs micro precision: need --prompts >= 1, --new-tokens >= 2 (drafting starts after the "
-                         "first), --block-size >= 1 and 1 <= --min-prompt-len <= --max-prompt-len")
+    # --new-tokens: the first token, then a decode step with room for K drafts and the bonus token (with 2, no
+    # step drafted and every acceptance was NaN).
+    if (not 1 <= args.min_prompt_len <= args.max_prompt_len or args.prompts < 1
+            or args.new_tokens < max(args.max_draft_len, 1) + 2 or args.block_size < 1):
+        raise SystemExit("skvs micro precision: need --prompts >= 1, --new-tokens >= --max-draft-len + 2, "
+                         "--block-size >= 1 and 1 <= --min-prompt-len <= --max-prompt-len")
     model, heads = load_shipped()
     limit = model.config.max_position_embeddings
     if args.max_prompt_len + args.new_tokens > limit:
@@ -221,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         path = pathlib.Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({
+        path.write_text(json.dumps(_finite({
             "schema_version": SCHEMA_VERSION,
             "config": {k: v for k, v in vars(args).items() if k not in ("command", "target")},
             "model": "shipped tiny Llama + Medusa heads", "prompts": prompts, "dtypes": dtypes, "draft_lens": ks,
@@ -230,5 +232,5 @@ def run(args: argparse.Namespace) -> int:
             "article": ARTICLE,
             "versions": {"skvs_jax": skvs_jax.__version__, "jax": jax.__version__, "python": platform.python_version(),
                          "backend": jax.devices()[0].platform},
-        }, indent=1, default=float))
+        }), indent=1, default=float, allow_nan=False))  # strict JSON: an undefined figure is null
     return 0 if preempted == 0 else 1

@@ -46,14 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("seqs", "blocks", "block_size", "max_blocks_per_seq", "prompt_len", "steps_per_call", "calls"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"skvs micro scheduler: --{flag.replace('_', '-')} must be >= 1, got "
+    for flag, low in (("seqs", 1), ("blocks", 1), ("block_size", 1), ("max_blocks_per_seq", 1), ("prompt_len", 1),
+                      ("steps_per_call", 1), ("calls", 1), ("draft_len", 0)):
+        if getattr(args, flag) < low:
+            raise SystemExit(f"skvs micro scheduler: --{flag.replace('_', '-')} must be >= {low}, got "
                              f"{getattr(args, flag)}")
     b, k = args.seqs, args.draft_len
-    cache = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,
-                        max_blocks_per_seq=args.max_blocks_per_seq)
-    policy = policies.preset(args.policy, k)
+    try:
+        cache = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,
+                            max_blocks_per_seq=args.max_blocks_per_seq)
+        policy = policies.preset(args.policy, k)
+    except ValueError as err:
+        raise SystemExit(f"skvs micro scheduler: {err}") from None
     k = policy.draft_len
     budget = max(b * (1 + k), 4 * args.prompt_len)
     cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=b, token_budget=budget, admit_window=32)

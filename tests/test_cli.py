@@ -143,7 +143,11 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
 @pytest.mark.parametrize("argv, says", [
     ("micro allocator --dispatch-steps 1", "skvs micro allocator: --dispatch-steps must be >= 2"),
     ("micro allocator --steps-per-call 0", "skvs micro allocator: --steps-per-call must be >= 1"),
-    ("micro precision --new-tokens 1", "--new-tokens >= 2"),
+    ("micro precision --new-tokens 1", "--new-tokens >= --max-draft-len + 2"),
+    ("micro precision --new-tokens 3 --max-draft-len 2", "--new-tokens >= --max-draft-len + 2"),  # NaN acceptance
+    ("micro scheduler --seqs 2 --blocks 64", "skvs micro scheduler: max_blocks_per_seq"),  # tracebacks
+    ("micro allocator --seqs 2 --blocks 64", "skvs micro allocator: max_blocks_per_seq"),
+    ("micro scheduler --draft-len -1", "skvs micro scheduler: --draft-len must be >= 0"),
     ("micro simulate --steps 0", "skvs micro simulate: --steps must be >= 1"),
     ("micro simulate --max-seqs 0", "skvs micro simulate: --max-seqs must be >= 1"),
     ("micro scheduler --calls 0", "skvs micro scheduler: --calls must be >= 1"),
@@ -300,6 +304,7 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     ("--max-output 500", "raise --kv-blocks or --block-size, or lower --max-output"),
     ("--kv-blocks 10", "more than --kv-blocks 10 holds"),
     ("--block-size 0", "--block-size must be >= 1"),
+    ("--block-size 1025", "--block-size must be <= 1024"),  # named an internal field
     ("--max-seqs 0", "--max-seqs must be >= 1"),
     ("--requests 0", "--requests must be >= 1"),
     ("--draft-len 0", "draft_len must be >= 1"),
