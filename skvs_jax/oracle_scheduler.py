@@ -212,16 +212,18 @@ class OracleScheduler:
         k_max = min(max(int(knobs.draft_len), 0), pol.draft_len)
         reserve = k_max if (pol.speculation and pol.spec_in_prefill) else 0
         k_want = [0] * bsz
+        # Decode rows: one token left, and the model sampled it (a row's last prompt token drafts nothing).
+        decoding = [running[b] and remaining[b] == 1 and n[b] > self.prompt_len[b] for b in slots]
         for b in slots:
-            if running[b] and remaining[b] == 1:
+            if decoding[b]:
                 out_room = self.max_new[b] - (n[b] - self.prompt_len[b]) - 1
                 k_want[b] = max(0, min(self._draft_len(b, knobs), out_room, big_l - n[b]))
             elif running[b] and remaining[b] > 1:
                 k_want[b] = max(0, min(reserve, big_l - c[b] - chunk[b]))
-        rows = sum(1 for b in slots if running[b] and remaining[b] == 1)
+        rows = sum(decoding)
         k_cap = max(int(knobs.verify_budget) // max(rows, 1) - 1, 0)  # compute-aware drafting
         for b in slots:
-            if running[b] and remaining[b] == 1:
+            if decoding[b]:
                 k_want[b] = min(k_want[b], k_cap)
 
         # 2. Token budget in priority order.

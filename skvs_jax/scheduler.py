@@ -4,7 +4,7 @@ One engine step is `schedule → (model or cost model) → update`:
 
   schedule(state, knobs)  decides the step's batch and makes every allocation for it:
     0. FINISHED slots release their blocks and become EMPTY.
-    1. Draft lengths: decode sequences (one known token left to compute) draft k <= knobs.draft_len tokens
+    1. Draft lengths: decode sequences (one sampled token left to compute) draft k <= knobs.draft_len tokens
        (adaptive: from each request's acceptance histogram); with `spec_in_prefill`, prefilling sequences
        reserve k draft slots too.
     2. Token budget: RUNNING sequences in priority order get min(remaining, prefill_chunk) tokens, then their
@@ -460,10 +460,20 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     return jnp.minimum(chosen, k_max)
 
 
+def decoding_rows(status: jax.Array, num_tokens: jax.Array, num_committed: jax.Array,
+                  prompt_len: jax.Array) -> jax.Array:
+    """bool[B] the rows that decode, and so may draft, this step: running, with one token left to compute, and
+    that token one the model sampled (num_tokens > prompt_len). Drafts are proposed from the model's output for
+    the token before it, which exists only once the row has sampled: a row whose last *prompt* token is left (a
+    prefill chunk ended just before it) computes that token without drafts, or they would come from a hidden
+    state no step produced for it (the engine's slot holds the previous request's)."""
+    return (status == RUNNING) & (num_tokens - num_committed == 1) & (num_tokens > prompt_len)
+
+
 def verify_cap(decoding: jax.Array, knobs: Knobs) -> jax.Array:
     """int32[] most drafts a decode row may get under compute-aware drafting (`knobs.verify_budget`).
 
-    decoding bool[B]: the rows that decode this step (running, one token left to compute). R such rows verify
+    decoding bool[B]: the rows that decode this step (`decoding_rows`). R such rows verify
     R * (1 + drafts) tokens; past the budget every row's drafts shrink evenly, to none once the rows alone fill
     it. Depends only on the step's decode rows, which are known before the step (the engine bounds its next
     query width with it).
@@ -505,7 +515,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     spec_ratio = jnp.where(knobs.max_spec_ratio >= 0, jnp.minimum(knobs.max_spec_ratio, 1), 0).astype(jnp.float32)
     out_room = seqs.max_new_tokens - (n - seqs.prompt_len) - 1
     k_dec = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - n)
-    decoding = running & (remaining == 1)
+    decoding = decoding_rows(status, n, c, seqs.prompt_len)
     k_dec = jnp.where(decoding, k_dec, 0)
     k_dec = jnp.minimum(k_dec, verify_cap(decoding, knobs))
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)

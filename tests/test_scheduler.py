@@ -252,6 +252,21 @@ def test_speculation_switch_and_draft_length_knob():
     assert max(int(np.asarray(b.num_drafts).max()) for b in batches) == 1
 
 
+@pytest.mark.parametrize("pol", [NAIVE, SKVS], ids=["naive_spec", "skvs"])
+def test_the_last_prompt_token_is_computed_without_drafts(pol):
+    """A prefill chunk that ends one token before the prompt's end leaves a row with one token to compute, like a
+    decode row; but no step has sampled for it, so there is nothing to draft from (the engine's hidden state is
+    the previous request's): that step computes the token alone, and drafting starts on the next."""
+    h = Harness(_cfg(pol, prefill_chunk=4), vocab=VOCAB)
+    h.add([[1, 2, 0, 1, 2]], [8])
+    rng = np.random.default_rng(0)
+    first, last, decode = (h.step(rng) for _ in range(3))
+    assert int(first.num_query[0]) == 4 and not bool(first.samples[0])
+    assert int(last.num_query[0]) == 1 and bool(last.samples[0]) and int(last.num_drafts[0]) == 0
+    assert int(last.num_reserved[0]) == 0
+    assert int(decode.num_query[0]) == 1 and int(decode.num_drafts[0]) > 0
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=hs.integers(0, 2**31 - 1), live=hs.sampled_from([0, 1, 3, 4, 5, 6, 9, 16]))  # R = 16: R/4 = 4
 def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, live):
