@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         doc["runs"] = {"throughput": throughputs, "stalled": stalled}
     if ablation is not None:
         doc["ablation"] = ablation
-    (out / "bench.json").write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n")
+    (out / "bench.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, allow_nan=False) + "\n")
     if not args.no_plot:
         _plot(results, out / "bench.png", cache.usable_blocks)
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
@@ -533,16 +533,3 @@ def _format_ablation(a: dict) -> str:
                     "is real for this trace, though it is one trace." if a["non_timing_deterministic"] else
                     "With --rate, non-timing metrics depend on timing too."))
     return "\n".join(lines)
-
-
-def _finite(x):
-    """JSON has no NaN: undefined metrics (e.g. waste without drafts) become null."""
-    if isinstance(x, dict):
-        return {str(k): _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    return x

@@ -41,7 +41,7 @@ import numpy as np
 
 import skvs_jax
 from skvs_jax import engine as eng
-from skvs_jax import policies
+from skvs_jax import metrics, policies
 from skvs_jax.config import CacheConfig
 
 DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
@@ -146,7 +146,7 @@ def _parse_dtypes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skvs_jax.bench import _finite, load_shipped
+    from skvs_jax.bench import load_shipped
 
     dtypes = _parse_dtypes(args.dtypes)
     # --new-tokens: the first token, then a decode step with room for K drafts and the bonus token (with 2, no
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         path = pathlib.Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite({
+        path.write_text(json.dumps(metrics.json_safe({
             "schema_version": SCHEMA_VERSION,
             "config": {k: v for k, v in vars(args).items() if k not in ("command", "target")},
             "model": "shipped tiny Llama + Medusa heads", "prompts": prompts, "dtypes": dtypes, "draft_lens": ks,

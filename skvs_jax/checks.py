@@ -7,8 +7,15 @@ flags instead. Every error names the offending argument.
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import numpy as np
+
+
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool (True is an int to Python, never a count or an id here)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def is_concrete(x) -> bool:
@@ -54,7 +61,7 @@ def static_int(name: str, x, lo: int, hi: int, *, allow_none: bool = True) -> No
     """A static (Python) int argument in [lo, hi], or None when allowed."""
     if x is None and allow_none:
         return
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+    if not is_int(x):
         raise TypeError(f"{name} must be an int{' or None' if allow_none else ''}, got {type(x).__name__} {x!r}")
     if not lo <= x <= hi:
         raise ValueError(f"{name} must lie in [{lo}, {hi}], got {x}")

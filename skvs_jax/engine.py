@@ -38,7 +38,7 @@ import numpy as np
 from flax import struct
 
 import pallas_kernels as pk
-from skvs_jax import acceptance, distributed
+from skvs_jax import acceptance, checks, distributed
 from skvs_jax import scheduler as sc
 from skvs_jax import speculation as spec
 from skvs_jax import tiers as tiers_mod
@@ -62,7 +62,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
@@ -70,17 +70,13 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
             raise TypeError(f"stop_token_ids must be a sequence of ints, got {type(self.stop_token_ids).__name__}")
         stops = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stops):
+        if not all(checks.is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {stops!r}")
         if len(stops) > MAX_STOP:
             raise ValueError(f"stop_token_ids holds at most {MAX_STOP} ids, got {len(stops)}")
         object.__setattr__(self, "max_tokens", int(self.max_tokens))  # frozen: normalise once, here
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 MAX_STOP = 4
@@ -317,7 +313,7 @@ class Engine:
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
             raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
-        if not _is_int(seed):
+        if not checks.is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must lie in [0, 2**32), got {seed}")
@@ -452,8 +448,8 @@ class Engine:
         if isinstance(prompt_tokens, (str, bytes)) or not isinstance(prompt_tokens, Iterable):
             raise TypeError(f"prompt_tokens must be a sequence of ints, got {type(prompt_tokens).__name__}")
         prompt = tuple(prompt_tokens)
-        if not all(_is_int(t) for t in prompt):
-            bad = next(t for t in prompt if not _is_int(t))
+        if not all(checks.is_int(t) for t in prompt):
+            bad = next(t for t in prompt if not checks.is_int(t))
             raise TypeError(f"prompt_tokens must be ints, got {type(bad).__name__} {bad!r}")
         prompt = tuple(int(t) for t in prompt)
         if not prompt:
@@ -467,7 +463,7 @@ class Engine:
         if len(prompt) + sampling.max_tokens > max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"{max_len} tokens a sequence can hold (max_blocks_per_seq * block_size)")
-        if request_id is not None and not _is_int(request_id):
+        if request_id is not None and not checks.is_int(request_id):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         rid = self._next_id if request_id is None else int(request_id)
         if not 0 <= rid <= MAX_REQUEST_ID:  # -1 marks an empty slot on the device

@@ -53,6 +53,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from skvs_jax import checks
+
 # --------------------------------------------------------------------------------------------- request log
 
 
@@ -98,7 +100,7 @@ class RequestRecord:
         for name in ("num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens",
                      "num_admitted_prompt_tokens", "num_preemptions", "num_drafted", "num_accepted"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 2.5 tokens gave a TPOT
+            if not checks.is_int(value):  # 2.5 tokens gave a TPOT
                 raise TypeError(f"{name} must be an int, got {value!r} (request {self.request_id})")
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)} (request {self.request_id})")
@@ -377,3 +379,17 @@ def format_table(results: Mapping[str, Mapping[str, float]],
             cells.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def json_safe(x):
+    """x with NaN / inf turned into None and numpy scalars into Python ones, for strict JSON (which has no NaN:
+    an undefined metric, e.g. waste without drafts, becomes null). Dict keys become strings."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    return x

@@ -480,15 +480,12 @@ def lookup(
     b, length = _check_tokens(tokens)
     checks.array("lengths", lengths, (b,), "i")
     checks.in_range("lengths", lengths, 0, length)
-    if not hasattr(spec_window, "shape"):
+    if jnp.ndim(spec_window) == 0:
         checks.scalar_int("spec_window", spec_window)
-        checks.in_range("spec_window", spec_window, 0, 2**31 - 1)  # before the int32 conversion overflows
-        spec_window = jnp.asarray(spec_window, i32)
-    if spec_window.shape == ():
-        checks.scalar_int("spec_window", spec_window)
-        spec_window = jnp.broadcast_to(spec_window, (b,))
+    checks.in_range("spec_window", spec_window, 0, 2**31 - 1)  # before the int32 conversion can overflow
+    if jnp.ndim(spec_window) == 0:
+        spec_window = jnp.broadcast_to(jnp.asarray(spec_window, i32), (b,))
     checks.array("spec_window", spec_window, (b,), "i")
-    checks.in_range("spec_window", spec_window, 0, 2**31 - 1)
     if isinstance(max_spec_ratio, bool) or not (
         isinstance(max_spec_ratio, (int, float)) or getattr(max_spec_ratio, "shape", None) == ()
     ):

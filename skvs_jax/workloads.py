@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from skvs_jax import checks
+
 VOCAB_SIZE = 256
 
 # Published means, in tokens (LLaMA tokenizer), from Kwon et al., "Efficient Memory Management for Large
@@ -84,14 +86,14 @@ class Request:
     def __post_init__(self) -> None:
         prompt = tuple(self.prompt)  # e.g. a list from JSON
         for t in prompt:  # make_trace writes them to int32 arrays: 1.5 would silently become 1
-            if not _is_int(t):
+            if not checks.is_int(t):
                 raise TypeError(f"prompt tokens must be ints, got {t!r}")
             if not 0 <= t < VOCAB_SIZE:
                 raise ValueError(f"prompt tokens must lie in [0, {VOCAB_SIZE}), got {t}")
         object.__setattr__(self, "prompt", tuple(int(t) for t in prompt))
         if not prompt:
             raise ValueError("prompt must hold at least one token")
-        if not _is_int(self.max_new_tokens):
+        if not checks.is_int(self.max_new_tokens):
             raise TypeError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
@@ -121,12 +123,8 @@ class Trace:
 # ---------------------------------------------------------------------------------------------- validation
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not checks.is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from skvs_jax import checks
+
 PRESETS: dict[str, tuple[float, ...]] = {
     "medusa-1": (0.60,) * 8,
     "medusa-2": (0.72,) * 8,
@@ -47,7 +49,7 @@ PRESETS: dict[str, tuple[float, ...]] = {
 def alphas(spec: str | Sequence[float], k: int) -> np.ndarray:
     """float32[k] conditional acceptance probabilities from a preset name or explicit values (at least k of
     them, each in [0, 1])."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+    if not checks.is_int(k) or k < 0:
         raise ValueError(f"k must be an int >= 0, got {k!r}")
     if isinstance(spec, str):
         if spec not in PRESETS:

@@ -238,21 +238,11 @@ def run(args: argparse.Namespace) -> int:
         "lanes": {n: per_policy[n] for n in names},
         "by_rate": {str(r): by_rate[r] for r in rates}}
     # Strict JSON: an undefined metric (NaN, e.g. TPOT when no request made two tokens) is written as null.
-    (out_dir / "simulate.json").write_text(json.dumps(_nan_to_none(doc), indent=1, default=float, allow_nan=False))
+    (out_dir / "simulate.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, default=float, allow_nan=False))
     if not args.no_plot:
         _plot(by_rate, names, out_dir / "simulate.png")
     print(f"wrote {out_dir / 'simulate.json'}" + ("" if args.no_plot else f" and {out_dir / 'simulate.png'}"))
     return 0
-
-
-def _nan_to_none(x):
-    if isinstance(x, dict):
-        return {k: _nan_to_none(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_nan_to_none(v) for v in x]
-    if isinstance(x, (float, np.floating)) and not math.isfinite(x):
-        return None
-    return x
 
 
 def _speedup(by_rate, rate, name, key="tpot_p50") -> float:
