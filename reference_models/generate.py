@@ -75,11 +75,7 @@ def paged_forward(graphdef, state, tokens, positions, cache, block_tables, conte
 
 def contiguous_layout(model: Llama, batch: int, max_len: int, block_size: int) -> tuple[KVCache, Array]:
     """A cache and block tables [B, M] giving sequence b the blocks 1 + b*M .. (b+1)*M."""
-    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if block_size < 1:  # 0 divided by zero here
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    block_size = int(block_size)
+    block_size = check_int("block_size", block_size, 1)  # 0 divided by zero below
     m = -(-max_len // block_size)
     tables = 1 + jnp.arange(batch * m, dtype=jnp.int32).reshape(batch, m)
     return KVCache.zeros(model.config, 1 + batch * m, block_size), tables
@@ -94,13 +90,19 @@ def check_prompts(model: Llama, prompts: np.ndarray) -> np.ndarray:
     return prompts.astype(np.int32)
 
 
+def check_int(name: str, value, minimum: int) -> int:
+    """value as a Python int; TypeError naming it if it is not an integer (bool included), ValueError if below
+    minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def check_num_new(num_new) -> int:
     """num_new: the tokens to generate per row, an int >= 0 (0 returns the prompts)."""
-    if isinstance(num_new, bool) or not isinstance(num_new, numbers.Integral):
-        raise TypeError(f"num_new must be an int, got {type(num_new).__name__}")
-    if num_new < 0:
-        raise ValueError(f"num_new must be >= 0, got {num_new}")
-    return int(num_new)
+    return check_int("num_new", num_new, 0)
 
 
 def check_heads(model: Llama, heads) -> None:

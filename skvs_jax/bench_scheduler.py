@@ -104,9 +104,8 @@ def run(args: argparse.Namespace) -> int:
     # has not reached decode by then never will.
     limit = 4 * -(-int(lens.sum()) // budget) + 2 * b + 10
     while True:
-        status = np.asarray(st.seqs.status)
-        decoding = (status == sc.RUNNING) & (np.asarray(st.seqs.num_tokens) - np.asarray(st.alloc.seqs.num_committed)
-                                             == 1)
+        decoding = np.asarray(sc.decoding_rows(st.seqs.status, st.seqs.num_tokens, st.alloc.seqs.num_committed,
+                                               st.seqs.prompt_len))
         if decoding.all() or t > limit:
             break
         st, good = step_jit(st, tuple(jnp.asarray(x) for x in draw(t)))

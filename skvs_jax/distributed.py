@@ -33,6 +33,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from skvs_jax import checks
+
 DP, TP = "dp", "tp"
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -44,7 +46,7 @@ def make_mesh(tp: int, dp: int = 1, devices: Sequence[jax.Device] | None = None)
     """A `("dp", "tp")` mesh of dp * tp devices (the first ones of `devices`, default `jax.devices()`, which on
     several hosts lists every process's devices). Neighbouring devices share a `tp` group."""
     for name, value in (("tp", tp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not checks.is_int(value) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     tp, dp = int(tp), int(dp)
     devices = list(jax.devices() if devices is None else devices)
