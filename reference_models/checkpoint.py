@@ -29,6 +29,7 @@ from reference_models.llama import Llama, LlamaConfig
 from reference_models.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+WEIGHTS_DIR = pathlib.Path(__file__).parent / "weights"  # the shipped weights (`python -m reference_models.train`)
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
 
 
@@ -209,3 +210,8 @@ def save_medusa(heads: MedusaHeads, directory: str | pathlib.Path, base_model: s
         else:
             tensors[f"{parts[1]}.{cfg.num_layers}.weight"] = value
     _save(tensors, directory / MEDUSA_WEIGHTS)
+
+
+def load_shipped() -> tuple[Llama, MedusaHeads]:
+    """The shipped tiny Llama and its Medusa heads (trained here on the shipped corpus: docs/models.md)."""
+    return load_llama(WEIGHTS_DIR / "tiny_llama"), load_medusa(WEIGHTS_DIR / "tiny_llama_medusa")

@@ -29,12 +29,12 @@ import numpy as np
 from flax import nnx
 
 from reference_models import checkpoint, corpus
+from reference_models.checkpoint import WEIGHTS_DIR
 from reference_models.generate import greedy_generate, medusa_generate
 from reference_models.llama import Llama, LlamaConfig
 from reference_models.medusa import MedusaConfig, MedusaHeads
 from reference_models.medusa_tree import SMALL_TREE, medusa_tree_generate
 
-WEIGHTS_DIR = pathlib.Path(__file__).parent / "weights"
 MODEL_CONFIG = LlamaConfig(
     vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=1024,

@@ -17,8 +17,9 @@ State is data (pytrees of fixed-shape arrays); capacities and switches are stati
 (`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`.
 """
 
-from skvs_jax import allocator, config, metrics, policies, prefix_cache, scheduler, tiers, workloads
+from skvs_jax import config, metrics, policies, scheduler, workloads
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv import allocator, prefix_cache, tiers
 
 __version__ = "0.1.0"
 

@@ -47,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import allocator, branch, checks
-from skvs_jax import prefix_cache as pc
-from skvs_jax.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
+from skvs_jax import checks, vmap_flow
 from skvs_jax.config import NULL_BLOCK, CacheConfig
+from skvs_jax.kv import allocator
+from skvs_jax.kv import prefix_cache as pc
+from skvs_jax.kv.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
 from skvs_jax.policies import NO_VERIFY_CAP, Knobs, Policy
 
 i32 = jnp.int32
@@ -394,7 +395,7 @@ def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfi
 
     z = jnp.zeros_like(wide)
     nothing = allocator.AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=z, cow_dst=z)
-    alloc, second = branch.when(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
+    alloc, second = vmap_flow.when(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
     return alloc, allocator.AllocResult(
         ok=first.ok & second.ok,
         cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
@@ -412,7 +413,7 @@ def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
     def full(alloc):
         return allocator._commit(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
 
-    return branch.when(jnp.any(~fits), full, alloc, identity_when_false=True)
+    return vmap_flow.when(jnp.any(~fits), full, alloc, identity_when_false=True)
 
 
 _RANK_BY_COUNTING = 512  # up to this many slots, priority_order counts instead of sorting
@@ -552,7 +553,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
         return jnp.argmax(fits).astype(i32), vorder, allocator._rank_of(vorder)
 
     # Most steps fit without preempting anyone: the victim order (a sort) is needed only when they do not.
-    num_victims, vorder, vrank = branch.cond(total <= avail, lambda _: (jnp.zeros((), i32), b_idx, b_idx), victims,
+    num_victims, vorder, vrank = vmap_flow.cond(total <= avail, lambda _: (jnp.zeros((), i32), b_idx, b_idx), victims,
                                              None)
     victim = running & (vrank < num_victims)
     oom = num_victims > 0
@@ -618,7 +619,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
             return hit.num_blocks, hit.block_ids
 
         # Most decode steps admit nobody: skip the hashing (the branches only read the table, so no copy).
-        hit_blocks, hit_ids = branch.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
+        hit_blocks, hit_ids = vmap_flow.cond(jnp.any(real), look, lambda _: (jnp.zeros((a,), i32),
                                                                            jnp.zeros((a, m), i32)), None)
         hit_blocks = jnp.where(real, hit_blocks, 0)
     else:
@@ -643,7 +644,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     share_tokens = jnp.zeros((b,), i32).at[dst].set(h, mode="drop")
     share_ids = jnp.zeros((b, m), i32).at[dst].set(hit_ids, mode="drop")
     # Sharing nothing changes nothing; most steps admit no prefix hit.
-    alloc = branch.when(jnp.any(share_tokens > 0),
+    alloc = vmap_flow.when(jnp.any(share_tokens > 0),
                         lambda alloc: allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc,
                         identity_when_false=True)
     q = q.at[dst].set(a_q, mode="drop")
@@ -662,7 +663,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
         prefix, removed = pc._remove(prefix, ids, cfg=cfg.prefix)
         return _unpin(alloc, removed.descendants), prefix
 
-    alloc, prefix = branch.when(shortfall > 0, evict, (alloc, prefix))
+    alloc, prefix = vmap_flow.when(shortfall > 0, evict, (alloc, prefix))
 
     restore_tokens = jnp.where(swap_in, seqs.swapped_len, 0)
     alloc, res = _allocate_two_pass(alloc, q + restore_tokens, jnp.zeros((), i32), order, cfg, speculative=False)
@@ -724,7 +725,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 def _pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
     pinning nothing changes nothing, so the pass over them is skipped then."""
-    return branch.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc,
+    return vmap_flow.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc,
                        identity_when_false=True)
 
 
@@ -737,7 +738,7 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
     A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
     So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
     padding, which an insert ignores, so the table, the ids and the counters are the same as over all R.
-    Under vmap, R/4 only when no lane has more live rows (`branch.all_lanes`); all R is right for every lane.
+    Under vmap, R/4 only when no lane has more live rows (`vmap_flow.all_lanes`); all R is right for every lane.
     """
     b, r = tokens.shape[0], sel.shape[0]
     count = jnp.sum(sel < b, dtype=i32)
@@ -757,10 +758,10 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
     # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update. In a vmapped
     # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two;
     # a lane with no row to index inserts only padding, an identity, so no lane selects (copies) its table.
-    few = branch.all_lanes(count <= small)
+    few = vmap_flow.all_lanes(count <= small)
     x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
-    x = branch.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
-    return branch.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
+    x = vmap_flow.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
+    return vmap_flow.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -845,10 +846,10 @@ def _update(
             return prefix, removed.descendants
 
         no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
-        prefix, descendants = branch.when(jnp.any(stale), remove_stale, (prefix, no_descendants))
+        prefix, descendants = vmap_flow.when(jnp.any(stale), remove_stale, (prefix, no_descendants))
         kept = jnp.where(stale, 0, ids).reshape(-1)
         alloc = _pin(alloc, kept)
-        alloc = branch.when(jnp.any(descendants > 0), lambda alloc: _unpin(alloc, descendants), alloc)
+        alloc = vmap_flow.when(jnp.any(descendants > 0), lambda alloc: _unpin(alloc, descendants), alloc)
     elif pol.prefix_cache:
         prefix, ids = _index_rows(prefix, tokens, c_new, alloc.seqs.block_table, sel, cfg)
         ids = ids.reshape(-1)

@@ -357,6 +357,20 @@ def make(kind: str, num_requests: int, *, seed: int, **kwargs: Any) -> Trace:
     return GENERATORS[kind](num_requests, seed=seed, **kwargs)
 
 
+
+TINY_PROMPT_LEN = 96  # the shipped tiny model's traces: prompts it was trained to continue fit in this
+TINY_SYSTEM_PROMPT_LEN = 48
+
+
+def tiny_model_trace(kind: str = "system_prompts", num_requests: int = 32, *, seed: int = 0,
+                     rate: float | None = None, max_output_len: int = 32) -> Trace:
+    """The trace `skvs bench` serves the shipped tiny model by default: prompts capped at 96 bytes (system prompts
+    of 48), outputs at `max_output_len`. One builder, so the bench and the acceptance model read the same trace."""
+    kw: dict[str, Any] = dict(rate=rate, max_output_len=max_output_len, max_prompt_len=TINY_PROMPT_LEN)
+    if kind == "system_prompts":
+        kw |= dict(system_prompt_len=TINY_SYSTEM_PROMPT_LEN)
+    return make(kind, num_requests, seed=seed, **kw)
+
 # -------------------------------------------------------------------------------------------------- JSONL I/O
 
 _FORMAT = "skvs_jax.trace"

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from skvs_jax import acceptance as acc
+from skvs_jax.serve import acceptance as acc
 
 i32, f32 = jnp.int32, jnp.float32
 ALPHA = 1e-3  # significance of the goodness-of-fit tests of correct rules

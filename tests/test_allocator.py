@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from skvs_jax import allocator, testing
-from skvs_jax.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
+from skvs_jax import testing
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
-from skvs_jax.oracle import OracleAllocator
+from skvs_jax.kv import allocator
+from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
+from skvs_jax.testing.oracle import OracleAllocator
 
 i32 = jnp.int32
 CFG = CacheConfig(num_blocks=16, block_size=4, max_seqs=3, max_blocks_per_seq=5)

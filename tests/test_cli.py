@@ -10,23 +10,24 @@ import sys
 import numpy as np
 import pytest
 
-from skvs_jax import __version__, bench, cli, metrics, policies, workloads
+from skvs_jax import __version__, commands, metrics, policies, workloads
+from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import cost_model
 
 
 def test_version_and_help(capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["--version"])
+        commands.main(["--version"])
     assert exc.value.code == 0 and __version__ in capsys.readouterr().out
-    assert cli.main([]) == 0
+    assert commands.main([]) == 0
     out = capsys.readouterr().out
     assert __version__ in out and "micro" in out
 
 
 def test_micro_allocator_small_run_prints_its_ratios(capsys):
     argv = "micro allocator --seqs 8 --blocks 512 --max-blocks-per-seq 64 --steps 4 --steps-per-call 2"
-    assert cli.main(argv.split() + ["--dispatch-steps", "3"]) == 0
+    assert commands.main(argv.split() + ["--dispatch-steps", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "identical states" in "\n".join(lines)  # the run checks the batched allocator against the oracle
     assert re.fullmatch(r"allocator speedup vs sequential jax search: [0-9.]+x", lines[-2])
@@ -36,7 +37,7 @@ def test_micro_allocator_small_run_prints_its_ratios(capsys):
 def test_micro_scheduler_small_run_prints_its_ratio(capsys):
     argv = ("micro scheduler --seqs 8 --blocks 512 --max-blocks-per-seq 16 --prompt-len 24 --calls 1 "
             "--steps-per-call 2")
-    assert cli.main(argv.split()) == 0
+    assert commands.main(argv.split()) == 0
     out = capsys.readouterr().out
     assert "identical states: True" in out and "allocation always ok: True" in out
     assert re.fullmatch(r"scheduler speedup vs python oracle: [0-9.]+x", out.strip().splitlines()[-1])
@@ -47,7 +48,7 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     per-load table with each speculating policy's speedup and a verdict line, JSON with every lane, the plot."""
     argv = (f"simulate --requests 6 --seeds 2 --max-seqs 4 --max-prompt-len 32 --max-output-len 16 --verify-budget "
             f"knee --policies vllm_default,skvs --sweep --rates 2,64 --chunk 64 --out {tmp_path}").split()
-    assert cli.main(argv) == 0
+    assert commands.main(argv) == 0
     out = capsys.readouterr().out
     assert "llama-3.1-8b on 1 x a100-80gb" in out and "skvs TPOT speedup" in out
     knee = int(cost_model.CostModel(cost_model.MODELS["llama-3.1-8b"], cost_model.DEVICES["a100-80gb"]).knee_tokens())
@@ -60,9 +61,9 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     assert all(lane["num_aborted"] == 0 for lanes in doc["lanes"].values() for lane in lanes)
     assert set(doc["by_rate"]) == {"2.0", "64.0"} and (tmp_path / "simulate.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="unknown policy"):
-        cli.main(["simulate", "--policies", "nope", "--out", str(tmp_path)])
+        commands.main(["simulate", "--policies", "nope", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--verify-budget"):
-        cli.main(["simulate", "--verify-budget", "0", "--out", str(tmp_path)])
+        commands.main(["simulate", "--verify-budget", "0", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -85,21 +86,21 @@ def test_simulate_refuses_bad_flags_before_simulating(flags, says, tmp_path, mon
 
     monkeypatch.setattr(sweep, "run", lambda *a, **k: pytest.fail("a bad flag must be refused before simulating"))
     with pytest.raises(SystemExit, match=re.escape(says)):
-        cli.main(["simulate", "--out", str(tmp_path), *flags.split()])
+        commands.main(["simulate", "--out", str(tmp_path), *flags.split()])
 
 
 def _sim_args(*flags):
-    from skvs_jax.sim import command
+    from skvs_jax.commands import simulate
 
     parser = argparse.ArgumentParser()
-    command.add_arguments(parser)
+    simulate.add_arguments(parser)
     return parser.parse_args(["--requests", "8", "--seeds", "2", "--max-prompt-len", "32", "--max-output-len", "16",
                               *flags])
 
 
 def test_simulate_lanes_know_their_rate_and_seed_and_think_times_are_not_scaled():
     from skvs_jax import scheduler as sc
-    from skvs_jax.sim import command
+    from skvs_jax.commands import simulate
 
     cfg = sc.SchedulerConfig(cache=CacheConfig(num_blocks=65, block_size=16, max_seqs=4, max_blocks_per_seq=4),
                              policy=policies.skvs(4), max_running=4, token_budget=64)
@@ -107,13 +108,13 @@ def test_simulate_lanes_know_their_rate_and_seed_and_think_times_are_not_scaled(
     # A Poisson workload is swept by scaling one trace per seed; 8 / (8 / 0.9) != 0.9 in floats, so a lane's rate
     # must come from its label, not from dividing back.
     args = _sim_args("--sweep", "--rates", "0.9,4")
-    trace_rates, lanes, where = command._lanes(args, cfg, [0.9, 4.0])
+    trace_rates, lanes, where = simulate._lanes(args, cfg, [0.9, 4.0])
     assert trace_rates == [8.0] and sorted(where) == [(0.9, 0), (0.9, 1), (4.0, 0), (4.0, 1)]
     # A multi-turn trace's later turns follow think times: one trace per rate and seed, none scaled.
     args = _sim_args("--workload", "multi_turn", "--sweep", "--rates", "2,64")
-    trace_rates, lanes, where = command._lanes(args, cfg, [2.0, 64.0])
+    trace_rates, lanes, where = simulate._lanes(args, cfg, [2.0, 64.0])
     assert trace_rates == [2.0, 64.0] and np.all(np.asarray(lanes.arrival_scale) == 1.0)
-    traces = command._traces(args, cfg, alphas, trace_rates)
+    traces = simulate._traces(args, cfg, alphas, trace_rates)
     for i, (rate, seed) in enumerate(where):
         direct = workloads.make("multi_turn", 8, seed=seed, rate=rate, scale=1.0, max_prompt_len=32, max_output_len=16)
         lane_arrivals = np.asarray(traces.arrival)[int(lanes.trace[i])]
@@ -121,22 +122,22 @@ def test_simulate_lanes_know_their_rate_and_seed_and_think_times_are_not_scaled(
                                    rtol=1e-6)
     # --rate inf (all at t = 0) without --sweep: one lane per seed, unscaled.
     args = _sim_args("--rate", "inf")
-    trace_rates, lanes, where = command._lanes(args, cfg, [math.inf])
+    trace_rates, lanes, where = simulate._lanes(args, cfg, [math.inf])
     assert where == [(math.inf, 0), (math.inf, 1)] and np.all(np.asarray(lanes.arrival_scale) == 1.0)
-    assert np.all(np.asarray(command._traces(args, cfg, alphas, trace_rates).arrival) == 0)
+    assert np.all(np.asarray(simulate._traces(args, cfg, alphas, trace_rates).arrival) == 0)
 
 
 def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
-    from skvs_jax.sim import command
+    from skvs_jax.commands import simulate
 
     nan = math.nan
     by_rate = {4.0: {"vllm_default": {"tpot_p50": nan, "mean_batch": 1.0},
                      "naive_spec": {"tpot_p50": nan, "mean_batch": 1.0}}}
-    (line,) = command._verdicts(by_rate, ["vllm_default", "naive_spec"])
+    (line,) = simulate._verdicts(by_rate, ["vllm_default", "naive_spec"])
     assert "undefined at rate(s) 4" in line and ">= 1.0x" not in line
     by_rate[8.0] = {"vllm_default": {"tpot_p50": 0.02, "mean_batch": 4.0},
                     "naive_spec": {"tpot_p50": 0.01, "mean_batch": 4.0}}
-    lines = command._verdicts(by_rate, ["vllm_default", "naive_spec"])
+    lines = simulate._verdicts(by_rate, ["vllm_default", "naive_spec"])
     assert lines[1] == "naive_spec: TPOT speedup over vllm_default >= 1.0x at every rate swept with a TPOT (min 2.00x)"
 
 
@@ -157,43 +158,43 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
 ])
 def test_micro_benchmarks_refuse_what_they_cannot_measure(argv, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
-        cli.main(argv.split())
+        commands.main(argv.split())
 
 
 def test_micro_attention_takes_its_flags(capsys):
     argv = ("micro attention --batch 2 --context 64 --heads 4 --kv-heads 2 --head-dim 16 --block-size 16 --repeats 2 "
             "--warmup 0 --with-reference")
-    assert cli.main(argv.split()) == 0  # the flags reach the benchmark (argparse.REMAINDER refused every one)
+    assert commands.main(argv.split()) == 0  # the flags reach the benchmark (argparse.REMAINDER refused every one)
     out = capsys.readouterr().out
     assert "paged (gather-then-dense)" in out and re.fullmatch(r"paged/dense time ratio: [0-9.]+",
                                                                out.strip().splitlines()[-1])
     with pytest.raises(SystemExit, match="skvs micro attention: --kv-heads must be >= 1"):
-        cli.main(["micro", "attention", "--kv-heads", "0"])
+        commands.main(["micro", "attention", "--kv-heads", "0"])
 
 
 def test_micro_simulate_small_run_prints_its_ratio(capsys):
     argv = "micro simulate --max-seqs 4 --requests 6 --points 8 --steps 32 --max-prompt-len 32 --max-output-len 16"
-    assert cli.main(argv.split()) == 0
+    assert commands.main(argv.split()) == 0
     out = capsys.readouterr().out
     assert out.count("per-step output identical: True") == 2  # map and vmap agree with the separate runs
     assert re.fullmatch(r"sweep speedup vs sequential: [0-9.]+x", out.strip().splitlines()[-1])
 
 
 def test_generate_streams_a_continuation(capsys):
-    assert cli.main(["generate", "Return the number of ", "--max-tokens", "12", "--plain"]) == 0
+    assert commands.main(["generate", "Return the number of ", "--max-tokens", "12", "--plain"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Return the number of ") and "-- 12 tokens in" in out and "policy skvs" in out
-    assert cli.main(["generate", ""]) == 2
-    assert cli.main(["generate", "hi", "--draft-len", "0"]) == 2  # a bad flag is an error line, not a traceback
+    assert commands.main(["generate", ""]) == 2
+    assert commands.main(["generate", "hi", "--draft-len", "0"]) == 2  # a bad flag is an error line, not a traceback
     assert "draft_len must be >= 1" in capsys.readouterr().err
     # An argument that is not UTF-8 reaches Python as surrogate escapes: its bytes are the prompt, and the echo
     # (one incremental decoder over the prompt and the continuation) replaces what does not decode.
-    assert cli.main(["generate", "Return \udcff", "--max-tokens", "2", "--plain"]) == 0
+    assert commands.main(["generate", "Return \udcff", "--max-tokens", "2", "--plain"]) == 0
     assert capsys.readouterr().out.startswith("Return \ufffd")
 
 
 def test_console_script_entry_point_is_installed():
-    out = subprocess.run([sys.executable, "-m", "skvs_jax.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "skvs_jax.commands", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and __version__ in out.stdout
 
 
@@ -248,7 +249,7 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs -prefix_barrier": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--repeats", "3", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
-    assert cli.main(argv) == 0
+    assert commands.main(argv) == 0
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: True (5 policies x 3 repeats checked)" in out
     assert "non-timing metrics identical across repeats: True" in out
@@ -289,14 +290,14 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
     monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -prefix_barrier", stall={"skvs -release": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--quiet", "--no-plot", "--out", str(tmp_path)]
-    assert cli.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
+    assert commands.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: False (4 policies checked)" in out
     assert f"within {bench.THROUGHPUT_NOISE:.0%}" in out  # one repeat: the noise band is stated
     assert "warning: 1 of 1 runs of skvs -release had one step of up to 2.0 s (of 2.1 s in all" in out
     assert "switches that could not be timed (every run stalled, see the warning above): release" in out
     with pytest.raises(SystemExit) as exc:
-        cli.main(argv + ["--policies", "skvs"])
+        commands.main(argv + ["--policies", "skvs"])
     assert exc.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
@@ -318,7 +319,7 @@ def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
 
     monkeypatch.setattr(bench, "serve", no_serve)
     with pytest.raises(SystemExit, match=re.escape(says)) as exc:
-        cli.main(["bench", "--quiet", "--no-plot", *flags.split()])
+        commands.main(["bench", "--quiet", "--no-plot", *flags.split()])
     assert str(exc.value.code).startswith("skvs bench: ")
 
 
@@ -343,7 +344,7 @@ def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     """The real thing at a tiny size: four policies compiled and served, outputs identical."""
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
-    assert cli.main(argv) == 0
+    assert commands.main(argv) == 0
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: True (4 policies checked)" in out
     doc = json.loads((tmp_path / "bench.json").read_text())

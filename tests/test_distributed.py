@@ -32,8 +32,9 @@ def _check(devices: int, swap: bool) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from reference_models import checkpoint, train
-    from skvs_jax import distributed, engine, policies, workloads
+    from skvs_jax import distributed, policies, workloads
     from skvs_jax.config import CacheConfig
+    from skvs_jax.serve import engine
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -198,9 +199,10 @@ def test_a_mesh_is_validated_at_the_boundary(shipped):
     import numpy as np
     from jax.sharding import Mesh
 
-    from skvs_jax import distributed, engine, policies
+    from skvs_jax import distributed, policies
     from skvs_jax.config import CacheConfig
-    from skvs_jax.model_runner import LlamaMedusaRunner
+    from skvs_jax.serve import engine
+    from skvs_jax.serve.model_runner import LlamaMedusaRunner
 
     cache = CacheConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=8)
     model, heads = shipped
@@ -238,7 +240,7 @@ def test_a_mesh_is_validated_at_the_boundary(shipped):
 def test_megatron_specs_split_what_they_should(shipped):
     from jax.sharding import PartitionSpec as P
 
-    from skvs_jax.model_runner import LlamaMedusaRunner
+    from skvs_jax.serve.model_runner import LlamaMedusaRunner
 
     runner, params = LlamaMedusaRunner.create(*shipped)
     specs = runner.param_specs(params, 2)

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from reference_models import greedy_generate
-from skvs_jax import bench, engine, policies, workloads
+from skvs_jax import policies, workloads
+from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
-from skvs_jax.model_runner import LlamaMedusaRunner
+from skvs_jax.serve import engine
+from skvs_jax.serve.model_runner import LlamaMedusaRunner
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
 

@@ -21,9 +21,11 @@ from pallas_kernels import dequantize_kv
 from reference_models import corpus
 from reference_models.llama import KVCache
 from reference_models.medusa_tree import _move_kv
-from skvs_jax import cli, engine, policies, tiers
+from skvs_jax import commands, policies
 from skvs_jax.config import CacheConfig
-from skvs_jax.model_runner import LlamaMedusaRunner
+from skvs_jax.kv import tiers
+from skvs_jax.serve import engine
+from skvs_jax.serve.model_runner import LlamaMedusaRunner
 
 QUANTISED = ("int8", "float8_e4m3fn")
 # Measured (module docstring) x 1.5-3, so that a real regression (e.g. lost scales: errors of O(1)) fails.
@@ -161,7 +163,7 @@ def bench_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("precision") / "precision.json"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = cli.main(["micro", "precision", *BENCH_FLAGS, "--json", str(path)])
+        code = commands.main(["micro", "precision", *BENCH_FLAGS, "--json", str(path)])
     assert code == 0, out.getvalue()
     return out.getvalue(), json.loads(path.read_text())
 

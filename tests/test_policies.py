@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from skvs_jax import allocator, policies
+from skvs_jax import policies
 from skvs_jax.config import CacheConfig
+from skvs_jax.kv import allocator
 
 i32 = jnp.int32
 CFG = CacheConfig(num_blocks=16, block_size=4, max_seqs=2, max_blocks_per_seq=6)

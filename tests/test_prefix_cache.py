@@ -7,9 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from skvs_jax import allocator, testing
-from skvs_jax import prefix_cache as pc
+from skvs_jax import testing
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv import allocator
+from skvs_jax.kv import prefix_cache as pc
 
 i32 = jnp.int32
 B, S, M = 4, 2, 6

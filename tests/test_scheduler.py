@@ -14,7 +14,7 @@ from hypothesis import strategies as hs
 from skvs_jax import policies
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
-from skvs_jax.scheduler_testing import Harness
+from skvs_jax.testing.scheduler_harness import Harness
 
 VOCAB = 3  # a tiny alphabet: prompts share prefixes often, so the prefix cache is busy
 

@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from skvs_jax import engine, policies, workloads
+from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
+from skvs_jax.serve import engine
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
 

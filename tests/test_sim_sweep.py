@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from skvs_jax import branch, policies, workloads
+from skvs_jax import policies, vmap_flow, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model as am
@@ -89,7 +89,7 @@ def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs()
 
 
 def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
-    """`branch.when(..., identity_when_false=True)` drops the per-lane select of a vmapped sweep on its caller's
+    """`vmap_flow.when(..., identity_when_false=True)` drops the per-lane select of a vmapped sweep on its caller's
     word that the update changes nothing where the predicate is False. Each such call here also runs its update
     unconditionally and compares the result with the operand, lane by lane, on a sweep whose lanes disagree
     (two loads, a pool tight enough to evict and preempt, drafts on and off). Every site must be seen with a
@@ -102,19 +102,19 @@ def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
         counts[0] += int(np.sum(skipped))
         counts[1] += int(np.sum(skipped & ~np.asarray(same).ravel()))
 
-    unchecked = branch.when
+    unchecked = vmap_flow.when
 
     def checked(pred, fun, x, *, identity_when_false=False):
         if identity_when_false:
             caller = inspect.stack()[1]  # at trace time only
             y = fun(x)
             same = jnp.all(jnp.stack([jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(x))]))
-            some = ~branch.all_lanes(~pred)  # the update runs in every lane only when some lane needs it
+            some = ~vmap_flow.all_lanes(~pred)  # the update runs in every lane only when some lane needs it
             site = f"{os.path.basename(caller.filename)}:{caller.function}:{caller.lineno}"
             jax.debug.callback(functools.partial(record, site), pred, some, same)
         return unchecked(pred, fun, x, identity_when_false=identity_when_false)
 
-    monkeypatch.setattr(branch, "when", checked)
+    monkeypatch.setattr(vmap_flow, "when", checked)
     jax.clear_caches()  # retrace with the check
     try:
         cfg = _cfg(SMALL)
@@ -135,7 +135,7 @@ def _promises() -> set[str]:
     """"file:function:line" of every `identity_when_false=True` call in the modules a simulation runs."""
     import ast
 
-    from skvs_jax import allocator, prefix_cache
+    from skvs_jax.kv import allocator, prefix_cache
 
     def visit(node, name, function, sites):
         for child in ast.iter_child_nodes(node):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from skvs_jax import tiers
+from skvs_jax.kv import tiers
 
 N, S, HKV, D = 12, 4, 2, 8
 # One fixed page geometry per dtype, so the gathers and scatters compile once per (dtype, size bucket).

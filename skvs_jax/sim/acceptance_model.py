@@ -89,17 +89,15 @@ def fit_chain(runs: np.ndarray, offered: np.ndarray | int) -> np.ndarray:
 
 def _measure_tiny(k: int = 4) -> np.ndarray:
     """The `tiny` preset: greedy outputs of the shipped model on the bench trace, replayed through its heads."""
-    import argparse
-
-    from skvs_jax import bench, engine, policies
+    from reference_models.checkpoint import load_shipped
+    from skvs_jax import policies, workloads
     from skvs_jax.config import CacheConfig
-    from skvs_jax.model_runner import LlamaMedusaRunner
+    from skvs_jax.serve import engine
+    from skvs_jax.serve.model_runner import LlamaMedusaRunner
     from skvs_jax.sim import simulate
 
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    model, heads = bench.load_shipped()
-    trace = bench.make_trace(parser.parse_args([]))  # `skvs bench`'s default trace
+    model, heads = load_shipped()
+    trace = workloads.tiny_model_trace()  # `skvs bench`'s default trace
     e = engine.Engine(model, heads, policies.vllm_default(), CacheConfig(num_blocks=257, block_size=8, max_seqs=8,
                                                                         max_blocks_per_seq=32))
     ids = {e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens)): r for r in trace.requests}

@@ -24,9 +24,11 @@ import math
 import jax
 import numpy as np
 
-from skvs_jax import bench, engine, policies, workloads
+from reference_models.checkpoint import load_shipped
+from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
-from skvs_jax.model_runner import LlamaMedusaRunner
+from skvs_jax.serve import engine
+from skvs_jax.serve.model_runner import LlamaMedusaRunner
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if not names or unknown:
         raise SystemExit(f"skvs_jax.sim.calibrate: --policies must name presets from {sorted(policies.PRESETS)}, "
                          f"got {args.policies!r}")
-    model, heads = bench.load_shipped()
+    model, heads = load_shipped()
     runner, params = LlamaMedusaRunner.create(model, heads)
     trace = workloads.make("system_prompts", args.requests, seed=args.seed, system_prompt_len=40, max_prompt_len=80,
                            max_output_len=20)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import branch, checks, metrics, workloads
+from skvs_jax import checks, metrics, vmap_flow, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel
@@ -251,7 +251,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                            jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1),
                            cfg=cfg)[0]
 
-        st = branch.when(jnp.any(ok), admit, st, identity_when_false=True)
+        st = vmap_flow.when(jnp.any(ok), admit, st, identity_when_false=True)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
         st, batch = sc._schedule(st, knobs, cfg=cfg)
@@ -310,7 +310,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         c, row = step(c)
         return i + 1, c, jax.tree.map(lambda buf, x: buf.at[i].set(x), rows, row)
 
-    _, carry, rows = branch.while_loop(lambda state: (state[0] < steps) & ~done(state[1]), body,
+    _, carry, rows = vmap_flow.while_loop(lambda state: (state[0] < steps) & ~done(state[1]), body,
                                        (jnp.zeros((), i32), carry, rows))
     rows["start_time"] = jnp.where(rows["active"], rows["start_time"], carry.clock)  # idle rows: the final clock
     return carry, rows

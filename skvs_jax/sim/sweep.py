@@ -16,7 +16,7 @@ batch-size bound (`SchedulerConfig`), the cost model, and the number of steps. C
 one call per policy; sweeping load, memory, knobs and seeds within a policy is one call.
 
 A device runs its lanes vectorised (`strategy="vmap"`) or one after another in the same program (`"map"`).
-Under vmap the scheduler's skips (`skvs_jax.branch`) run a branch when some lane needs it and select only when
+Under vmap the scheduler's skips (`skvs_jax.vmap_flow`) run a branch when some lane needs it and select only when
 lanes disagree (never, for updates that mask themselves), but every gather and scatter gains a batch axis, and a
 skip that some lanes take and others do not runs for all: on a CPU vmap costs ~1.2-1.5x what separate runs cost,
 while map costs about what they cost (docs/simulator.md). `run(..., mesh=mesh)` splits the lanes over the mesh's

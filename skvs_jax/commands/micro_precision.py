@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import skvs_jax
-from skvs_jax import engine as eng
 from skvs_jax import metrics, policies
 from skvs_jax.config import CacheConfig
+from skvs_jax.serve import engine as eng
 
 DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 BASELINE = "float32"
@@ -146,7 +146,7 @@ def _parse_dtypes(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skvs_jax.bench import load_shipped
+    from reference_models.checkpoint import load_shipped
 
     dtypes = _parse_dtypes(args.dtypes)
     # --new-tokens: the first token, then a decode step with room for K drafts and the bonus token (with 2, no

@@ -24,9 +24,9 @@ import numpy as np
 
 from skvs_jax import policies, testing
 from skvs_jax import scheduler as sc
-from skvs_jax.bench_allocator import _median_us
+from skvs_jax.commands.micro_allocator import _median_us
 from skvs_jax.config import CacheConfig
-from skvs_jax.oracle_scheduler import OracleScheduler
+from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
 i32 = jnp.int32
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import branch, checks
+from skvs_jax import checks, vmap_flow
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -376,7 +376,7 @@ def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig
     # Rows holding the same new prefix have the same start, so they meet in the same iteration and dedup.
     # The trip count is data: the most new blocks of any row (0-2 in a decode step, chunk / S in prefill).
     # Past a row's last block the body changes nothing (no row is live, prev is kept, k stops), which lets a
-    # vmapped sweep run the longest lane's trip count without selecting the table (`branch.while_loop`).
+    # vmapped sweep run the longest lane's trip count without selecting the table (`vmap_flow.while_loop`).
     def body(carry):
         k, cache, prev, ids = carry
         col = start + k
@@ -393,7 +393,7 @@ def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig
         prev = jnp.where(start > 0, found[rows, jnp.maximum(start - 1, 0)], ROOT)
         steps = jnp.max(num_full - start, initial=0)
         init = (jnp.zeros((), i32), cache, prev, ids)
-        _, cache, _, ids = branch.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
+        _, cache, _, ids = vmap_flow.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
     after = cache.counters
     result = InsertResult(
         block_ids=_pad_cols(ids, m),

@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from skvs_jax import allocator, testing
+from skvs_jax import testing
 from skvs_jax.config import CacheConfig, SpecConfig
-from skvs_jax.oracle import OracleAllocator
+from skvs_jax.kv import allocator
+from skvs_jax.testing.oracle import OracleAllocator
 
 i32 = jnp.int32
 

@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 
 from skvs_jax.config import NULL_BLOCK
-from skvs_jax.oracle import OracleAllocator, _cdiv
 from skvs_jax.policies import Knobs
+from skvs_jax.testing.oracle import OracleAllocator, _cdiv
 
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
 

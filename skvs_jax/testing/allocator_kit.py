@@ -1,4 +1,6 @@
-"""Property-testing kit for the allocator: invariant checker, oracle comparison, hypothesis strategies.
+"""Property-testing kit for the allocator: invariant checker, oracle comparison, abstract operations.
+
+The hypothesis strategies that draw operations live in `skvs_jax.testing.strategies`.
 
 Public so that researchers can property-test their own policies the way our tests do:
 
@@ -22,12 +24,11 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as hs
 
-from skvs_jax import allocator, prefix_cache
-from skvs_jax.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED, AllocatorState
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
-from skvs_jax.oracle import OracleAllocator
+from skvs_jax.kv import allocator, prefix_cache
+from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED, AllocatorState
+from skvs_jax.testing.oracle import OracleAllocator
 
 # ------------------------------------------------------------------------------------------ invariants
 
@@ -289,7 +290,7 @@ def _same(what: str, got, want) -> None:
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
 
 
-# ------------------------------------------------------------------------------------------ strategies
+# ------------------------------------------------------------------------------ configurations the strategies draw
 
 SMALL_CONFIGS = (
     CacheConfig(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=6),
@@ -302,63 +303,6 @@ SPEC_CONFIGS = (
     SpecConfig(draft_len=5, generation_threshold=1, release="immediate", use_spec_pool=False),
     SpecConfig(draft_len=2, generation_threshold=0, release="lazy", use_spec_pool=True),
 )
-
-
-def cache_configs(fixed: bool = True) -> hs.SearchStrategy[CacheConfig]:
-    """Small cache geometries. fixed=True samples a few fixed ones (each compiles once per test session);
-    fixed=False draws arbitrary ones (more coverage, one compilation per distinct config)."""
-    if fixed:
-        return hs.sampled_from(SMALL_CONFIGS)
-    return hs.builds(
-        lambda s, b, m, extra, p: CacheConfig(
-            num_blocks=m + 1 + extra, block_size=s, max_seqs=b, max_blocks_per_seq=m, spec_pool_capacity=p
-        ),
-        hs.sampled_from([1, 2, 4, 8, 16]),
-        hs.integers(1, 6),
-        hs.integers(1, 10),
-        hs.integers(0, 30),
-        hs.integers(0, 6),
-    )
-
-
-def spec_configs(fixed: bool = True) -> hs.SearchStrategy[SpecConfig]:
-    """Speculation settings covering both release modes with and without the speculative pool."""
-    if fixed:
-        return hs.sampled_from(SPEC_CONFIGS)
-    return hs.builds(
-        SpecConfig,
-        draft_len=hs.integers(0, 8),
-        generation_threshold=hs.integers(0, 6),
-        max_spec_ratio=hs.floats(0, 1),
-        release=hs.sampled_from(["immediate", "lazy"]),
-        use_spec_pool=hs.booleans(),
-    )
-
-
-def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[Operation]:
-    """One random operation for this config, every transition represented."""
-    b = cfg.max_seqs
-    slots = hs.integers(0, b - 1)
-    order = hs.permutations(range(b)).map(tuple)
-    # Prefill-sized and decode-sized requests, sometimes more than a sequence or the pool can hold.
-    tokens = hs.one_of(hs.integers(0, 2), hs.integers(0, 3 * cfg.block_size), hs.just(cfg.max_tokens_per_seq))
-    vec = lambda elem: hs.lists(elem, min_size=b, max_size=b).map(tuple)  # noqa: E731
-    return hs.one_of(
-        hs.builds(Allocate, vec(tokens), order),
-        hs.builds(AllocateSpeculative, vec(hs.integers(0, spec.draft_len)), order),
-        hs.builds(Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
-        hs.builds(Free, vec(hs.booleans())),
-        hs.builds(Fork, vec(hs.integers(-1, b - 1))),
-        hs.builds(SharePrefix, slots, vec(hs.booleans()), hs.sampled_from([0, 0, 1])),
-        hs.builds(SetCached, slots, hs.booleans()),
-        hs.builds(Evict, hs.integers(0, MAX_EVICT)),
-        hs.builds(Reclaim, hs.integers(0, 4)),
-    )
-
-
-def operation_sequences(cfg: CacheConfig, spec: SpecConfig, max_size: int = 40) -> hs.SearchStrategy:
-    """Lists of operations; a final Free of every slot is appended by `run_sequence`."""
-    return hs.lists(operations(cfg, spec), max_size=max_size)
 
 
 def run_sequence(ops, cfg: CacheConfig, spec: SpecConfig) -> tuple[AllocatorState, OracleAllocator]:

@@ -42,9 +42,11 @@ import jax
 import numpy as np
 
 import skvs_jax
-from skvs_jax import engine as eng
-from skvs_jax import metrics, policies, speculation, workloads
+from reference_models.checkpoint import load_shipped
+from skvs_jax import metrics, policies, workloads
 from skvs_jax.config import CacheConfig
+from skvs_jax.serve import engine as eng
+from skvs_jax.serve import speculation
 
 SCHEMA_VERSION = 2
 # Run-to-run spread of throughput on a 2-core CPU (docs/benchmarks.md): with one repeat, a smaller change is noise.
@@ -96,18 +98,9 @@ def _tree(args):
     return None if args.tree == "chain" else speculation.SMALL_TREE
 
 
-def load_shipped():
-    from reference_models import checkpoint, train
-
-    return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-            checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
-
-
 def make_trace(args) -> workloads.Trace:
-    kw = dict(rate=args.rate, max_output_len=args.max_output, max_prompt_len=96)
-    if args.workload == "system_prompts":
-        kw |= dict(system_prompt_len=48)
-    return workloads.make(args.workload, args.requests, seed=args.seed, **kw)
+    return workloads.tiny_model_trace(args.workload, args.requests, seed=args.seed, rate=args.rate,
+                                      max_output_len=args.max_output)
 
 
 def _engine_kwargs(policy, args) -> dict:

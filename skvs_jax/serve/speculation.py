@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from skvs_jax import acceptance
-from skvs_jax.model_runner import SMALL_TREE, DraftTree  # noqa: F401  (SMALL_TREE re-exported: 15 nodes, depth 4)
+from skvs_jax.serve import acceptance
+from skvs_jax.serve.model_runner import SMALL_TREE, DraftTree  # noqa: F401  (SMALL_TREE re-exported: 15 nodes, depth 4)
 
 i32 = jnp.int32
 RULES = ("lossless", "typical")

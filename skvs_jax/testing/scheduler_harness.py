@@ -28,7 +28,7 @@ import numpy as np
 from skvs_jax import scheduler as sc
 from skvs_jax import testing
 from skvs_jax.config import NULL_BLOCK
-from skvs_jax.oracle_scheduler import OracleScheduler
+from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
 _BATCH_FIELDS = ("scheduled", "start", "num_query", "num_drafts", "num_reserved", "samples", "swap_out", "swap_in",
                  "restore", "preempted", "admitted", "hit_tokens", "cow_src", "cow_dst")

@@ -38,13 +38,14 @@ import numpy as np
 from flax import struct
 
 import pallas_kernels as pk
-from skvs_jax import acceptance, checks, distributed
+from skvs_jax import checks, distributed
 from skvs_jax import scheduler as sc
-from skvs_jax import speculation as spec
-from skvs_jax import tiers as tiers_mod
 from skvs_jax.config import NULL_BLOCK, CacheConfig
-from skvs_jax.model_runner import LlamaMedusaRunner, ModelRunner
+from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
+from skvs_jax.serve import acceptance
+from skvs_jax.serve import speculation as spec
+from skvs_jax.serve.model_runner import LlamaMedusaRunner, ModelRunner
 
 i32 = jnp.int32
 

@@ -1,4 +1,4 @@
-"""`branch.cond`, `branch.when`, `branch.while_loop`: jax.lax's meaning, unbatched and under vmap, against plain
+"""`vmap_flow.cond`, `.when`, `.while_loop`: jax.lax's meaning, unbatched and under vmap, against plain
 Python run lane by lane; and the batched forms skip the work no lane needs."""
 
 import jax
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as hs
 
-from skvs_jax import branch
+from skvs_jax import vmap_flow
 
 i32 = jnp.int32
 D = 4  # the operand's width
@@ -28,12 +28,12 @@ def _arrays(lanes):
 # The functions close over traced values (z, y) on purpose: the rules must see batched closures.
 def f_cond(p, x, y):
     z = y * 3
-    return branch.cond(p, lambda x: (x + z, jnp.sum(x)), lambda x: (x * y, jnp.max(x) - z), x)
+    return vmap_flow.cond(p, lambda x: (x + z, jnp.sum(x)), lambda x: (x * y, jnp.max(x) - z), x)
 
 
 def f_when(p, x, y):
     z = y - 1
-    return branch.when(p, lambda c: (c[0] * 2 + z, c[1] + y), (x, y))
+    return vmap_flow.when(p, lambda c: (c[0] * 2 + z, c[1] + y), (x, y))
 
 
 def f_while(n, x, y):
@@ -41,7 +41,7 @@ def f_while(n, x, y):
         k, x = c
         return k + 1, x * 2 + y
 
-    return branch.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), i32), x))
+    return vmap_flow.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), i32), x))
 
 
 def f_masked(n, x, y):
@@ -51,7 +51,7 @@ def f_masked(n, x, y):
         live = k < n
         return k + live.astype(i32), jnp.where(live, x + y + k, x)
 
-    return branch.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), i32), x), identity_when_done=True)
+    return vmap_flow.while_loop(lambda c: c[0] < n, body, (jnp.zeros((), i32), x), identity_when_done=True)
 
 
 def py_cond(p, x, y):
@@ -71,7 +71,7 @@ def py_while(n, x, y):
 
 def f_when_masked(p, x, y):
     """An update that masks itself by p (identity where p is False): identity_when_false holds."""
-    return branch.when(p, lambda c: (jnp.where(p, c[0] * 2 + y - 1, c[0]), c[1] + p.astype(i32) * y), (x, y),
+    return vmap_flow.when(p, lambda c: (jnp.where(p, c[0] * 2 + y - 1, c[0]), c[1] + p.astype(i32) * y), (x, y),
                        identity_when_false=True)
 
 
@@ -132,7 +132,7 @@ def test_mixed_batching_and_nested_vmap():
 
 @pytest.mark.parametrize("preds", [(False, False), (True, False), (True, True)])
 def test_batched_forms_skip_work_no_lane_needs(preds):
-    """Under vmap, lax.cond runs both branches for every lane; branch.cond and branch.when run a branch only
+    """Under vmap, lax.cond runs both branches for every lane; vmap_flow.cond and vmap_flow.when run a branch only
     when some lane takes it (seen by a host callback in the true branch / the update)."""
     calls = []
 
@@ -142,10 +142,10 @@ def test_batched_forms_skip_work_no_lane_needs(preds):
 
     p = jnp.asarray(preds)
     x = jnp.zeros((2, D), i32)
-    jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: branch.cond(p, work, lambda x: x, x)))(p, x))
+    jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: vmap_flow.cond(p, work, lambda x: x, x)))(p, x))
     assert bool(calls) == any(preds)
     calls.clear()
-    jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: branch.when(p, work, x)))(p, x))
+    jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: vmap_flow.when(p, work, x)))(p, x))
     assert bool(calls) == any(preds)
     calls.clear()
     jax.block_until_ready(jax.jit(jax.vmap(lambda p, x: jax.lax.cond(p, work, lambda x: x, x)))(p, x))
@@ -157,22 +157,22 @@ def test_identity_when_false_runs_the_update_on_every_lane_without_a_select():
     False reaches those lanes too (no select), unless no lane needs it; without the promise they keep x."""
     p = jnp.asarray([True, False, False])
     x = jnp.zeros((3, D), i32)
-    promised = jax.jit(jax.vmap(lambda p, x: branch.when(p, lambda x: x + 1, x, identity_when_false=True)))
+    promised = jax.jit(jax.vmap(lambda p, x: vmap_flow.when(p, lambda x: x + 1, x, identity_when_false=True)))
     np.testing.assert_array_equal(promised(p, x), np.ones((3, D)))
     np.testing.assert_array_equal(promised(jnp.zeros(3, bool), x), np.zeros((3, D)))
-    plain = jax.jit(jax.vmap(lambda p, x: branch.when(p, lambda x: x + 1, x)))
+    plain = jax.jit(jax.vmap(lambda p, x: vmap_flow.when(p, lambda x: x + 1, x)))
     np.testing.assert_array_equal(plain(p, x), [[1] * D, [0] * D, [0] * D])
     # Unbatched it is a plain `when`.
-    assert int(jax.jit(lambda p: branch.when(p, lambda x: x + 1, jnp.zeros((), i32), identity_when_false=True))(
+    assert int(jax.jit(lambda p: vmap_flow.when(p, lambda x: x + 1, jnp.zeros((), i32), identity_when_false=True))(
         jnp.asarray(False))) == 0
 
 
 @given(hs.lists(hs.lists(hs.booleans(), min_size=3, max_size=3), min_size=1, max_size=4))
 def test_all_lanes_is_pred_alone_and_the_and_over_lanes_under_vmap(rows):
     p = jnp.asarray(rows)  # [outer, inner]
-    assert bool(jax.jit(branch.all_lanes)(p[0, 0])) == rows[0][0]
-    np.testing.assert_array_equal(jax.vmap(branch.all_lanes)(p[0]), [all(rows[0])] * 3)
+    assert bool(jax.jit(vmap_flow.all_lanes)(p[0, 0])) == rows[0][0]
+    np.testing.assert_array_equal(jax.vmap(vmap_flow.all_lanes)(p[0]), [all(rows[0])] * 3)
     # Nested: each outer lane gets the and over its own inner lanes; a lane-uniform choice picks one computation.
-    np.testing.assert_array_equal(jax.vmap(jax.vmap(branch.all_lanes))(p), [[all(r)] * 3 for r in rows])
-    pick = jax.vmap(lambda q, x: branch.when(branch.all_lanes(q), lambda x: x + 1, x))(p[0], jnp.zeros(3, i32))
+    np.testing.assert_array_equal(jax.vmap(jax.vmap(vmap_flow.all_lanes))(p), [[all(r)] * 3 for r in rows])
+    pick = jax.vmap(lambda q, x: vmap_flow.when(vmap_flow.all_lanes(q), lambda x: x + 1, x))(p[0], jnp.zeros(3, i32))
     np.testing.assert_array_equal(pick, [int(all(rows[0]))] * 3)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from skvs_jax.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
 
 
 def _cdiv(x: int, s: int) -> int:

@@ -40,7 +40,7 @@ from flax import struct
 
 # One definition of the block states, shared with the block-state kernels.
 from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
-from skvs_jax import branch, checks
+from skvs_jax import checks, vmap_flow
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
@@ -356,7 +356,7 @@ def _grow(
         return _release(blocks, old_cow_blk, released, use_pool)[0]
 
     # Copies are rare; skip the O(N) bookkeeping when there is none.
-    blocks = branch.when(jnp.any(old_cow_blk < n), release_copied, blocks)
+    blocks = vmap_flow.when(jnp.any(old_cow_blk < n), release_copied, blocks)
 
     grant = ok & requested
     seqs = seqs.replace(
@@ -504,7 +504,7 @@ def _free(
 
     # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
     # step: skip the [B, M] and [N] passes then.
-    st, num_released = branch.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)), identity_when_false=True)
+    st, num_released = vmap_flow.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)), identity_when_false=True)
     return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
 
 
@@ -584,7 +584,7 @@ def _reclaim_expired(
             state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
         )
 
-    blocks = branch.when(count > 0, compact, blocks)
+    blocks = vmap_flow.when(count > 0, compact, blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
     return st.replace(blocks=blocks, counters=counters), count
 
