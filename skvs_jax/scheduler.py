@@ -48,13 +48,12 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks, vmap_flow
+from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.kv import allocator
 from skvs_jax.kv import prefix_cache as pc
-from skvs_jax.kv.allocator import SPECULATIVE, STALE, AllocatorState, _cdiv
+from skvs_jax.kv.allocator import SPECULATIVE, STALE, AllocatorState
 from skvs_jax.policies import NO_VERIFY_CAP, Knobs, Policy
-
-i32 = jnp.int32
 
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
@@ -367,30 +366,30 @@ def _in_order(x: jax.Array, order: jax.Array, rank: jax.Array) -> jax.Array:
 def _unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     """Unpin blocks whose index entries were removed; the ref-0 ones go to the free stack in id order."""
     ids = jnp.sort(ids)  # a canonical order (the table's slot order is a hash order)
-    return allocator._set_cached(alloc, ids, jnp.zeros(ids.shape, bool))
+    return allocator.set_cached_unchecked(alloc, ids, jnp.zeros(ids.shape, bool))
 
 
 def decode_window(cfg: SchedulerConfig) -> int:
     """W = ceil((1 + K) / S) + 1: table columns a decode step touches (its partial block, and the blocks its
     decode token and K drafts spill into; with lazy release the held blocks lie within the same span)."""
-    return min(_cdiv(1 + cfg.policy.draft_len, cfg.cache.block_size) + 1, cfg.cache.max_blocks_per_seq)
+    return min(cdiv(1 + cfg.policy.draft_len, cfg.cache.block_size) + 1, cfg.cache.max_blocks_per_seq)
 
 
 def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfig, *, speculative: bool):
-    """`allocator._allocate` in two passes: rows whose request spans <= W columns (every decode row) in a [B, W]
+    """`allocator.allocate_unchecked` in two passes: rows whose request spans <= W columns (every decode row) in a [B, W]
     window, then, only if some row is wider (prefill chunks, swap-ins), those rows over the full [B, M] table.
     The scheduler has already made everything fit, so both passes grant everything; the oracle mirrors the
     two passes (they decide which rows pop blocks first)."""
     ccfg, spec, s = cfg.cache, cfg.policy.spec_config(), cfg.cache.block_size
     w = decode_window(cfg)
     have = alloc.seqs.num_allocated
-    narrow = _cdiv(have + num_tokens, s) - have // s <= w
-    alloc, first = allocator._allocate(alloc, jnp.where(narrow, num_tokens, 0), generation, order, cfg=ccfg,
+    narrow = cdiv(have + num_tokens, s) - have // s <= w
+    alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order, cfg=ccfg,
                                        spec=spec, window=w, speculative=speculative)
     wide = jnp.where(narrow, 0, num_tokens)
 
     def full(operand):
-        return allocator._allocate(operand[0], wide, generation, order, cfg=ccfg, spec=spec, window=None,
+        return allocator.allocate_unchecked(operand[0], wide, generation, order, cfg=ccfg, spec=spec, window=None,
                                    speculative=speculative)
 
     z = jnp.zeros_like(wide)
@@ -404,14 +403,14 @@ def _allocate_two_pass(alloc, num_tokens, generation, order, cfg: SchedulerConfi
 
 
 def _commit_two_pass(alloc, num_accepted, cfg: SchedulerConfig):
-    """`allocator._commit` over a [B, W] window, then over the full table only if some row did not fit it
+    """`allocator.commit_unchecked` over a [B, W] window, then over the full table only if some row did not fit it
     (settled rows are settled again with 0 accepted, which changes nothing)."""
     ccfg, spec, s = cfg.cache, cfg.policy.spec_config(), cfg.cache.block_size
     fits = alloc.seqs.num_blocks - alloc.seqs.num_committed // s <= decode_window(cfg)
-    alloc, _ = allocator._commit(alloc, num_accepted, cfg=ccfg, spec=spec, window=decode_window(cfg))
+    alloc, _ = allocator.commit_unchecked(alloc, num_accepted, cfg=ccfg, spec=spec, window=decode_window(cfg))
 
     def full(alloc):
-        return allocator._commit(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
+        return allocator.commit_unchecked(alloc, jnp.where(fits, 0, num_accepted), cfg=ccfg, spec=spec, window=None)[0]
 
     return vmap_flow.when(jnp.any(~fits), full, alloc, identity_when_false=True)
 
@@ -487,7 +486,7 @@ def verify_cap(decoding: jax.Array, knobs: Knobs) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[SchedState, Batch]:
+def schedule_unchecked(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[SchedState, Batch]:
     ccfg, pol = cfg.cache, cfg.policy
     spec = pol.spec_config()
     s, m, b = ccfg.block_size, ccfg.max_blocks_per_seq, ccfg.max_seqs
@@ -496,12 +495,12 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     # 0. Finished requests release their blocks.
     seqs = st.seqs
     done = seqs.status == FINISHED
-    alloc, _ = allocator._free(st.alloc, done, cfg=ccfg, spec=spec)
+    alloc, _ = allocator.free_unchecked(st.alloc, done, cfg=ccfg, spec=spec)
     status = jnp.where(done, EMPTY, seqs.status).astype(jnp.int8)
     seqs = seqs.replace(status=status, request_id=jnp.where(done, -1, seqs.request_id))
 
     order = priority_order(seqs)
-    rank = allocator._rank_of(order)
+    rank = rank_of(order)
     blocks = alloc.blocks
     c, held, table = alloc.seqs.num_committed, alloc.seqs.num_blocks, alloc.seqs.block_table
     n = seqs.num_tokens
@@ -532,8 +531,8 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     # Blocks each running sequence needs: for its tokens (+ a copy-on-write), then for its draft slots.
     partial = table[b_idx, jnp.clip(c // s, 0, m - 1)]
     cow = running & (q > 0) & (c % s != 0) & (blocks.ref_count[partial] > 1)
-    need_q = jnp.where(q > 0, jnp.maximum(_cdiv(c + q, s) - held, 0) + cow.astype(i32), 0)
-    need_d = jnp.where(q > 0, jnp.maximum(_cdiv(c + q + d, s) - held, 0) + cow.astype(i32), 0) - need_q
+    need_q = jnp.where(q > 0, jnp.maximum(cdiv(c + q, s) - held, 0) + cow.astype(i32), 0)
+    need_d = jnp.where(q > 0, jnp.maximum(cdiv(c + q + d, s) - held, 0) + cow.astype(i32), 0) - need_q
     need_a = need_q + need_d if pol.drafts_preempt else need_q
 
     # 3. Preemption: the fewest victims, in victim-rule order, that make the mandatory need fit.
@@ -550,7 +549,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
         vorder = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
         fits = total - jnp.cumsum(need_a[vorder], dtype=i32) <= avail + jnp.cumsum(freed[vorder], dtype=i32)
         fits = jnp.concatenate([(total <= avail)[None], fits])  # fits[j]: preempting the first j victims suffices
-        return jnp.argmax(fits).astype(i32), vorder, allocator._rank_of(vorder)
+        return jnp.argmax(fits).astype(i32), vorder, rank_of(vorder)
 
     # Most steps fit without preempting anyone: the victim order (a sort) is needed only when they do not.
     num_victims, vorder, vrank = vmap_flow.cond(total <= avail, lambda _: (jnp.zeros((), i32), b_idx, b_idx), victims,
@@ -561,14 +560,14 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     # Swap a victim when the policy says so and the host tier has room (in victim order), else recompute.
     swap_len = jnp.where(victim, c, 0)
     if pol.preemption == "swap" and cfg.swap_blocks > 0:
-        swap_need = _cdiv(swap_len, s)
+        swap_need = cdiv(swap_len, s)
         room = cfg.swap_blocks - st.swap_used
         swap = victim & (c > 0) & (_in_order(swap_need, vorder, vrank) <= room)
     else:
         swap = jnp.zeros((b,), bool)
-    swap_need = jnp.where(swap, _cdiv(swap_len, s), 0)
+    swap_need = jnp.where(swap, cdiv(swap_len, s), 0)
     swap_out_blocks = jnp.where(swap[:, None] & (col < swap_need[:, None]), table, NULL_BLOCK)
-    alloc, _ = allocator._free(alloc, victim, cfg=ccfg, spec=spec)
+    alloc, _ = allocator.free_unchecked(alloc, victim, cfg=ccfg, spec=spec)
     recompute = victim & ~swap
     status = jnp.where(swap, SWAPPED, jnp.where(recompute, WAITING, status)).astype(jnp.int8)
     keep = running & ~victim
@@ -593,7 +592,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 
     # 5a. Swapped sequences come back first, in priority order, while blocks and batch slots allow.
     swapped = (status == SWAPPED) & ~swap & ~oom
-    restore = jnp.where(swapped, _cdiv(seqs.swapped_len, s), 0)
+    restore = jnp.where(swapped, cdiv(seqs.swapped_len, s), 0)
     fit_in = (_in_order(restore, order, rank) <= avail - need_total) & (
         _in_order(swapped.astype(i32), order, rank) <= cfg.max_running - num_running)
     swap_in = swapped & (_in_order((swapped & ~fit_in).astype(i32), order, rank) == 0)
@@ -615,7 +614,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
         ratio = spec_ratio
 
         def look(_):
-            hit = pc._lookup(st.prefix, cand_tokens, cand_len, window, ratio, cfg=cfg.prefix)
+            hit = pc.lookup_unchecked(st.prefix, cand_tokens, cand_len, window, ratio, cfg=cfg.prefix)
             return hit.num_blocks, hit.block_ids
 
         # Most decode steps admit nobody: skip the hashing (the branches only read the table, so no copy).
@@ -633,7 +632,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     a_left = budget_left - a_before
     a_q = jnp.clip(a_left, 0, a_chunk)
     a_d = jnp.where(a_q == a_chunk, jnp.clip(a_left - a_q, 0, a_res), 0)
-    a_need = _cdiv(h + a_q + a_d, s) - hit_blocks
+    a_need = cdiv(h + a_q + a_d, s) - hit_blocks
     hcol = jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None]
     hit_evictable = jnp.sum(hcol & evictable[hit_ids], axis=1, dtype=i32)  # stop being available once shared
     fit = real & (a_q > 0) & (jnp.cumsum(a_need + hit_evictable, dtype=i32) <= avail - need_total) & (
@@ -645,7 +644,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
     share_ids = jnp.zeros((b, m), i32).at[dst].set(hit_ids, mode="drop")
     # Sharing nothing changes nothing; most steps admit no prefix hit.
     alloc = vmap_flow.when(jnp.any(share_tokens > 0),
-                        lambda alloc: allocator._share(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc,
+                        lambda alloc: allocator.share_unchecked(alloc, share_ids, share_tokens, cfg=ccfg)[0], alloc,
                         identity_when_false=True)
     q = q.at[dst].set(a_q, mode="drop")
     d = d.at[dst].set(a_d, mode="drop")
@@ -659,8 +658,8 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 
     def evict(operand):
         alloc, prefix = operand
-        alloc, ids = allocator._evict_lru(alloc, shortfall, max_evict=ccfg.usable_blocks)
-        prefix, removed = pc._remove(prefix, ids, cfg=cfg.prefix)
+        alloc, ids = allocator.evict_lru_unchecked(alloc, shortfall, max_evict=ccfg.usable_blocks)
+        prefix, removed = pc.remove_unchecked(prefix, ids, cfg=cfg.prefix)
         return _unpin(alloc, removed.descendants), prefix
 
     alloc, prefix = vmap_flow.when(shortfall > 0, evict, (alloc, prefix))
@@ -725,7 +724,7 @@ def _schedule(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[Sc
 def _pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
     pinning nothing changes nothing, so the pass over them is skipped then."""
-    return vmap_flow.when(jnp.any(ids > 0), lambda alloc: allocator._set_cached(alloc, ids, ids > 0), alloc,
+    return vmap_flow.when(jnp.any(ids > 0), lambda alloc: allocator.set_cached_unchecked(alloc, ids, ids > 0), alloc,
                        identity_when_false=True)
 
 
@@ -747,7 +746,7 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
         def run(prefix):
             s = sel[:n]
             live, rows = s < b, jnp.clip(s, 0, b - 1)
-            prefix, res = pc._insert(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
+            prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
                                      cfg=cfg.prefix)
             return prefix, jnp.pad(res.block_ids, ((0, r - n), (0, 0)), constant_values=NULL_BLOCK)
         return run
@@ -765,7 +764,7 @@ def _index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, t
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _update(
+def update_unchecked(
     st: SchedState,
     batch: Batch,
     accepted: jax.Array,
@@ -833,8 +832,8 @@ def _update(
         # tree's accepted path can differ from its slot order; for a chain the two agree on every accepted draft).
         c_valid = c_new
         if view_tokens is not None:
-            same = (view_tokens[:, : max(k, 1)] == draft_tokens[:, : max(k, 1)]).astype(i32)
-            agree = jnp.minimum(jnp.sum(jnp.cumprod(same, axis=1), axis=1, dtype=i32), acc)
+            same = view_tokens[:, : max(k, 1)] == draft_tokens[:, : max(k, 1)]
+            agree = jnp.minimum(count_leading(same, axis=1), acc)
             c_valid = c_new - (acc - agree)
         stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > c_valid[rows][:, None])
 
@@ -842,7 +841,7 @@ def _update(
         # (removing nothing changes nothing; the order remove, pin, unpin is kept).
         def remove_stale(operand):
             prefix, _ = operand
-            prefix, removed = pc._remove(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
+            prefix, removed = pc.remove_unchecked(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
             return prefix, removed.descendants
 
         no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
@@ -856,7 +855,7 @@ def _update(
         alloc = _pin(alloc, ids)
 
     if pol.spec_pool:
-        alloc, _ = allocator._reclaim_expired(alloc, st.step, knobs.generation_threshold)
+        alloc, _ = allocator.reclaim_expired_unchecked(alloc, st.step, knobs.generation_threshold)
 
     verified = sampling & (batch.num_drafts > 0)
     hist = seqs.accept_hist.at[jnp.where(verified, b_idx, b), acc].add(1, mode="drop")
@@ -881,7 +880,7 @@ def _update(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _add(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: SchedulerConfig):
+def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: SchedulerConfig):
     b = cfg.cache.max_seqs
     seqs = st.seqs
     # A row that breaks add's rules (checked at the boundary when concrete) is padding here, never a sequence
@@ -917,12 +916,12 @@ def _add(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: Schedul
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _abort(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedState:
+def abort_unchecked(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedState:
     seqs = st.seqs
     live = mask & (seqs.status != EMPTY)
-    alloc, _ = allocator._free(st.alloc, live, cfg=cfg.cache, spec=cfg.policy.spec_config())
+    alloc, _ = allocator.free_unchecked(st.alloc, live, cfg=cfg.cache, spec=cfg.policy.spec_config())
     was_swapped = live & (seqs.status == SWAPPED)
-    swap_used = st.swap_used - jnp.sum(jnp.where(was_swapped, _cdiv(seqs.swapped_len, cfg.cache.block_size), 0),
+    swap_used = st.swap_used - jnp.sum(jnp.where(was_swapped, cdiv(seqs.swapped_len, cfg.cache.block_size), 0),
                                        dtype=i32)
     seqs = seqs.replace(
         status=jnp.where(live, EMPTY, seqs.status).astype(jnp.int8),
@@ -999,7 +998,7 @@ def add(
             r = int(np.nonzero(bad)[0][0])
             raise ValueError(f"request {r}: prompt_len + max_new_tokens = {total[r]} exceeds L = {cfg.max_len} "
                              f"tokens per sequence (max_blocks_per_seq * block_size)")
-    return _add(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32), jnp.asarray(max_new_tokens, i32),
+    return add_unchecked(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32), jnp.asarray(max_new_tokens, i32),
                 jnp.asarray(priority, i32), jnp.asarray(request_id, i32), cfg=cfg)
 
 
@@ -1008,7 +1007,7 @@ def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig
     _check_state(st, cfg)
     knobs = cfg.policy.knobs() if knobs is None else knobs
     _check_knobs(knobs, cfg)
-    return _schedule(st, knobs, cfg=cfg)
+    return schedule_unchecked(st, knobs, cfg=cfg)
 
 
 def update(
@@ -1052,7 +1051,7 @@ def update(
     checks.array("stop", stop, (b,), "b")
     knobs = cfg.policy.knobs() if knobs is None else knobs
     _check_knobs(knobs, cfg)
-    return _update(st, batch, jnp.asarray(accepted, i32), jnp.asarray(next_tokens, i32),
+    return update_unchecked(st, batch, jnp.asarray(accepted, i32), jnp.asarray(next_tokens, i32),
                    jnp.asarray(draft_tokens, i32), stop, knobs, cfg=cfg)
 
 
@@ -1064,4 +1063,4 @@ def abort(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedStat
     """
     _check_state(st, cfg)
     checks.array("mask", mask, (cfg.cache.max_seqs,), "b")
-    return _abort(st, mask, cfg=cfg)
+    return abort_unchecked(st, mask, cfg=cfg)

@@ -352,7 +352,7 @@ def test_a_forced_collision_is_refused_at_insert_and_never_a_hit():
     """Two different first blocks with equal weak keys: the second is refused at insert, and looking it up
     finds the first one's entry under its key but must not return it (the stored tokens differ)."""
     blocks = np.asarray([[a, b] for a in range(8) for b in range(8)], np.int32)
-    keys = np.asarray(pc._chain_keys(jnp.asarray(blocks)[:, None, :], WEAK.hash_bits))[:, 0]
+    keys = np.asarray(pc.chain_keys(jnp.asarray(blocks)[:, None, :], WEAK.hash_bits))[:, 0]
     i, j = next((i, j) for i in range(64) for j in range(i + 1, 64) if (keys[i] == keys[j]).all())
     rows = [blocks[i].tolist() + [5] * (L - S), blocks[j].tolist() + [5] * (L - S)] * 2
     table = np.arange(1, B * M + 1, dtype=np.int32).reshape(B, M)

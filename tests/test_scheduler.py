@@ -186,12 +186,12 @@ def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
 
     @jax.jit
     def step(st, key):
-        st, batch = sc._schedule(st, knobs, cfg=cfg)
+        st, batch = sc.schedule_unchecked(st, knobs, cfg=cfg)
         k1, k2, k3 = jax.random.split(key, 3)
         acc = jax.random.randint(k1, (cache.max_seqs,), 0, k + 1)
         drafts = jax.random.randint(k2, (cache.max_seqs, k), 0, 8)
         nxt = jax.random.randint(k3, (cache.max_seqs,), 0, 8)
-        st, _ = sc._update(st, batch, acc, nxt, drafts, jnp.zeros((cache.max_seqs,), bool), knobs, cfg=cfg)
+        st, _ = sc.update_unchecked(st, batch, acc, nxt, drafts, jnp.zeros((cache.max_seqs,), bool), knobs, cfg=cfg)
         return st, batch.alloc_ok
 
     st = sc.init(cfg)
@@ -283,12 +283,12 @@ def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, li
     sel = jnp.nonzero(jnp.asarray(pending), size=r, fill_value=b)[0]
     prefix = sc.init(cfg).prefix
     # Something indexed already, so that some rows follow existing entries.
-    prefix, _ = sc.pc._insert(prefix, tokens[:4], lengths[:4], table[:4], cfg=cfg.prefix)
+    prefix, _ = sc.pc.insert_unchecked(prefix, tokens[:4], lengths[:4], table[:4], cfg=cfg.prefix)
 
     got_prefix, got_ids = jax.jit(sc._index_rows, static_argnames=("cfg",))(prefix, tokens, lengths, table, sel,
                                                                             cfg=cfg)
     rows, live_sel = jnp.clip(sel, 0, b - 1), sel < b
-    want_prefix, want = sc.pc._insert(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0), table[rows],
+    want_prefix, want = sc.pc.insert_unchecked(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0), table[rows],
                                       cfg=cfg.prefix)
     chex_equal = jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), got_prefix, want_prefix)
     assert all(jax.tree.leaves(chex_equal))
@@ -481,7 +481,7 @@ def test_schedule_vmaps_over_knobs():
     knobs = jax.tree.map(lambda x: jnp.stack([x, x]), NAIVE.knobs())
     knobs = knobs.replace(draft_len=jnp.asarray([1, 4], jnp.int32))
     sts = jax.tree.map(lambda x: jnp.stack([x, x]), st)
-    out, batch = jax.vmap(lambda s, k: sc._schedule(s, k, cfg=cfg))(sts, knobs)
+    out, batch = jax.vmap(lambda s, k: sc.schedule_unchecked(s, k, cfg=cfg))(sts, knobs)
     assert np.asarray(batch.num_reserved)[:, 0].tolist() == [1, 4]
     assert np.asarray(batch.num_query)[:, 0].tolist() == [4, 4]
     del out

@@ -177,7 +177,7 @@ def _jitted_schedule(cfg):
     """`schedule` alone, jitted once per scheduler configuration (repeats of a policy reuse the program)."""
     from skvs_jax import scheduler as sc
 
-    return jax.jit(functools.partial(sc._schedule, cfg=cfg))
+    return jax.jit(functools.partial(sc.schedule_unchecked, cfg=cfg))
 
 
 def _plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:

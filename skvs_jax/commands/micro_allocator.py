@@ -24,11 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from skvs_jax import testing
+from skvs_jax.arrays import i32
 from skvs_jax.config import CacheConfig, SpecConfig
 from skvs_jax.kv import allocator
 from skvs_jax.testing.oracle import OracleAllocator
-
-i32 = jnp.int32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

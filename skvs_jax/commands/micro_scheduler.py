@@ -28,8 +28,6 @@ from skvs_jax.commands.micro_allocator import _median_us
 from skvs_jax.config import CacheConfig
 from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
-i32 = jnp.int32
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqs", type=int, default=256, help="running sequences (B)")
@@ -85,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     def jax_step(st, xs):
         acc, nxt, drafts = xs
-        st, batch = sc._schedule(st, knobs, cfg=cfg)
-        st, _ = sc._update(st, batch, acc, nxt, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
+        st, batch = sc.schedule_unchecked(st, knobs, cfg=cfg)
+        st, _ = sc.update_unchecked(st, batch, acc, nxt, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
         return st, batch.alloc_ok
 
     step_jit = jax.jit(jax_step, donate_argnums=0)

@@ -41,11 +41,11 @@ from flax import struct
 # One definition of the block states, shared with the block-state kernels.
 from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
 from skvs_jax import checks, vmap_flow
+from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
 
-i32 = jnp.int32
 
 
 # ----------------------------------------------------------------------------------------------- state
@@ -173,15 +173,6 @@ def init(cfg: CacheConfig) -> AllocatorState:
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def _cdiv(x: jax.Array, s: int) -> jax.Array:
-    return (x + (s - 1)) // s
-
-
-def _rank_of(order: jax.Array) -> jax.Array:
-    """Inverse permutation: rank[slot] = position of slot in `order`. [B] -> [B]."""
-    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=i32))
-
-
 def _push(stack, top, ids, mask, rank) -> tuple[jax.Array, jax.Array]:
     """Push ids[mask] (flat [X]) onto a stack in their given order; rank = inclusive count of mask so far.
 
@@ -277,9 +268,9 @@ def _grow(
     partial_col = alloc // s
     partial_blk = seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
     cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
-    need = jnp.maximum(_cdiv(new_alloc, s) - held, 0) + cow.astype(i32)
+    need = jnp.maximum(cdiv(new_alloc, s) - held, 0) + cow.astype(i32)
     # The window covers logical blocks partial_col .. ceil(new_alloc / S) - 1.
-    bad |= _cdiv(new_alloc, s) - partial_col > window
+    bad |= cdiv(new_alloc, s) - partial_col > window
     need = jnp.where(requested & ~bad, need, 0)
 
     if use_pool:
@@ -293,17 +284,17 @@ def _grow(
     if order is None:  # slot order: no permutation to apply
         cum = jnp.cumsum(need, dtype=i32)
     else:
-        cum = jnp.cumsum(need[order], dtype=i32)[_rank_of(order)]  # inclusive prefix sum in priority order
+        cum = jnp.cumsum(need[order], dtype=i32)[rank_of(order)]  # inclusive prefix sum in priority order
     ok = requested & ~bad & ((need == 0) | (cum <= available))
     offset = cum - need
 
     # [B, W] view of the window: column j is logical block partial_col + j.
     j = jnp.arange(window, dtype=i32)[None, :]
     col = partial_col[:, None] + j
-    in_range = (col < _cdiv(new_alloc, s)[:, None]) & ok[:, None] & requested[:, None]
+    in_range = (col < cdiv(new_alloc, s)[:, None]) & ok[:, None] & requested[:, None]
     is_cow = in_range & (j == 0) & cow[:, None]
     is_new = in_range & (col >= held[:, None])
-    is_held = in_range & ~is_new & (col >= _cdiv(alloc, s)[:, None])  # lazily held blocks, reused in place
+    is_held = in_range & ~is_new & (col >= cdiv(alloc, s)[:, None])  # lazily held blocks, reused in place
     take = is_cow | is_new
     pop_index = offset[:, None] + jnp.where(is_cow, 0, col - held[:, None] + cow[:, None].astype(i32))
     if speculative and use_pool:
@@ -361,7 +352,7 @@ def _grow(
     grant = ok & requested
     seqs = seqs.replace(
         block_table=block_table,
-        num_blocks=jnp.where(grant, jnp.maximum(held, _cdiv(new_alloc, s)), held),
+        num_blocks=jnp.where(grant, jnp.maximum(held, cdiv(new_alloc, s)), held),
         num_allocated=jnp.where(grant, new_alloc, alloc),
         num_drafts=jnp.where(grant & speculative, seqs.num_drafts + num_tokens, seqs.num_drafts),
     )
@@ -383,7 +374,7 @@ def _grow(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative"))
-def _allocate(
+def allocate_unchecked(
     st: AllocatorState,
     num_tokens: jax.Array,
     generation: jax.Array,
@@ -412,11 +403,11 @@ def _allocate(
 
 def accepted_lengths(accept_mask: jax.Array) -> jax.Array:
     """bool[B, K] per-draft acceptance -> int32[B] length of the accepted prefix (leading Trues)."""
-    return jnp.sum(jnp.cumprod(accept_mask.astype(i32), axis=-1), axis=-1, dtype=i32)
+    return count_leading(accept_mask)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
-def _commit(
+def commit_unchecked(
     st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
 ) -> tuple[AllocatorState, CommitResult]:
     # Works on the [B, W] table columns from each sequence's first non-full committed block; a sequence
@@ -430,7 +421,7 @@ def _commit(
     pending = seqs.num_allocated - seqs.num_committed
     ok = fits & (num_accepted >= 0) & (num_accepted <= pending)
     committed = jnp.where(fits, seqs.num_committed + jnp.clip(num_accepted, 0, pending), seqs.num_committed)
-    keep = _cdiv(committed, s)
+    keep = cdiv(committed, s)
 
     col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
     in_table = (col < seqs.num_blocks[:, None]) & fits[:, None]
@@ -474,7 +465,7 @@ def _commit(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec"))
-def _free(
+def free_unchecked(
     st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
 ) -> tuple[AllocatorState, jax.Array]:
     n, m = cfg.num_blocks, cfg.max_blocks_per_seq
@@ -512,14 +503,14 @@ def _free(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _share(
+def share_unchecked(
     st: AllocatorState, block_ids: jax.Array, num_tokens: jax.Array, *, cfg: CacheConfig
 ) -> tuple[AllocatorState, jax.Array]:
     s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
     blocks, seqs = st.blocks, st.seqs
     num_tokens = num_tokens.astype(i32)
     requested = num_tokens != 0
-    nb = _cdiv(jnp.maximum(num_tokens, 0), s)
+    nb = cdiv(jnp.maximum(num_tokens, 0), s)
     col = jnp.arange(m, dtype=i32)[None, :]
     used = col < nb[:, None]
     in_range = (block_ids >= 1) & (block_ids < n)
@@ -541,7 +532,7 @@ def _share(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _fork(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[AllocatorState, jax.Array]:
+def fork_unchecked(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[AllocatorState, jax.Array]:
     seqs = st.seqs
     wants = parent >= 0
     p = jnp.clip(parent, 0, seqs.num_blocks.shape[0] - 1)
@@ -553,7 +544,7 @@ def _fork(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[A
     )
     valid &= ~is_child[p] & (seqs.num_committed[p] > 0)
     num_tokens = jnp.where(valid, seqs.num_committed[p], 0)
-    st, ok = _share(st, seqs.block_table[p], num_tokens, cfg=cfg)
+    st, ok = share_unchecked(st, seqs.block_table[p], num_tokens, cfg=cfg)
     return st, jnp.where(wants, ok & valid, True)
 
 
@@ -561,7 +552,7 @@ def _fork(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[A
 
 
 @jax.jit
-def _reclaim_expired(
+def reclaim_expired_unchecked(
     st: AllocatorState, current_generation: jax.Array, threshold: jax.Array
 ) -> tuple[AllocatorState, jax.Array]:
     blocks = st.blocks
@@ -590,7 +581,7 @@ def _reclaim_expired(
 
 
 @jax.jit
-def _set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
+def set_cached_unchecked(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
     blocks = st.blocks
     n = blocks.state.shape[0]
     valid = (block_ids > 0) & (block_ids < n)
@@ -609,7 +600,7 @@ def _set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> 
 
 
 @functools.partial(jax.jit, static_argnames=("max_evict",))
-def _evict_lru(
+def evict_lru_unchecked(
     st: AllocatorState, num_blocks: jax.Array, *, max_evict: int
 ) -> tuple[AllocatorState, jax.Array]:
     blocks = st.blocks
@@ -679,7 +670,7 @@ def allocate(
     _check_counts("num_tokens", num_tokens, cfg)
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
-    return _allocate(st, num_tokens, 0, order, cfg=cfg, spec=spec, window=window, speculative=False)
+    return allocate_unchecked(st, num_tokens, 0, order, cfg=cfg, spec=spec, window=window, speculative=False)
 
 
 def allocate_speculative(
@@ -707,7 +698,7 @@ def allocate_speculative(
     checks.in_range("generation", generation, 0, 2**31 - 1)  # reclaim's age is a difference of two of these
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
-    return _allocate(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
+    return allocate_unchecked(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
 
 
 def commit(
@@ -740,7 +731,7 @@ def commit(
         if (acc < 0).any() or (acc > pending).any():
             b = int(np.nonzero((acc < 0) | (acc > pending))[0][0])
             raise ValueError(f"num_accepted[{b}] = {acc[b]} is outside [0, pending = {pending[b]}]")
-    return _commit(st, num_accepted, cfg=cfg, spec=spec, window=window)
+    return commit_unchecked(st, num_accepted, cfg=cfg, spec=spec, window=window)
 
 
 def free(
@@ -754,7 +745,7 @@ def free(
     """
     check_state(st, cfg)
     checks.array("seq_mask", seq_mask, (cfg.max_seqs,), "b")
-    return _free(st, seq_mask, cfg=cfg, spec=spec)
+    return free_unchecked(st, seq_mask, cfg=cfg, spec=spec)
 
 
 def share(
@@ -774,7 +765,7 @@ def share(
     if checks.is_concrete(block_ids) and checks.is_concrete(num_tokens):
         used = np.arange(cfg.max_blocks_per_seq)[None, :] < -(-np.asarray(num_tokens)[:, None] // cfg.block_size)
         checks.in_range("block_ids", np.asarray(block_ids)[used], 1, cfg.num_blocks - 1)
-    return _share(st, block_ids, num_tokens, cfg=cfg)
+    return share_unchecked(st, block_ids, num_tokens, cfg=cfg)
 
 
 def fork(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[AllocatorState, jax.Array]:
@@ -787,7 +778,7 @@ def fork(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[Al
     check_state(st, cfg)
     checks.array("parent", parent, (cfg.max_seqs,), "i")
     checks.in_range("parent", parent, -1, cfg.max_seqs - 1)
-    return _fork(st, parent, cfg=cfg)
+    return fork_unchecked(st, parent, cfg=cfg)
 
 
 def reclaim_expired(
@@ -805,7 +796,7 @@ def reclaim_expired(
     checks.in_range("current_generation", current_generation, 0, 2**31 - 1)
     checks.scalar_int("threshold", threshold)
     checks.in_range("threshold", threshold, 0, 2**31 - 1)
-    return _reclaim_expired(st, current_generation, threshold)
+    return reclaim_expired_unchecked(st, current_generation, threshold)
 
 
 def set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
@@ -820,7 +811,7 @@ def set_cached(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> A
     checks.array("block_ids", block_ids, block_ids.shape, "i")
     checks.in_range("block_ids", block_ids, -(2**31), st.blocks.state.shape[0] - 1)
     checks.array("cached", cached, block_ids.shape, "b")
-    return _set_cached(st, block_ids, cached)
+    return set_cached_unchecked(st, block_ids, cached)
 
 
 def evict_lru(
@@ -836,4 +827,4 @@ def evict_lru(
         raise ValueError(f"max_evict must be a positive int, got {max_evict!r}")
     checks.scalar_int("num_blocks", num_blocks)
     checks.in_range("num_blocks", num_blocks, 0, max_evict)
-    return _evict_lru(st, num_blocks, max_evict=max_evict)
+    return evict_lru_unchecked(st, num_blocks, max_evict=max_evict)

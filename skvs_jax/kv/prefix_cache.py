@@ -47,6 +47,7 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks, vmap_flow
+from skvs_jax.arrays import count_leading
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -207,7 +208,7 @@ def _fmix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def _chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
+def chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
     """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block."""
     _, j, s = blocks.shape
     t = jax.lax.bitcast_convert_type(blocks, u32)[..., None]  # [B, J, S, 1]
@@ -253,7 +254,7 @@ def _longest_chain(
     caller has them already.
     """
     b, j, _ = blocks.shape
-    key = _chain_keys(blocks, cfg.hash_bits) if key is None else key  # [B, J, 2]
+    key = chain_keys(blocks, cfg.hash_bits) if key is None else key  # [B, J, 2]
     slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, W]
     same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
@@ -261,12 +262,12 @@ def _longest_chain(
     ids = jnp.where(found, cache.block[slot], BROKEN)
     prev = jnp.concatenate([jnp.full((b, 1), ROOT, i32), ids[:, :-1]], axis=1)
     valid = found & (cache.parent[slot] == prev) & jnp.all(cache.tokens[slot] == blocks, axis=-1)
-    matched = jnp.sum(jnp.cumprod(valid.astype(i32), axis=1), axis=1, dtype=i32)
+    matched = count_leading(valid, axis=1)
     return matched, ids
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _lookup(cache, tokens, lengths, spec_window, max_spec_ratio, *, cfg: PrefixCacheConfig) -> LookupResult:
+def lookup_unchecked(cache, tokens, lengths, spec_window, max_spec_ratio, *, cfg: PrefixCacheConfig) -> LookupResult:
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)
     matched, ids = _longest_chain(cache, blocks, cfg)
@@ -359,12 +360,12 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig):
+def insert_unchecked(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig):
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)  # [B, J, S]
     b, j, _ = blocks.shape
     rows = jnp.arange(b, dtype=i32)
-    key = _chain_keys(blocks, cfg.hash_bits)
+    key = chain_keys(blocks, cfg.hash_bits)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
     num_full = jnp.minimum(num_validated // s, j)
     # Each row's already-indexed prefix (one parallel lookup) is skipped; the loop below walks the rest.
@@ -409,7 +410,7 @@ def _insert(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig):
+def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig):
     n = cfg.num_blocks
     live = cache.block > 0
     requested = jnp.zeros((n,), bool).at[jnp.where(block_ids > 0, block_ids, n)].set(True, mode="drop")
@@ -492,7 +493,7 @@ def lookup(
         raise TypeError(f"max_spec_ratio must be a float scalar, got {type(max_spec_ratio).__name__}")
     checks.in_range("max_spec_ratio", max_spec_ratio, 0, 1)
     ratio = jnp.asarray(max_spec_ratio, jnp.float32)
-    return _lookup(cache, tokens, lengths.astype(i32), spec_window.astype(i32), ratio, cfg=cfg)
+    return lookup_unchecked(cache, tokens, lengths.astype(i32), spec_window.astype(i32), ratio, cfg=cfg)
 
 
 def insert_after_validation(
@@ -523,7 +524,7 @@ def insert_after_validation(
         used = np.arange(cfg.max_blocks_per_seq)[None, :] < np.minimum(np.asarray(num_validated) // cfg.block_size,
                                                                       j)[:, None]
         checks.in_range("block_table", np.asarray(block_table)[used], 1, cfg.num_blocks - 1)
-    return _insert(cache, tokens, num_validated.astype(i32), block_table.astype(i32), cfg=cfg)
+    return insert_unchecked(cache, tokens, num_validated.astype(i32), block_table.astype(i32), cfg=cfg)
 
 
 def remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig) -> tuple[PrefixCache, RemoveResult]:
@@ -535,4 +536,4 @@ def remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig) 
         raise ValueError(f"block_ids must be a 1-D array, got shape {getattr(block_ids, 'shape', None)}")
     checks.array("block_ids", block_ids, block_ids.shape, "i")
     checks.in_range("block_ids", block_ids, 0, cfg.num_blocks - 1)
-    return _remove(cache, block_ids.astype(i32), cfg=cfg)
+    return remove_unchecked(cache, block_ids.astype(i32), cfg=cfg)

@@ -44,8 +44,8 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks
+from skvs_jax.arrays import count_leading, i32
 
-i32 = jnp.int32
 f32 = jnp.float32
 
 POSTERIOR_THRESHOLD = 0.09  # Medusa's defaults (medusa_generate's posterior_threshold / posterior_alpha)
@@ -112,11 +112,6 @@ def _real_slots(drafts, num_drafts, vocab: int):
     return (jnp.arange(k, dtype=i32)[None, :] < n[:, None]) & (drafts >= 0) & (drafts < vocab)
 
 
-def _prefix_len(ok):
-    """int32[B]: the number of leading True entries of bool[B, K]."""
-    return jnp.sum(jnp.cumprod(ok.astype(i32), axis=1), axis=1, dtype=i32)
-
-
 def _at(x, index):
     """x[b, index[b]] for x [B, K, ...] and index int32[B]."""
     index = index.reshape(index.shape + (1,) * (x.ndim - 1))
@@ -146,7 +141,7 @@ def greedy(target_logits, drafts, num_drafts) -> Verdict:
 def _greedy(target_logits, drafts, num_drafts) -> Verdict:
     k, v = drafts.shape[1], target_logits.shape[2]
     top = jnp.argmax(target_logits, axis=-1).astype(i32)  # [B, K+1]
-    accepted = _prefix_len((drafts == top[:, :k]) & _real_slots(drafts, num_drafts, v))
+    accepted = count_leading((drafts == top[:, :k]) & _real_slots(drafts, num_drafts, v))
     return Verdict(accepted=accepted, next_token=_at(top, accepted))
 
 
@@ -180,7 +175,7 @@ def typical(target_logits, drafts, num_drafts, key, temperature, *, posterior_th
     t = jnp.broadcast_to(temperature[:, None], drafts.shape)
     ok = typical_ok(target_logits[:, :k], jnp.clip(drafts, 0, v - 1), t, posterior_threshold=posterior_threshold,
                     posterior_alpha=posterior_alpha)
-    accepted = _prefix_len(ok & real)
+    accepted = count_leading(ok & real)
     return Verdict(accepted=accepted, next_token=_sample(key, _at(target_logits, accepted), temperature))
 
 
@@ -216,7 +211,7 @@ def lossless(target_logits, draft_logits, drafts, num_drafts, key, temperature) 
         q = jax.nn.softmax(draft_logits.astype(f32) / t, axis=-1)  # [B, K, V]
         q_x = jnp.take_along_axis(q, x, axis=-1)[:, :, 0]
     u = jax.random.uniform(key_accept, (b, k), f32)
-    accepted = _prefix_len((u * q_x < p_x) & real)
+    accepted = count_leading((u * q_x < p_x) & real)
 
     # Slot `accepted` (padded so that K is a valid index) either lost its coin, and the row needs the residual
     # there, or holds no real draft (padding, or out of vocabulary: not a sample of q), and p itself is next.

@@ -40,14 +40,13 @@ from flax import struct
 import pallas_kernels as pk
 from skvs_jax import checks, distributed
 from skvs_jax import scheduler as sc
+from skvs_jax.arrays import i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
 from skvs_jax.serve import acceptance
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.model_runner import LlamaMedusaRunner, ModelRunner
-
-i32 = jnp.int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +93,8 @@ class EngineConfig:
     tree: spec.DraftTree | None = None  # the draft tree (a chain of K drafts by default); None without speculation
     acceptance: str = "lossless"  # "lossless" | "typical" (see `speculation`)
     sample_drafts: bool = False  # chains: drafts sampled from the heads' distribution (general lossless rule)
-    posterior_threshold: float = 0.09  # typical acceptance (Medusa's defaults)
-    posterior_alpha: float = 0.3
+    posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD  # typical acceptance (Medusa's defaults)
+    posterior_alpha: float = acceptance.POSTERIOR_ALPHA
     kv_shardings: tuple | None = None  # on a mesh: a NamedSharding per `runner.kv_pages` array, else None
 
 
@@ -203,7 +202,7 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
         cache = runner.with_kv_pages(cache, tuple(jax.lax.with_sharding_constraint(x, s) for x, s in
                                                   zip(runner.kv_pages(cache), cfg.kv_shardings)))
 
-    sched, res = sc._update(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=scfg,
+    sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=scfg,
                             view_tokens=None if k == 0 or spec.is_chain(cfg.tree) else nodes)
     st = st.replace(sched=sched, cache=cache, hidden=new_hidden, rng=rng)
     status = sched.seqs.status
@@ -231,13 +230,13 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
 def _fused_step(runner, params, st, knobs, *, cfg, width):
-    sched, batch = sc._schedule(st.sched, knobs, cfg=cfg.sched)
+    sched, batch = sc.schedule_unchecked(st.sched, knobs, cfg=cfg.sched)
     return _model_step(runner, params, st.replace(sched=sched), batch, knobs, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
 def _schedule_only(st, knobs, *, cfg):
-    sched, batch = sc._schedule(st.sched, knobs, cfg=cfg.sched)
+    sched, batch = sc.schedule_unchecked(st.sched, knobs, cfg=cfg.sched)
     return st.replace(sched=sched), batch
 
 
@@ -248,7 +247,7 @@ def _model_only(runner, params, st, batch, knobs, *, cfg, width):
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
 def _add(st: EngineState, prompts, prompt_len, max_new, priority, request_id, temperature, stop_ids, *, cfg):
-    sched, slots = sc._add(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
+    sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     return st.replace(
         sched=sched,
@@ -308,7 +307,8 @@ class Engine:
                max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
                impl: str = "xla", kv_dtype: str | None = None, swap_blocks: int = 0, seed: int = 0,
                victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
-               sample_drafts: bool = False, posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
+               sample_drafts: bool = False, posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD,
+               posterior_alpha: float = acceptance.POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")

@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from skvs_jax.arrays import count_leading, i32
 from skvs_jax.serve import acceptance
 from skvs_jax.serve.model_runner import SMALL_TREE, DraftTree  # noqa: F401  (SMALL_TREE re-exported: 15 nodes, depth 4)
 
-i32 = jnp.int32
 RULES = ("lossless", "typical")
 
 
@@ -109,7 +109,8 @@ class Verified:
 
 def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, num_drafts: jax.Array,
            key: jax.Array, temperature: jax.Array, *, rule: str = "lossless", draft_logits: jax.Array | None = None,
-           posterior_threshold: float = 0.09, posterior_alpha: float = 0.3) -> Verified:
+           posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD,
+           posterior_alpha: float = acceptance.POSTERIOR_ALPHA) -> Verified:
     """Accept the longest run of drafts along one path of the (first num_drafts nodes of the) tree.
 
     logits float[B, W, V] the target's logits after each query slot; nodes int32[B, K] node tokens in slot order;
@@ -147,7 +148,7 @@ def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, 
     ok = ok & (u <= num_drafts[:, None])
     slots, valid = (jnp.asarray(x) for x in tree.paths)  # [P, D + 1]
     along = ok[:, jnp.clip(slots[:, 1:] - 1, 0, k - 1)] & valid[None, :, 1:]  # [B, P, D]
-    per_path = jnp.sum(jnp.cumprod(along.astype(i32), axis=2), axis=2, dtype=i32)  # [B, P]
+    per_path = count_leading(along, axis=2)  # [B, P]
     best = jnp.argmax(per_path, axis=1)
     accepted = per_path[jnp.arange(b), best]
     path = slots[best]  # [B, D + 1]

@@ -3,11 +3,12 @@
 Each loop iteration is one engine step, exactly as `Engine.step` does it, with the model replaced:
 
   admit arrived requests into EMPTY slots (in arrival order, as many as there are EMPTY slots)
-  → `scheduler._schedule` → accepted drafts from the trace's acceptance table → `scheduler._update`
+  → `scheduler.schedule_unchecked` → accepted drafts from the trace's acceptance table → `scheduler.update_unchecked`
   → step time from `CostModel.step_time(scheduler.step_shape(batch))` → simulated clock.
 
-It calls the *same* `_add` / `_schedule` / `_update` as the engine (no second copy of the scheduler), so with the
-same trace, output tokens and acceptance the scheduling is the engine's, step for step. What replaces the model:
+It calls the *same* `add_unchecked` / `schedule_unchecked` / `update_unchecked` as the engine (no second copy
+of the scheduler), so with the same trace, output tokens and acceptance the scheduling is the engine's, step for
+step. What replaces the model:
 
 * `SimTrace.tokens` [R, W]: each request's full token sequence (prompt, then its outputs). The scheduler appends
   these as the "model's" tokens, so the prefix cache hashes what a real run would. Synthetic outputs
@@ -32,6 +33,7 @@ from flax import struct
 
 from skvs_jax import checks, metrics, vmap_flow, workloads
 from skvs_jax import scheduler as sc
+from skvs_jax.arrays import count_leading
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel
 
@@ -135,7 +137,7 @@ def chain_acceptance(alphas, shape: tuple[int, int], key: jax.Array) -> jax.Arra
     drafts < i were (conditional per-position acceptance), independently at every (request, length)."""
     alphas = jnp.asarray(alphas, f32)
     u = jax.random.uniform(key, (*shape, alphas.shape[0]), f32)
-    return jnp.sum(jnp.cumprod((u < alphas[None, None, :]).astype(i32), axis=-1), axis=-1, dtype=i32)
+    return count_leading(u < alphas[None, None, :])
 
 
 def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *, block_size: int = 16,
@@ -247,14 +249,14 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         ci = jnp.clip(idx, 0, r_n - 1)
 
         def admit(st):  # most steps admit nobody: skip gathering [B, L] prompts
-            return sc._add(st, jnp.where(ok[:, None], trace.prompts[ci], 0), jnp.where(ok, trace.prompt_len[ci], 0),
-                           jnp.where(ok, trace.max_new[ci], 1), trace.priority[ci], jnp.where(ok, idx, -1),
-                           cfg=cfg)[0]
+            return sc.add_unchecked(st, jnp.where(ok[:, None], trace.prompts[ci], 0),
+                                    jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
+                                    trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]
 
         st = vmap_flow.when(jnp.any(ok), admit, st, identity_when_false=True)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
-        st, batch = sc._schedule(st, knobs, cfg=cfg)
+        st, batch = sc.schedule_unchecked(st, knobs, cfg=cfg)
         rid = jnp.clip(st.seqs.request_id, 0, r_n - 1)
         n = st.seqs.num_tokens
         accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))
@@ -263,7 +265,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         drafts = jnp.where(j < accepted[:, None], drafts, drafts + 1)  # rejected drafts differ from the text
         next_token = _gather(trace.tokens, rid, n + accepted)
         admitted_len = n  # the row's tokens at admission (prompt, plus output so far after a recompute)
-        st, res = sc._update(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
+        st, res = sc.update_unchecked(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
 
         shape = sc.step_shape(batch)
         dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,

@@ -25,6 +25,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from skvs_jax.arrays import i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv import allocator, prefix_cache
 from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED, AllocatorState
@@ -226,7 +227,6 @@ def apply(
 
     `generation` is the step number used by AllocateSpeculative and Reclaim.
     """
-    i32 = jnp.int32
     gen = generation
     b = cfg.max_seqs
     if isinstance(op, Allocate):

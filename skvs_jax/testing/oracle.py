@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
-
-
-def _cdiv(x: int, s: int) -> int:
-    return -(-x // s)
 
 
 @dataclasses.dataclass
@@ -106,9 +103,9 @@ class OracleAllocator:
                 continue
             alloc, table = self.allocated[b], self.tables[b]
             new_alloc = alloc + n
-            bad = n < 0 or new_alloc > m * s or _cdiv(new_alloc, s) - alloc // s > window
+            bad = n < 0 or new_alloc > m * s or cdiv(new_alloc, s) - alloc // s > window
             bad = bad or (self.drafts[b] + n > self.spec.draft_len if speculative else self.drafts[b] > 0)
-            need = max(0, _cdiv(new_alloc, s) - len(table)) + int(cow[b])
+            need = max(0, cdiv(new_alloc, s) - len(table)) + int(cow[b])
             if bad or (need > 0 and (stopped or need > remaining)):
                 ok[b] = False
                 self.counters["alloc_failures"] += 1
@@ -125,7 +122,7 @@ class OracleAllocator:
                 cow_pairs[b] = (old, new)
                 self.counters["cow_copies"] += 1
             fresh = SPECULATIVE if speculative else RESERVED
-            for col in range(_cdiv(alloc, s), _cdiv(new_alloc, s)):
+            for col in range(cdiv(alloc, s), cdiv(new_alloc, s)):
                 if col < len(table):  # a block this sequence still holds (lazy release): reuse in place
                     blk = table[col]
                 else:
@@ -167,7 +164,7 @@ class OracleAllocator:
             old_committed = self.committed[b]
             self.committed[b] = self.allocated[b] = old_committed + acc
             self.drafts[b] = 0
-            keep = _cdiv(self.committed[b], s)
+            keep = cdiv(self.committed[b], s)
             for col in range(old_committed // s, min(keep, len(table))):
                 self.state[table[col]] = VALIDATED
             for col in range(keep, len(table)):
@@ -206,7 +203,7 @@ class OracleAllocator:
             tokens = int(num_tokens[b])
             if tokens == 0:
                 continue
-            ids = [int(x) for x in block_ids[b][: _cdiv(max(tokens, 0), s)]]
+            ids = [int(x) for x in block_ids[b][: cdiv(max(tokens, 0), s)]]
             good = all(
                 1 <= i < n and self.state[i] == VALIDATED and (self.ref[i] > 0 or self.cached[i]) for i in ids
             )
@@ -239,7 +236,7 @@ class OracleAllocator:
             )
             if valid[b]:
                 tokens[b] = self.committed[p]
-                ids[b][: _cdiv(tokens[b], s)] = self.tables[p][: _cdiv(tokens[b], s)]
+                ids[b][: cdiv(tokens[b], s)] = self.tables[p][: cdiv(tokens[b], s)]
         ok = self.share(ids, tokens)
         return [ok[b] and valid[b] if int(parent[b]) >= 0 else True for b in range(num_seqs)]
 

@@ -12,11 +12,11 @@ import dataclasses
 
 import numpy as np
 
+from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
-from skvs_jax.testing.oracle import OracleAllocator, _cdiv
-
-EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
+from skvs_jax.scheduler import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING
+from skvs_jax.testing.oracle import OracleAllocator
 
 
 class OraclePrefixIndex:
@@ -183,7 +183,7 @@ class OracleScheduler:
             if not x:
                 continue
             if self.status[b] == SWAPPED:
-                self.swap_used -= _cdiv(self.swapped_len[b], s)
+                self.swap_used -= cdiv(self.swapped_len[b], s)
             if self.status[b] != FINISHED:
                 self.counters["aborted"] += 1
             self.status[b], self.request_id[b], self.swapped_len[b] = EMPTY, -1, 0
@@ -241,8 +241,8 @@ class OracleScheduler:
             if q[b] > 0:
                 part = a.tables[b][c[b] // s] if c[b] // s < held[b] else NULL_BLOCK
                 cow[b] = running[b] and c[b] % s != 0 and a.ref[part] > 1
-                need_q[b] = max(_cdiv(c[b] + q[b], s) - held[b], 0) + cow[b]
-                need_d[b] = max(_cdiv(c[b] + q[b] + d[b], s) - held[b], 0) + cow[b] - need_q[b]
+                need_q[b] = max(cdiv(c[b] + q[b], s) - held[b], 0) + cow[b]
+                need_d[b] = max(cdiv(c[b] + q[b] + d[b], s) - held[b], 0) + cow[b] - need_q[b]
         need_a = [need_q[b] + (need_d[b] if pol.drafts_preempt else 0) for b in slots]
 
         # 3. Preemption: the fewest victims in victim-rule order.
@@ -269,10 +269,10 @@ class OracleScheduler:
         if pol.preemption == "swap" and cfg.swap_blocks > 0:
             room, cum = cfg.swap_blocks - self.swap_used, 0
             for b in victims:
-                cum += _cdiv(c[b], s)
+                cum += cdiv(c[b], s)
                 swap[b] = c[b] > 0 and cum <= room
-        swap_out_blocks = [list(a.tables[b][: _cdiv(c[b], s)]) if swap[b] else [] for b in slots]
-        swap_need = sum(_cdiv(c[b], s) for b in slots if swap[b])
+        swap_out_blocks = [list(a.tables[b][: cdiv(c[b], s)]) if swap[b] else [] for b in slots]
+        swap_need = sum(cdiv(c[b], s) for b in slots if swap[b])
         a.free(victim)
         for b in victims:
             self.status[b] = SWAPPED if swap[b] else WAITING
@@ -305,12 +305,12 @@ class OracleScheduler:
             for b in order:
                 if self.status[b] != SWAPPED or swap[b]:
                     continue
-                blocks_cum += _cdiv(self.swapped_len[b], s)
+                blocks_cum += cdiv(self.swapped_len[b], s)
                 count += 1
                 if blocks_cum > avail - need_total or count > cfg.max_running - num_running:
                     break
                 swap_in[b], restore[b] = True, self.swapped_len[b]
-        need_total += sum(_cdiv(restore[b], s) for b in slots)
+        need_total += sum(cdiv(restore[b], s) for b in slots)
         num_running += sum(swap_in)
         still_swapped = any(self.status[b] == SWAPPED and not swap_in[b] for b in slots)
 
@@ -336,7 +336,7 @@ class OracleScheduler:
                 tok_cum += a_chunk + a_res
                 a_q = min(max(left, 0), a_chunk)
                 a_d = min(max(left - a_q, 0), a_res) if a_q == a_chunk else 0
-                a_need = _cdiv(h + a_q + a_d, s) - shared
+                a_need = cdiv(h + a_q + a_d, s) - shared
                 blk_cum += a_need + sum(1 for i in ids if evictable_now[i])
                 if a_q <= 0 or blk_cum > avail - need_total or count > cfg.max_running - num_running:
                     break
@@ -378,7 +378,7 @@ class OracleScheduler:
         ct["admitted"] += sum(admitted)
         ct["prompt_tokens"] += sum(n[b] for b in slots if admitted[b])
         ct["cached_tokens"] += sum(hit_tokens)
-        self.swap_used += swap_need - sum(_cdiv(restore[b], s) for b in slots)
+        self.swap_used += swap_need - sum(cdiv(restore[b], s) for b in slots)
 
         c_now = list(a.committed)
         decode = [self.status[b] == RUNNING and n[b] - c_now[b] == 1 for b in slots]
@@ -405,12 +405,12 @@ class OracleScheduler:
 
     def _window(self) -> int:
         s = self.cfg.cache.block_size
-        return min(_cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
+        return min(cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
 
     def _allocate_two_pass(self, tokens, order, speculative):
         """Rows spanning <= W columns first (window W), then the wider ones (full table), as the jitted one."""
         a, s, w = self.alloc, self.cfg.cache.block_size, self._window()
-        narrow = [_cdiv(a.allocated[b] + tokens[b], s) - a.allocated[b] // s <= w for b in range(len(tokens))]
+        narrow = [cdiv(a.allocated[b] + tokens[b], s) - a.allocated[b] // s <= w for b in range(len(tokens))]
         first = [t if nw else 0 for t, nw in zip(tokens, narrow)]
         wide = [0 if nw else t for t, nw in zip(tokens, narrow)]
         ok, cow = a.allocate(first, order, speculative=speculative, generation=self.step, window=w)
