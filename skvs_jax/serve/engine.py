@@ -46,6 +46,7 @@ from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
 from skvs_jax.serve import acceptance
 from skvs_jax.serve import speculation as spec
+from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import LlamaMedusaRunner, ModelRunner
 
 
@@ -93,8 +94,8 @@ class EngineConfig:
     tree: spec.DraftTree | None = None  # the draft tree (a chain of K drafts by default); None without speculation
     acceptance: str = "lossless"  # "lossless" | "typical" (see `speculation`)
     sample_drafts: bool = False  # chains: drafts sampled from the heads' distribution (general lossless rule)
-    posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD  # typical acceptance (Medusa's defaults)
-    posterior_alpha: float = acceptance.POSTERIOR_ALPHA
+    posterior_threshold: float = POSTERIOR_THRESHOLD  # typical acceptance (Medusa's defaults)
+    posterior_alpha: float = POSTERIOR_ALPHA
     kv_shardings: tuple | None = None  # on a mesh: a NamedSharding per `runner.kv_pages` array, else None
 
 
@@ -307,8 +308,8 @@ class Engine:
                max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
                impl: str = "xla", kv_dtype: str | None = None, swap_blocks: int = 0, seed: int = 0,
                victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
-               sample_drafts: bool = False, posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD,
-               posterior_alpha: float = acceptance.POSTERIOR_ALPHA,
+               sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
+               posterior_alpha: float = POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
