@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Block states; int8, must match skvs_jax/allocator.py.
+# Block states (int8): the one definition; skvs_jax.kv.allocator imports them from here.
 FREE = 0
 RESERVED = 1
 SPECULATIVE = 2

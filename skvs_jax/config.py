@@ -86,10 +86,11 @@ class SpecConfig:
 
     Attributes:
       draft_len: K, the most draft tokens a sequence may hold between two commits.
-      generation_threshold: a block in the speculative pool whose generation is more than this many
-        generations old is returned to the free stack by `reclaim_expired`.
-      max_spec_ratio: bound on the share of free memory speculation may take (used by the prefix barrier
-        and the scheduler); in [0, 1].
+      generation_threshold: the default of the generation-reclaim knob (`Knobs.generation_threshold`): a block
+        in the speculative pool more than this many generations old goes back to the free stack. The allocator
+        does not read it; `reclaim_expired` takes its threshold as an argument.
+      max_spec_ratio: the default of the `Knobs.max_spec_ratio` knob, the share of the free blocks left that
+        opportunistic drafts may take; in [0, 1]. The allocator does not read it; the scheduler does.
       release: what `commit` does with blocks that hold only rejected drafts: "immediate" returns them at
         once (to the speculative pool if enabled), "lazy" leaves them held by the sequence until it is freed
         (the naive baseline; the sequence reuses them for its next drafts).

@@ -1,4 +1,4 @@
-"""Benchmark metrics, computed exactly as DESIGN.md ("Metrics") defines them, from plain event logs.
+"""Benchmark metrics, computed exactly as docs/design.md ("Metrics") defines them, from plain event logs.
 
 Users compare our numbers with vLLM, SGLang and TensorRT-LLM, so every metric is one formula over two logs that
 the engine (wall-clock seconds) and the simulator (simulated seconds) both fill; numpy only, no framework.

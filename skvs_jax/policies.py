@@ -5,9 +5,9 @@ that change the traced program (speculation on/off, release mode, pool on/off, b
 speculation during prefill, preemption mode, draft-length buckets) are static: `Policy` is frozen and hashable
 and goes to jitted functions as a static argument. Numeric knobs (draft length up to the static maximum,
 `max_spec_ratio`, generation threshold) are data: `Policy.knobs()` returns them as a pytree of scalars, so one
-compiled program can `vmap` over them (DESIGN.md, "Policies: switches and knobs").
+compiled program can `vmap` over them (docs/design.md, "Policies").
 
-Presets (DESIGN.md):
+Presets (docs/design.md):
   vllm_default  no speculation, prefix caching, preemption by recompute.
   naive_spec    K drafts every step in ordinary blocks held until the sequence ends (lazy release, no pool),
                 speculation also during prefill, no prefix barrier, blocks indexed as soon as they fill.
@@ -15,8 +15,10 @@ Presets (DESIGN.md):
                 reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
                 opportunistic drafts bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
 
-Which module reads which switch: the allocator reads `spec_config()` (release, pool, K, threshold); the prefix
-cache reads `prefix_barrier`, `insert` and `max_spec_ratio`; the scheduler reads the rest.
+Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
+scheduler reads every other switch; the prefix cache sees none of them, only what the scheduler (through the KV
+manager) passes it per call: a lookup window (K under `prefix_barrier`, else 0), the `max_spec_ratio` knob, and
+whether to insert on fill (`insert`). `generation_threshold` reaches `reclaim_expired` as a knob.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
-BF16_FROM_DRAFT_LEN = 6  # the article's rule (DIGEST section 7.3): bf16 KV from this draft length, fp8 below
+BF16_FROM_DRAFT_LEN = 6  # the article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below
 
 
 @struct.dataclass

@@ -1,6 +1,6 @@
 """Seeded synthetic request traces for the benchmarks: ShareGPT-like lengths, shared system prompts, multi-turn.
 
-Nothing is downloaded (DESIGN.md, "Benchmarks"): lengths come from distributions fitted to published summary
+Nothing is downloaded (docs/design.md, "Benchmarks"): lengths come from distributions fitted to published summary
 statistics, and prompt text is taken from the *held-out* part of the tiny model's corpus
 (`reference_models.corpus`, never trained on), so Medusa acceptance on a trace behaves as on unseen text. The
 shipped model is byte-level (vocabulary 256): a token is one byte of ASCII text, an int in [0, 256).
@@ -158,7 +158,7 @@ def _check_cap(name: str, value: object) -> int | None:
 @functools.cache
 def corpus_text() -> np.ndarray:
     """The held-out bytes of the tiny model's corpus, [n] uint8, read-only."""
-    # Imported here rather than at the top: skvs_jax's core must not depend on reference_models (DESIGN.md,
+    # Imported here rather than at the top: skvs_jax's core must not depend on reference_models (docs/design.md,
     # "Packages"); only trace generation reads its text.
     from reference_models.corpus import train_heldout_split
 

@@ -1,4 +1,4 @@
-"""Policies: presets match DESIGN.md, bad switches are refused, allocator-level switches change behaviour."""
+"""Policies: presets match docs/design.md, bad switches are refused, allocator-level switches change behaviour."""
 
 import dataclasses
 

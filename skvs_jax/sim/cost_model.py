@@ -201,7 +201,7 @@ class ModelSpec:
         return 2 * self.num_medusa_heads * (self.medusa_layers * dm * dm + self.vocab_size * dm)
 
 
-# The article's drafter is Medusa with K = 4 heads (DIGEST section 2, scenario 1); one residual block per head is
+# The article's drafter is Medusa with K = 4 heads (the article's section 2, scenario 1); one residual block per head is
 # the FasterDecoding/Medusa default (medusa_num_layers=1) and what the shipped tiny heads use.
 MEDUSA_HEADS = 4
 MEDUSA_LAYERS = 1

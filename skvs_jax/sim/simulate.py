@@ -345,7 +345,7 @@ def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks):
 
 
 def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
-    """The DESIGN.md metrics of a simulated run (`metrics.summarize`), times in simulated seconds; the scheduler
+    """The metrics (docs/design.md) of a simulated run (`metrics.summarize`), times in simulated seconds; the scheduler
     time metrics are left out (the simulated clock has no host time). A request that did not finish within the
     run (cut by max_steps) counts as aborted: out of throughput and latency, in hit rate and preemptions; its
     finish time is the end of the run, or its arrival if it had not arrived by then."""
