@@ -35,7 +35,8 @@ INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
-BF16_FROM_DRAFT_LEN = 6  # the article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below
+# The article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below.
+BF16_FROM_DRAFT_LEN = 6
 
 
 @struct.dataclass

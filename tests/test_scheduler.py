@@ -14,6 +14,8 @@ from hypothesis import strategies as hs
 from skvs_jax import policies
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
+from skvs_jax.kv import manager, prefix_cache
+from skvs_jax.kv.allocator import STALE
 from skvs_jax.testing.scheduler_harness import Harness
 
 VOCAB = 3  # a tiny alphabet: prompts share prefixes often, so the prefix cache is busy
@@ -131,7 +133,7 @@ def test_every_request_finishes_and_nothing_leaks_when_arrivals_stop(name):
     bound = cfg.cache.max_seqs * cfg.max_len * 4
     steps = _drain(h, rng, bound)
     assert steps < bound, "requests starved"
-    alloc = h.st.alloc
+    alloc = h.st.kv.alloc
     assert (np.asarray(alloc.blocks.ref_count) == 0).all()
     cached = int(np.asarray(alloc.blocks.cached & (alloc.blocks.ref_count == 0)).sum())
     assert int(alloc.blocks.free_top) + int(alloc.blocks.pool_top) + cached == cfg.cache.usable_blocks
@@ -141,7 +143,7 @@ def test_every_request_finishes_and_nothing_leaks_when_arrivals_stop(name):
 @given(hs.data())
 def test_priority_order_is_the_sorted_order_by_counting_and_by_sorting(data):
     """(priority, arrival, slot) order, ties included, on both sides of the size where it stops counting."""
-    b = data.draw(hs.sampled_from([1, 2, 7, 64, sc._RANK_BY_COUNTING, sc._RANK_BY_COUNTING + 1]))
+    b = data.draw(hs.sampled_from([1, 2, 7, 64, sc.RANK_BY_COUNTING, sc.RANK_BY_COUNTING + 1]))
     pri = np.asarray(data.draw(hs.lists(hs.integers(-2, 2), min_size=b, max_size=b)), np.int32)
     arr = np.asarray(data.draw(hs.lists(hs.integers(0, 5), min_size=b, max_size=b)), np.int32)
     order = jax.jit(lambda p, a: sc.priority_order(types.SimpleNamespace(priority=p, arrival=a)))  # the two fields
@@ -217,7 +219,7 @@ def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
     assert int(c.admitted) == total + int(c.preempt_recompute)
     assert int(c.accepted) <= int(c.drafted)
     assert int(c.output_tokens) == int(max_new.sum())
-    alloc = st.alloc
+    alloc = st.kv.alloc
     assert (np.asarray(alloc.blocks.ref_count) == 0).all()
     assert (np.asarray(alloc.seqs.num_blocks) == 0).all()
     cached = int(np.asarray(alloc.blocks.cached).sum())
@@ -270,7 +272,7 @@ def test_the_last_prompt_token_is_computed_without_drafts(pol):
 @settings(max_examples=25, deadline=None)
 @given(seed=hs.integers(0, 2**31 - 1), live=hs.sampled_from([0, 1, 3, 4, 5, 6, 9, 16]))  # R = 16: R/4 = 4
 def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, live):
-    """`_index_rows` runs the insert over R/4 rows when no more are live; the result must be the one over all R:
+    """`manager.index_rows` runs the insert over R/4 rows when no more are live; the result must be the one over all R:
     the same table, counters and ids. Tiny alphabet and few block ids: duplicates, collisions and bad ids occur."""
     cfg = _cfg(SKVS, num_blocks=40, max_seqs=24, max_blocks=6, index_rows=16, max_running=24)
     b, r, L, m = 24, cfg.rows_indexed, cfg.max_len, cfg.cache.max_blocks_per_seq
@@ -281,15 +283,15 @@ def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, li
     pending = np.zeros(b, bool)
     pending[rng.choice(b, size=min(live, b), replace=False)] = True
     sel = jnp.nonzero(jnp.asarray(pending), size=r, fill_value=b)[0]
-    prefix = sc.init(cfg).prefix
+    prefix = sc.init(cfg).kv.prefix
     # Something indexed already, so that some rows follow existing entries.
-    prefix, _ = sc.pc.insert_unchecked(prefix, tokens[:4], lengths[:4], table[:4], cfg=cfg.prefix)
+    prefix, _ = prefix_cache.insert_unchecked(prefix, tokens[:4], lengths[:4], table[:4], cfg=cfg.prefix)
 
-    got_prefix, got_ids = jax.jit(sc._index_rows, static_argnames=("cfg",))(prefix, tokens, lengths, table, sel,
-                                                                            cfg=cfg)
+    got_prefix, got_ids = jax.jit(manager.index_rows, static_argnames=("cfg",))(prefix, tokens, lengths, table, sel,
+                                                                                 cfg=cfg.kv)
     rows, live_sel = jnp.clip(sel, 0, b - 1), sel < b
-    want_prefix, want = sc.pc.insert_unchecked(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0), table[rows],
-                                      cfg=cfg.prefix)
+    want_prefix, want = prefix_cache.insert_unchecked(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0),
+                                                      table[rows], cfg=cfg.prefix)
     chex_equal = jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), got_prefix, want_prefix)
     assert all(jax.tree.leaves(chex_equal))
     np.testing.assert_array_equal(got_ids, want.block_ids)
@@ -328,8 +330,9 @@ def test_adaptive_draft_length_follows_acceptance():
 def test_release_and_pool_switches_change_what_rejected_drafts_hold():
     lazy = _run(_cfg(SKVS.replace(release="lazy", spec_pool=False, generation_threshold=0)), accept="none")
     now = _run(_cfg(SKVS), accept="none")
-    assert int(lazy.st.alloc.counters.spec_pool_hits) == 0 and int(now.st.alloc.counters.spec_pool_hits) > 0
-    stale_held = lambda h: int(np.asarray(h.st.alloc.blocks.state == sc.STALE).sum()) - int(h.st.alloc.blocks.pool_top)  # noqa: E731
+    assert int(lazy.st.kv.alloc.counters.spec_pool_hits) == 0 and int(now.st.kv.alloc.counters.spec_pool_hits) > 0
+    stale_held = lambda h: (int(np.asarray(h.st.kv.alloc.blocks.state == STALE).sum())  # noqa: E731
+                            - int(h.st.kv.alloc.blocks.pool_top))
     assert stale_held(now) == 0
 
 
@@ -344,8 +347,8 @@ def test_prefix_cache_barrier_and_insert_switches():
     # On fill, entries of blocks that then held rejected drafts are rolled back; validated inserts never are, so
     # there every removal is an eviction's (the harness checks after each step that the index holds only
     # validated content, for both modes).
-    assert int(on_fill.st.prefix.counters.removed) > int(on_fill.st.alloc.counters.evictions)
-    assert int(validated.st.prefix.counters.inserted) > 0
+    assert int(on_fill.st.kv.prefix.counters.removed) > int(on_fill.st.kv.alloc.counters.evictions)
+    assert int(validated.st.kv.prefix.counters.inserted) > 0
 
 
 def test_spec_in_prefill_reserves_slots_and_drafts_preempt_switch():
@@ -379,7 +382,7 @@ def test_generation_reclaim_knob():
     zero.add([[1, 2, 1], [2, 2]], [20, 20])
     for _ in range(10):
         zero.step(rng, "none")
-    assert int(zero.st.alloc.counters.spec_blocks_reclaimed) > 0
+    assert int(zero.st.kv.alloc.counters.spec_blocks_reclaimed) > 0
 
 
 def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
@@ -390,8 +393,8 @@ def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
     zero.add([[1, 2, 1, 2, 2]], [12])
     batches = [zero.step(rng) for _ in range(8)]
     # A ratio of 0 still lets drafts use the room left in blocks already held, never a new block.
-    assert int(zero.st.alloc.counters.spec_blocks_allocated) == 0
-    assert int(none.st.alloc.counters.spec_blocks_allocated) > 0
+    assert int(zero.st.kv.alloc.counters.spec_blocks_allocated) == 0
+    assert int(none.st.kv.alloc.counters.spec_blocks_allocated) > 0
     del batches
 
 

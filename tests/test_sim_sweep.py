@@ -125,7 +125,7 @@ def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
         jax.clear_caches()  # later tests must not reuse programs that call back into this one
     assert np.all(sweep.finished(states) == 16)
     assert np.all(np.asarray(states.counters.preempt_recompute) > 0)  # every lane preempts
-    assert np.all(np.asarray(states.alloc.counters.evictions) > 0)  # and evicts cached blocks
+    assert np.all(np.asarray(states.kv.alloc.counters.evictions) > 0)  # and evicts cached blocks
     assert set(seen) == _promises(), seen  # every promise in the source was exercised here
     for site, (false_lanes, changed) in seen.items():
         assert false_lanes > 0 and changed == 0, (site, false_lanes, changed)
@@ -135,7 +135,8 @@ def _promises() -> set[str]:
     """"file:function:line" of every `identity_when_false=True` call in the modules a simulation runs."""
     import ast
 
-    from skvs_jax.kv import allocator, prefix_cache
+    from skvs_jax.kv import allocator, manager, prefix_cache
+    from skvs_jax.scheduler import schedule, update
 
     def visit(node, name, function, sites):
         for child in ast.iter_child_nodes(node):
@@ -149,7 +150,7 @@ def _promises() -> set[str]:
         return sites
 
     sites = set()
-    for module in (sc, allocator, prefix_cache, sim):
+    for module in (schedule, update, manager, allocator, prefix_cache, sim):
         path = inspect.getsourcefile(module)
         with open(path) as f:
             visit(ast.parse(f.read()), os.path.basename(path), "<module>", sites)

@@ -77,8 +77,8 @@ def _cache_holds_exactly(e: engine.Engine) -> int:
     number of rows checked."""
     sched, runner = e.state.sched, e.runner
     s, m = e.cfg.sched.cache.block_size, e.cfg.sched.cache.max_blocks_per_seq
-    committed = np.asarray(sched.alloc.seqs.num_committed)
-    table = np.asarray(sched.alloc.seqs.block_table)
+    committed = np.asarray(sched.kv.alloc.seqs.num_committed)
+    table = np.asarray(sched.kv.alloc.seqs.block_table)
     rows = [b for b in range(len(committed)) if committed[b] > 0]
     if not rows:
         return 0

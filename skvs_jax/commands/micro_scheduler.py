@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     # has not reached decode by then never will.
     limit = 4 * -(-int(lens.sum()) // budget) + 2 * b + 10
     while True:
-        decoding = np.asarray(sc.decoding_rows(st.seqs.status, st.seqs.num_tokens, st.alloc.seqs.num_committed,
+        decoding = np.asarray(sc.decoding_rows(st.seqs.status, st.seqs.num_tokens, st.kv.alloc.seqs.num_committed,
                                                st.seqs.prompt_len))
         if decoding.all() or t > limit:
             break
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                          f"decode (the pool or the table is too small): raise --blocks or --max-blocks-per-seq, or "
                          f"lower --seqs or --prompt-len")
     prefill_steps = t
-    in_use = cache.usable_blocks - int(st.alloc.blocks.free_top)
+    in_use = cache.usable_blocks - int(st.kv.alloc.blocks.free_top)
 
     # 1a. In-graph: steps_per_call steps under one scan, median over calls (the first call compiles).
     n = args.steps_per_call
@@ -152,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
         oracle_step(i)
         times.append(time.perf_counter() - t0)
     oracle_us = _median_us(times)
-    testing.assert_matches_oracle(st.alloc, oracle.alloc)
-    same_index = testing.prefix_index_as_dict(st.prefix, cfg.prefix) == oracle.index.index
+    testing.assert_matches_oracle(st.kv.alloc, oracle.alloc)
+    same_index = testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix) == oracle.index.index
     ok &= same_index
 
     running = int(np.sum(np.asarray(st.seqs.status) == sc.RUNNING))

@@ -4,10 +4,10 @@ Each policy is one compiled simulation (`sweep.run`); its lanes are the seeds (a
 rates), all in one call. Every policy sees the same requests, the same arrival times and the same acceptance
 draws (the acceptance table depends on the seed only), so differences between columns come from scheduling.
 
-Output: the table of `skvs bench` (rows = the metrics of docs/design.md, columns = policies, ratios to the baselines), in
-simulated time, averaged over seeds; with `--sweep`, a table per load of throughput, TPOT and mean batch with each
-speculating policy's speedup over vllm_default, and where naive speculation stops paying. JSON (every lane's
-metrics, the configuration) and a plot of metric vs load go to `--out`.
+Output: the table of `skvs bench` (rows = the metrics of docs/design.md, columns = policies, ratios to the
+baselines), in simulated time, averaged over seeds; with `--sweep`, a table per load of throughput, TPOT and mean
+batch with each speculating policy's speedup over vllm_default, and where naive speculation stops paying. JSON
+(every lane's metrics, the configuration) and a plot of metric vs load go to `--out`.
 """
 
 from __future__ import annotations

@@ -207,12 +207,12 @@ def _model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, k
                             view_tokens=None if k == 0 or spec.is_chain(cfg.tree) else nodes)
     st = st.replace(sched=sched, cache=cache, hidden=new_hidden, rng=rng)
     status = sched.seqs.status
-    remaining = sched.seqs.num_tokens - sched.alloc.seqs.num_committed
+    remaining = sched.seqs.num_tokens - sched.kv.alloc.seqs.num_committed
     live = (status == sc.RUNNING) | (status == sc.SWAPPED) | (status == sc.WAITING)
     want = sc.draft_lengths(sched.seqs, knobs, scfg.policy, scfg.reach)
     # The next schedule caps drafts by its decode rows (`sc.verify_cap` of `sc.decoding_rows`), known now.
     # Between steps only `add` writes, and only to empty rows, so the count cannot change before it is used.
-    cap = sc.verify_cap(sc.decoding_rows(status, sched.seqs.num_tokens, sched.alloc.seqs.num_committed,
+    cap = sc.verify_cap(sc.decoding_rows(status, sched.seqs.num_tokens, sched.kv.alloc.seqs.num_committed,
                                          sched.seqs.prompt_len), knobs)
     out = StepOut(
         num_new=res.num_new, new_tokens=new, finished=res.finished, scheduled=batch.scheduled,

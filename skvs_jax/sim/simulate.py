@@ -180,11 +180,11 @@ def with_kv_budget(st: sc.SchedState, kv_blocks: jax.Array) -> sc.SchedState:
     The KV budget is data, so one compiled simulation sweeps it: the allocator pops blocks 1, 2, ... in order
     either way, so a run with budget k allocates exactly the block ids a pool of k + 1 blocks would, and blocks
     above k are never on the free stack (they stay FREE and untouched). Only for a state from `sc.init`."""
-    blocks = st.alloc.blocks
+    blocks = st.kv.alloc.blocks
     idx = jnp.arange(blocks.free_stack.shape[0], dtype=i32)
     stack = jnp.where(idx < kv_blocks, kv_blocks - idx, 0).astype(i32)
-    return st.replace(alloc=st.alloc.replace(blocks=blocks.replace(free_stack=stack,
-                                                                   free_top=jnp.asarray(kv_blocks, i32))))
+    alloc = st.kv.alloc.replace(blocks=blocks.replace(free_stack=stack, free_top=jnp.asarray(kv_blocks, i32)))
+    return st.replace(kv=st.kv.replace(alloc=alloc))
 
 
 def _gather(table, rows, cols):

@@ -125,8 +125,8 @@ class Harness:
         self.st, _ = sc.update(self.st, batch, jnp.asarray(accepted, jnp.int32), jnp.asarray(next_tokens),
                                jnp.asarray(drafts), jnp.asarray(stop), self.knobs, cfg=cfg)
         self.oracle.update(ob, accepted, next_tokens, drafts, stop, self.knobs)
-        committed = np.asarray(self.st.alloc.seqs.num_committed)
-        table = np.asarray(self.st.alloc.seqs.block_table)
+        committed = np.asarray(self.st.kv.alloc.seqs.num_committed)
+        table = np.asarray(self.st.kv.alloc.seqs.block_table)
         for b in np.flatnonzero(np.asarray(batch.scheduled) | np.asarray(batch.swap_in)):
             for p in range(committed[b]):
                 self.valid[table[b, p // s], p % s] = True
@@ -165,9 +165,9 @@ class Harness:
     def check(self) -> None:
         cfg, st, o = self.cfg, self.st, self.oracle
         s = cfg.cache.block_size
-        testing.check_invariants(st.alloc, cfg.cache, cfg.policy.spec_config())
-        testing.assert_matches_oracle(st.alloc, o.alloc)
-        assert testing.prefix_index_as_dict(st.prefix, cfg.prefix) == o.index.index, "prefix index"
+        testing.check_invariants(st.kv.alloc, cfg.cache, cfg.policy.spec_config())
+        testing.assert_matches_oracle(st.kv.alloc, o.alloc)
+        assert testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix) == o.index.index, "prefix index"
         status = np.asarray(st.seqs.status)
         np.testing.assert_array_equal(status, o.status, err_msg="status")
         live = status != sc.EMPTY
@@ -185,9 +185,9 @@ class Harness:
         assert int(st.step) == o.step and int(st.next_arrival) == o.next_arrival
 
         # Ground truth: tables hold the sequences' tokens; the index holds validated content only.
-        committed = np.asarray(st.alloc.seqs.num_committed)
-        held = np.asarray(st.alloc.seqs.num_blocks)
-        table = np.asarray(st.alloc.seqs.block_table)
+        committed = np.asarray(st.kv.alloc.seqs.num_committed)
+        held = np.asarray(st.kv.alloc.seqs.num_blocks)
+        table = np.asarray(st.kv.alloc.seqs.block_table)
         for b in np.flatnonzero(live):
             p = np.arange(committed[b])
             ids = table[b, p // s]

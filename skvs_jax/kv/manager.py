@@ -1,0 +1,288 @@
+"""The KV manager: the one facade between the scheduler and the two structures that must agree about blocks.
+
+The allocator (`allocator.py`) owns blocks and block tables; the prefix index (`prefix_cache.py`) maps hash
+chains of full, validated blocks to block ids. Each promise of one is a duty of the other: an indexed block is
+pinned (`cached`) so that its ref count may reach 0 without freeing it; evicting a pinned block removes its index
+entry, and removing an entry removes its descendants, whose blocks must be unpinned in turn. This module keeps
+those pairings, so the scheduler asks for blocks and reports what was accepted and never pairs the two by hand
+(vLLM's `KVCacheManager` plays the same part over its block pool and hash map).
+
+Everything here is an unchecked, traceable transition `kv, ... = op(kv, ..., cfg=cfg)` over the `KVState`
+pytree, called inside the scheduler's jitted step: the boundary checks live in `allocator` and `prefix_cache`'s
+public functions, which users call directly. Most steps need none of the rarer work (sharing a hit, evicting,
+removing stale entries, unpinning), so each skips itself with `vmap_flow.when` when there is nothing to do.
+
+Dimension names as in `skvs_jax/__init__.py`; in addition A is the admission window (waiting sequences looked
+up per step), R the rows offered to the prefix index per step, C the prefix index's slots and W the table
+window of a decode step (`KVConfig.window`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from skvs_jax import vmap_flow
+from skvs_jax.arrays import cdiv, i32
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv import allocator
+from skvs_jax.kv import prefix_cache as pc
+from skvs_jax.kv.allocator import SPECULATIVE, STALE, AllocatorState, AllocResult
+
+
+@dataclasses.dataclass(frozen=True)
+class KVConfig:
+    """Static configuration of the KV manager (hashable).
+
+    Attributes:
+      cache: the pool and table geometry (N, S, B, M).
+      spec: what the allocator needs of the policy (K, release mode, speculative pool).
+      prefix: the prefix index's geometry (C slots in buckets of `ways`).
+      rows_indexed: R, rows offered to the prefix index per step (see `index_rows`).
+    """
+
+    cache: CacheConfig
+    spec: SpecConfig
+    prefix: pc.PrefixCacheConfig
+    rows_indexed: int
+
+    @property
+    def window(self) -> int:
+        """W = ceil((1 + K) / S) + 1: table columns a decode step touches (its partial block, and the blocks its
+        decode token and K drafts spill into; with lazy release the held blocks lie within the same span)."""
+        return min(cdiv(1 + self.spec.draft_len, self.cache.block_size) + 1, self.cache.max_blocks_per_seq)
+
+
+@struct.dataclass
+class KVState:
+    """The allocator's pool and tables, and the prefix index over them; `manager`'s transitions keep them
+    consistent (every indexed block is pinned, every pinned block is indexed)."""
+
+    alloc: AllocatorState
+    prefix: pc.PrefixCache
+
+
+def init(cfg: KVConfig) -> KVState:
+    """An empty pool (every usable block free) and an empty index."""
+    return KVState(alloc=allocator.init(cfg.cache), prefix=pc.init(cfg.prefix))
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def free_blocks(kv: KVState, cfg: KVConfig) -> jax.Array:
+    """int32[] blocks an allocation can take without evicting: the free stack, and the speculative pool when it
+    is on (the allocator takes pool blocks after the free stack for ordinary slots, before it for drafts)."""
+    blocks = kv.alloc.blocks
+    return blocks.free_top + (blocks.pool_top if cfg.spec.use_spec_pool else 0)
+
+
+def evictable(kv: KVState) -> jax.Array:
+    """bool[N] cached blocks no sequence holds: `evict` may free them."""
+    blocks = kv.alloc.blocks
+    return blocks.cached & (blocks.ref_count == 0)
+
+
+@struct.dataclass
+class Usage:
+    """Occupancy after a step's allocations (int32 scalars, the null block excluded)."""
+
+    blocks_used: jax.Array  # blocks not on the free stack
+    spec_blocks: jax.Array  # blocks holding only unvalidated or rejected drafts (SPECULATIVE or STALE)
+    cached_idle: jax.Array  # cached blocks no sequence holds (evictable)
+
+
+def usage(kv: KVState, cfg: KVConfig) -> Usage:
+    blocks = kv.alloc.blocks
+    return Usage(
+        blocks_used=cfg.cache.usable_blocks - blocks.free_top,
+        spec_blocks=jnp.sum((blocks.state == SPECULATIVE) | (blocks.state == STALE), dtype=i32),
+        cached_idle=jnp.sum(evictable(kv), dtype=i32),
+    )
+
+
+# ---------------------------------------------------------------------------------------- admission side
+
+
+def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
+    """The sequences in seq_mask bool[B] give back their blocks (cached ones stay, evictable)."""
+    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec)
+    return kv.replace(alloc=alloc)
+
+
+def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.Array, max_spec_ratio: jax.Array,
+           cfg: KVConfig) -> tuple[jax.Array, jax.Array]:
+    """Prefix hits of A candidates: tokens int32[A, L], lengths int32[A] (0: no candidate), spec_window int32[A]
+    (the barrier's reach: K under the speculative barrier, else 0). Returns (num_blocks int32[A], block_ids
+    int32[A, M]): the blocks to share. Most steps admit nobody: the hashing is skipped when no length is > 0 (the
+    branches only read the index, so nothing is copied)."""
+    a, m = tokens.shape[0], cfg.cache.max_blocks_per_seq
+
+    def look(_):
+        hit = pc.lookup_unchecked(kv.prefix, tokens, lengths, spec_window, max_spec_ratio, cfg=cfg.prefix)
+        return hit.num_blocks, hit.block_ids
+
+    none = (jnp.zeros((a,), i32), jnp.zeros((a, m), i32))
+    num_blocks, block_ids = vmap_flow.cond(jnp.any(lengths > 0), look, lambda _: none, None)
+    return jnp.where(lengths > 0, num_blocks, 0), block_ids
+
+
+def share(kv: KVState, block_ids: jax.Array, num_tokens: jax.Array, cfg: KVConfig) -> KVState:
+    """Rows with num_tokens int32[B] > 0 start from the cached blocks block_ids int32[B, M] (by reference).
+    Sharing nothing changes nothing, and most steps share no hit: skipped then."""
+    def do_share(alloc):
+        return allocator.share_unchecked(alloc, block_ids, num_tokens, cfg=cfg.cache)[0]
+
+    alloc = vmap_flow.when(jnp.any(num_tokens > 0), do_share, kv.alloc, identity_when_false=True)
+    return kv.replace(alloc=alloc)
+
+
+def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
+    """Free num_blocks int32[] of the least recently used evictable blocks, drop their index entries, and unpin
+    the blocks of the entries that went with them (their descendants). Skipped when num_blocks is 0."""
+    def run(kv):
+        alloc, ids = allocator.evict_lru_unchecked(kv.alloc, num_blocks, max_evict=cfg.cache.usable_blocks)
+        prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix)
+        return KVState(alloc=unpin(alloc, removed.descendants), prefix=prefix)
+
+    return vmap_flow.when(num_blocks > 0, run, kv)
+
+
+def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array, cfg: KVConfig, *,
+             speculative: bool) -> tuple[KVState, AllocResult]:
+    """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`, in two passes: rows
+    whose request spans <= W columns (every decode row) in a [B, W] window, then, only if some row is wider
+    (prefill chunks, swap-ins), those rows over the full [B, M] table. The scheduler has already made everything
+    fit, so both passes grant everything; the oracle mirrors the two passes (they decide which rows pop first)."""
+    s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
+    have = alloc.seqs.num_allocated
+    narrow = cdiv(have + num_tokens, s) - have // s <= w
+    alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order,
+                                                cfg=cfg.cache, spec=cfg.spec, window=w, speculative=speculative)
+    wide = jnp.where(narrow, 0, num_tokens)
+
+    def full(operand):
+        return allocator.allocate_unchecked(operand[0], wide, generation, order, cfg=cfg.cache, spec=cfg.spec,
+                                            window=None, speculative=speculative)
+
+    zeros = jnp.zeros_like(wide)
+    nothing = AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=zeros, cow_dst=zeros)
+    alloc, second = vmap_flow.when(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
+    return kv.replace(alloc=alloc), AllocResult(
+        ok=first.ok & second.ok,
+        cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
+        cow_dst=jnp.where(narrow, first.cow_dst, second.cow_dst),
+    )
+
+
+# ------------------------------------------------------------------------------------------- settle side
+
+
+def commit(kv: KVState, num_accepted: jax.Array, cfg: KVConfig) -> KVState:
+    """Commit num_accepted int32[B] tokens per row and roll back the rest (`allocator.commit_unchecked`) over a
+    [B, W] window, then over the full table only if some row did not fit it (settled rows are settled again
+    with 0 accepted, which changes nothing)."""
+    s, alloc = cfg.cache.block_size, kv.alloc
+    fits = alloc.seqs.num_blocks - alloc.seqs.num_committed // s <= cfg.window
+    alloc, _ = allocator.commit_unchecked(alloc, num_accepted, cfg=cfg.cache, spec=cfg.spec, window=cfg.window)
+
+    def full(alloc):
+        return allocator.commit_unchecked(alloc, jnp.where(fits, 0, num_accepted), cfg=cfg.cache, spec=cfg.spec,
+                                          window=None)[0]
+
+    return kv.replace(alloc=vmap_flow.when(jnp.any(~fits), full, alloc, identity_when_false=True))
+
+
+def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array) -> KVState:
+    """Speculative-pool blocks more than `threshold` generations older than `generation` go to the free stack."""
+    alloc, _ = allocator.reclaim_expired_unchecked(kv.alloc, generation, threshold)
+    return kv.replace(alloc=alloc)
+
+
+def pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
+    """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
+    pinning nothing changes nothing, so the pass over them is skipped then."""
+    return vmap_flow.when(jnp.any(ids > 0), lambda alloc: allocator.set_cached_unchecked(alloc, ids, ids > 0), alloc,
+                          identity_when_false=True)
+
+
+def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
+    """Unpin blocks whose index entries were removed, ids int32[X]; the ref-0 ones go to the free stack in id
+    order (a canonical order: the index's slot order is a hash order)."""
+    ids = jnp.sort(ids)
+    return allocator.set_cached_unchecked(alloc, ids, jnp.zeros(ids.shape, bool))
+
+
+def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
+               cfg: KVConfig) -> tuple[pc.PrefixCache, jax.Array]:
+    """Index the full blocks of the rows `sel` (int32[R] slots, live ones first, B = padding): their first
+    lengths[b] tokens of tokens int32[B, L], held in table int32[B, M]. Returns (prefix, ids int32[R, M]), the
+    block ids newly indexed per selected row (NULL_BLOCK elsewhere). The caller pins them.
+
+    A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
+    So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
+    padding, which an insert ignores, so the table, the ids and the counters are the same as over all R.
+    Under vmap, R/4 only when no lane has more live rows (`vmap_flow.all_lanes`); all R is right for every lane.
+    """
+    b, r = tokens.shape[0], sel.shape[0]
+    count = jnp.sum(sel < b, dtype=i32)
+
+    def insert(rows_run):
+        def run(prefix):
+            s = sel[:rows_run]
+            live, rows = s < b, jnp.clip(s, 0, b - 1)
+            prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
+                                              cfg=cfg.prefix)
+            return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
+        return run
+
+    small = r // 4
+    if small == 0:
+        return insert(r)(prefix)
+    # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update. In a vmapped
+    # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two;
+    # a lane with no row to index inserts only padding, an identity, so no lane selects (copies) its table.
+    few = vmap_flow.all_lanes(count <= small)
+    x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
+    x = vmap_flow.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
+    return vmap_flow.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
+
+
+def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax.Array, cfg: KVConfig) -> KVState:
+    """Insert-after-validation: index the full blocks of lengths int32[B] committed tokens of the rows `sel`
+    (int32[R], see `index_rows`) and pin them. Only validated content ever enters the index."""
+    prefix, ids = index_rows(kv.prefix, tokens, lengths, kv.alloc.seqs.block_table, sel, cfg)
+    return KVState(alloc=pin(kv.alloc, ids.reshape(-1)), prefix=prefix)
+
+
+def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, table: jax.Array, sel: jax.Array,
+                  cfg: KVConfig) -> tuple[KVState, jax.Array]:
+    """The naive integration's on-fill indexing, before verification: every full block of view_tokens int32[B, L]
+    (committed tokens, then the drafts as the forward pass placed them) up to filled_to int32[B] is indexed,
+    drafts included. Returns the ids int32[R, M] indexed per selected row; `settle_on_fill` then keeps the
+    entries verification confirmed and removes the others. Nothing is pinned yet."""
+    prefix, ids = index_rows(kv.prefix, view_tokens, filled_to, table, sel, cfg)
+    return kv.replace(prefix=prefix), ids
+
+
+def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVConfig) -> KVState:
+    """After commit: entries indexed on fill, ids int32[R, M], whose block reaches past the row's valid_len
+    int32[R] tokens (it holds a rejected draft) are removed with their descendants; the rest are pinned, and
+    the descendants' blocks unpinned. Most steps index no stale block: the table-wide removal and the sort over
+    its slots are skipped then (removing nothing changes nothing; the order remove, pin, unpin is kept)."""
+    s, m = cfg.cache.block_size, cfg.cache.max_blocks_per_seq
+    stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > valid_len[:, None])
+
+    def remove_stale(operand):
+        prefix, _ = operand
+        prefix, removed = pc.remove_unchecked(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
+        return prefix, removed.descendants
+
+    no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
+    prefix, descendants = vmap_flow.when(jnp.any(stale), remove_stale, (kv.prefix, no_descendants))
+    alloc = pin(kv.alloc, jnp.where(stale, 0, ids).reshape(-1))
+    alloc = vmap_flow.when(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants), alloc)
+    return KVState(alloc=alloc, prefix=prefix)

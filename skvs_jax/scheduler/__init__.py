@@ -1,0 +1,82 @@
+"""The functional scheduler: continuous batching over the KV manager, as pure jitted steps.
+
+One engine step is `schedule → (model or cost model) → update`:
+
+  schedule(state, knobs)  decides the step's batch and makes every allocation for it:
+    0. FINISHED slots release their blocks and become EMPTY.
+    1. Draft lengths: decode sequences (one sampled token left to compute) draft k <= knobs.draft_len tokens
+       (adaptive: from each request's acceptance histogram); with `spec_in_prefill`, prefilling sequences
+       reserve k draft slots too.
+    2. Token budget: RUNNING sequences in priority order get min(remaining, prefill_chunk) tokens, then their
+       draft slots, by a prefix sum over the per-step `token_budget` (chunked prefill falls out of this).
+    3. Preemption: the blocks the running sequences need (their drafts too when `drafts_preempt`) must fit in
+       free + speculative-pool + evictable (cached, ref 0) blocks. If they do not, victims are taken in the
+       order of the pluggable victim rule until they do (the fewest victims; one prefix sum). A victim is
+       swapped (its committed blocks copied to the host tier, status SWAPPED) when the policy says swap and
+       the tier has room, else recomputed (blocks released, back to WAITING with its tokens).
+    4. Opportunistic drafts (when not `drafts_preempt`): in priority order while their new blocks fit in
+       floor(max_spec_ratio * free blocks left); never at the expense of another sequence or a cached prefix.
+    5. When nobody was preempted: SWAPPED sequences come back first (blocks for their committed tokens, in
+       priority order, while they fit); then, if none is left swapped, up to `admit_window` WAITING sequences
+       are admitted in priority order with their prefix-cache hits shared by reference (hits cost no blocks
+       and no tokens), each with a chunk of the remaining token budget, stopping at the first that does not fit.
+    6. Blocks: the shortfall, if any, is evicted from the LRU cached blocks; stale speculative-pool blocks are
+       spent before that (the allocator takes them after the free stack), so a validated prefix is never
+       evicted while a stale draft block is kept. Then one `allocate` (prefill chunks, decode tokens,
+       restored blocks) and one `allocate_speculative` (draft slots) for the whole batch.
+  update(state, batch, accepted, ...) settles the step: commits accepted tokens, rolls back the rest,
+    appends the sampled tokens, finishes sequences (max tokens, stop flag, table full), indexes whole blocks in
+    the prefix cache (validated tokens only, or on fill with a roll-back of rejected drafts), and reclaims
+    expired speculative-pool blocks.
+
+Everything is fixed-shape: B sequence slots hold WAITING, RUNNING and SWAPPED requests alike; `max_running`
+bounds the batch. There is no Python loop over sequences; failures are flags and counters. The same two
+functions drive the engine (a real model between them) and the simulator (a cost model between them).
+
+Priority order: (priority, arrival number, slot), lower first; FCFS within a priority. Counters are int32.
+
+Modules: `state` (config, state pytrees, Batch, victim rules, `init`), `schedule` (the schedule phases),
+`update` (the update phases, `add`, `abort`), `api` (the checked public transitions). Everything public is
+re-exported here: `from skvs_jax import scheduler; scheduler.schedule(...)`.
+"""
+
+from skvs_jax.scheduler.api import abort, add, schedule, update
+from skvs_jax.scheduler.schedule import (
+    RANK_BY_COUNTING,
+    decoding_rows,
+    draft_lengths,
+    in_order,
+    priority_order,
+    schedule_unchecked,
+    verify_cap,
+)
+from skvs_jax.scheduler.state import (
+    EMPTY,
+    FINISHED,
+    RUNNING,
+    STATUS_NAMES,
+    SWAPPED,
+    VICTIM_RULES,
+    WAITING,
+    Batch,
+    SchedCounters,
+    SchedState,
+    SchedulerConfig,
+    SeqTable,
+    StepResult,
+    StepShape,
+    init,
+    least_progress,
+    lowest_priority,
+    most_blocks,
+    step_shape,
+)
+from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unchecked
+
+__all__ = [
+    "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",
+    "SchedulerConfig", "SeqTable", "SchedCounters", "SchedState", "Batch", "StepShape", "StepResult",
+    "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
+    "decoding_rows", "verify_cap", "lowest_priority", "least_progress", "most_blocks",
+    "schedule_unchecked", "update_unchecked", "add_unchecked", "abort_unchecked",
+]

@@ -1,0 +1,336 @@
+"""The scheduler's static configuration, its state pytrees and the step's outputs; victim rules; `init`.
+
+Statuses of a slot: EMPTY (free), WAITING (queued, or preempted by recompute), RUNNING (in the batch), SWAPPED
+(preempted, its committed KV on the host tier), FINISHED (done; its blocks are released at the next schedule).
+Field documentation: the shape and dtype of every field, in the glossary's letters (`skvs_jax/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from skvs_jax.arrays import i32
+from skvs_jax.config import CacheConfig
+from skvs_jax.kv import manager
+from skvs_jax.kv import prefix_cache as pc
+from skvs_jax.policies import Policy
+
+EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
+STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
+
+
+# ---------------------------------------------------------------------------------------- victim rules
+#
+# A victim rule maps (rank, computed, held) -- int32[B] each: the slot's position in priority order, its
+# committed tokens, its table entries -- to an int32[B] key; running sequences are preempted in increasing key
+# order (ties: lower priority first). Production engines found that the choice changes wasted work by 20-60%.
+
+
+def lowest_priority(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
+    """vLLM's rule: the last in priority order goes first (FCFS: the most recent arrival)."""
+    del computed, held
+    return -rank
+
+
+def least_progress(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
+    """The sequence with the fewest computed tokens goes first: the least work to recompute."""
+    del rank, held
+    return computed
+
+
+def most_blocks(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
+    """The sequence holding the most blocks goes first: the fewest victims free the memory."""
+    del rank, computed
+    return -held
+
+
+VICTIM_RULES: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
+    "lowest_priority": lowest_priority,
+    "least_progress": least_progress,
+    "most_blocks": most_blocks,
+}
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Static configuration of the scheduler (hashable: a static argument of the jitted steps).
+
+    Attributes:
+      cache: the paged cache geometry; B = cache.max_seqs slots hold waiting, running and swapped requests.
+      policy: the switches (see `policies`); numeric knobs come as data to each step.
+      max_running: most RUNNING sequences (the batch size).
+      token_budget: most tokens computed per step (prefill chunks + decode tokens + draft slots).
+      prefill_chunk: most prompt tokens of one sequence per step (chunked prefill); default token_budget.
+      admit_window: A, WAITING sequences examined for admission per step (bounds the prefix lookup's work).
+      swap_blocks: blocks the host tier holds for swapped sequences (preemption="swap"; 0 = always recompute).
+      victim: a name in VICTIM_RULES or a function (rank, computed, held) -> int32[B] key.
+      index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
+        block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
+        a decode step fills about B * tokens-per-step / S blocks (46 at B=256, 2.9 tokens, S=16).
+      prefix_capacity / prefix_ways: the prefix cache's table (default: `PrefixCacheConfig.for_cache`'s, four
+        times the usable blocks, in 8-way buckets).
+      draft_reach: per draft bucket, the most drafts a step with that many draft slots can accept (default: the
+        buckets themselves, a chain). A draft tree of d nodes reaches only its depth, so adaptive draft length
+        compares the expected accepted length with the reach, not with the node count.
+    """
+
+    cache: CacheConfig
+    policy: Policy
+    max_running: int
+    token_budget: int
+    prefill_chunk: int = 0
+    admit_window: int = 0
+    swap_blocks: int = 0
+    victim: str | Callable = "lowest_priority"
+    index_rows: int = 0
+    prefix_capacity: int | None = None
+    prefix_ways: int = 8
+    draft_reach: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache, CacheConfig):
+            raise TypeError(f"cache must be a CacheConfig, got {type(self.cache).__name__}")
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy must be a Policy, got {type(self.policy).__name__}")
+        for name, lo in (("max_running", 1), ("token_budget", 1), ("prefill_chunk", 0), ("admit_window", 0),
+                         ("swap_blocks", 0), ("index_rows", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {value}")
+        if self.max_running > self.cache.max_seqs:
+            raise ValueError(f"max_running ({self.max_running}) cannot exceed cache.max_seqs "
+                             f"({self.cache.max_seqs})")
+        if isinstance(self.victim, str) and self.victim not in VICTIM_RULES:
+            raise ValueError(f"victim must be one of {sorted(VICTIM_RULES)} or a function, got {self.victim!r}")
+        if not isinstance(self.victim, str) and not callable(self.victim):
+            raise TypeError(f"victim must be a rule name or a function, got {type(self.victim).__name__}")
+        buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
+        if self.draft_reach and (len(self.draft_reach) != len(buckets) or list(self.draft_reach) != sorted(
+                self.draft_reach) or any(not 0 <= r <= k for r, k in zip(self.draft_reach, buckets))):
+            raise ValueError(f"draft_reach must give, per draft bucket {buckets}, a non-decreasing reach <= the "
+                             f"bucket, got {self.draft_reach}")
+
+    @property
+    def reach(self) -> tuple[int, ...]:
+        """Per draft bucket, the most drafts it can accept (see `draft_reach`)."""
+        return self.draft_reach or self.policy.draft_buckets or (self.policy.draft_len,)
+
+    @property
+    def chunk(self) -> int:
+        return self.prefill_chunk or self.token_budget
+
+    @property
+    def window(self) -> int:
+        return min(self.admit_window or 32, self.cache.max_seqs)
+
+    @property
+    def rows_indexed(self) -> int:
+        return min(self.index_rows or 64, self.cache.max_seqs)
+
+    @property
+    def victim_rule(self) -> Callable:
+        return VICTIM_RULES[self.victim] if isinstance(self.victim, str) else self.victim
+
+    @property
+    def max_len(self) -> int:
+        """M * S: the most tokens (prompt + output) one request can hold."""
+        return self.cache.max_tokens_per_seq
+
+    @property
+    def prefix(self) -> pc.PrefixCacheConfig:
+        return pc.PrefixCacheConfig.for_cache(self.cache, self.prefix_capacity, self.prefix_ways)
+
+    @property
+    def kv(self) -> manager.KVConfig:
+        """What the KV manager needs: the geometry, the policy's allocator switches, the index, R."""
+        return manager.KVConfig(cache=self.cache, spec=self.policy.spec_config(), prefix=self.prefix,
+                                rows_indexed=self.rows_indexed)
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+@struct.dataclass
+class SeqTable:
+    """Per-slot request state (the allocator keeps the block tables and computed lengths).
+
+    status:          int8[B]      EMPTY / WAITING / RUNNING / SWAPPED / FINISHED
+    tokens:          int32[B, M*S] prompt, then the accepted output tokens; 0 past num_tokens
+    num_tokens:      int32[B]     known tokens (prompt + outputs)
+    prompt_len:      int32[B]
+    max_new_tokens:  int32[B]     the request finishes when it has produced this many
+    priority:        int32[B]     lower is served first
+    arrival:         int32[B]     arrival number (FCFS within a priority)
+    request_id:      int32[B]     the caller's id, -1 for EMPTY
+    swapped_len:     int32[B]     committed tokens of a SWAPPED sequence, held by the host tier
+    num_preemptions: int32[B]
+    num_cached:      int32[B]     prompt tokens served from the prefix cache, summed over admissions
+    accept_hist:     int32[B, K+1] verification steps by number of accepted drafts (adaptive draft length)
+    index_pending:   bool[B]      filled a block that `update` has not offered to the prefix index yet
+    """
+
+    status: jax.Array
+    tokens: jax.Array
+    num_tokens: jax.Array
+    prompt_len: jax.Array
+    max_new_tokens: jax.Array
+    priority: jax.Array
+    arrival: jax.Array
+    request_id: jax.Array
+    swapped_len: jax.Array
+    num_preemptions: jax.Array
+    num_cached: jax.Array
+    accept_hist: jax.Array
+    index_pending: jax.Array
+
+
+@struct.dataclass
+class SchedCounters:
+    """Cumulative int32 scalars."""
+
+    steps: jax.Array
+    oom_steps: jax.Array  # steps in which some sequence could not get its blocks without preemption
+    preempt_recompute: jax.Array
+    preempt_swap: jax.Array
+    swap_ins: jax.Array
+    admitted: jax.Array
+    finished: jax.Array
+    aborted: jax.Array
+    prompt_tokens: jax.Array  # tokens to prefill at admission, before prefix hits
+    cached_tokens: jax.Array  # of those, served by prefix hits
+    drafted: jax.Array  # draft tokens proposed (decode)
+    accepted: jax.Array  # of those, accepted
+    verifications: jax.Array  # (sequence, step) pairs that verified >= 1 draft
+    output_tokens: jax.Array
+
+
+@struct.dataclass
+class SchedState:
+    """The whole scheduler: the KV manager's state (block pool, tables, prefix index), the request table, counters.
+
+    kv:           KVState      the allocator and the prefix index (`kv.manager` keeps them consistent)
+    seqs:         SeqTable     per-slot request state
+    counters:     SchedCounters
+    step:         int32[]      the generation recorded on speculative blocks (one per `update`)
+    next_arrival: int32[]      arrival number of the next added request
+    swap_used:    int32[]      host-tier blocks held by SWAPPED sequences
+    """
+
+    kv: manager.KVState
+    seqs: SeqTable
+    counters: SchedCounters
+    step: jax.Array
+    next_arrival: jax.Array
+    swap_used: jax.Array
+
+
+@struct.dataclass
+class Batch:
+    """One step's work, fixed-shape over the B slots.
+
+    scheduled:    bool[B]      the slot computes tokens this step
+    start:        int32[B]     position of its first query token (its committed length)
+    num_query:    int32[B]     tokens to compute from `tokens` (prefill chunk, or 1 for decode)
+    num_drafts:   int32[B]     draft tokens to propose and verify after them (decode only)
+    num_reserved: int32[B]     draft slots reserved while prefilling (spec_in_prefill); never verified
+    samples:      bool[B]      the step computes the last known token, so it samples a new one
+    block_table:  int32[B, M]  tables after allocation
+    cow_src/dst:  int32[B]     copy block src's KV into dst before the step (NULL_BLOCK: none)
+    swap_out:     bool[B]      preempted by swap this step: copy swap_out_blocks to the host tier first
+    swap_out_blocks: int32[B, M]  their committed blocks, NULL_BLOCK-padded (read before anything is written)
+    swap_in:      bool[B]      restored this step: copy the host copy into the first ceil(restore / S) blocks
+                               of block_table; they compute nothing this step
+    restore:      int32[B]     committed tokens restored by swap_in
+    preempted:    bool[B]      recomputed (blocks released, back to WAITING)
+    admitted:     bool[B]      admitted this step; hit_tokens[B] of them shared from the prefix cache
+    hit_tokens:   int32[B]
+    oom:          bool[]       some sequence could not get its blocks without preemption
+    num_tokens:   int32[]      tokens computed this step (query + drafts + reserved)
+    blocks_used:  int32[]      blocks not on the free stack after allocation (null block excluded)
+    spec_blocks:  int32[]      blocks holding only unvalidated or rejected drafts (SPECULATIVE or STALE)
+    cached_idle:  int32[]      cached blocks no sequence holds (evictable)
+    alloc_ok:     bool[]       every allocation succeeded (False would be a scheduler bug; tests check it)
+    """
+
+    scheduled: jax.Array
+    start: jax.Array
+    num_query: jax.Array
+    num_drafts: jax.Array
+    num_reserved: jax.Array
+    samples: jax.Array
+    block_table: jax.Array
+    cow_src: jax.Array
+    cow_dst: jax.Array
+    swap_out: jax.Array
+    swap_out_blocks: jax.Array
+    swap_in: jax.Array
+    restore: jax.Array
+    preempted: jax.Array
+    admitted: jax.Array
+    hit_tokens: jax.Array
+    oom: jax.Array
+    num_tokens: jax.Array
+    blocks_used: jax.Array
+    spec_blocks: jax.Array
+    cached_idle: jax.Array
+    alloc_ok: jax.Array
+
+
+@struct.dataclass
+class StepShape:
+    """The work of one step, as a model (or a cost model) sees it: int32 scalars."""
+
+    prefill_tokens: jax.Array  # known tokens of rows that do not sample this step (prompt chunks before the last)
+    decode_tokens: jax.Array  # query tokens of rows that sample: the last chunk or last token, plus draft slots
+    kv_tokens_read: jax.Array  # cached context the attention reads: sum of `start` over scheduled rows
+    num_seqs: jax.Array  # scheduled rows
+    drafting_rows: jax.Array  # rows with draft slots (the draft heads run for them)
+
+
+def step_shape(batch: Batch) -> StepShape:
+    """What `batch` asks of the model: the engine logs it, the simulator prices it with a cost model."""
+    on = batch.scheduled
+    q = jnp.where(on, batch.num_query, 0)
+    d = jnp.where(on, batch.num_drafts, 0)
+    return StepShape(
+        prefill_tokens=jnp.sum(jnp.where(batch.samples, 0, q), dtype=i32),
+        decode_tokens=jnp.sum(jnp.where(batch.samples, q, 0) + d, dtype=i32),
+        kv_tokens_read=jnp.sum(jnp.where(on, batch.start, 0), dtype=i32),
+        num_seqs=jnp.sum(on, dtype=i32),
+        drafting_rows=jnp.sum(d > 0, dtype=i32),
+    )
+
+
+@struct.dataclass
+class StepResult:
+    """What `update` did: num_new int32[B] tokens appended; finished bool[B]; accepted int32[B] drafts."""
+
+    num_new: jax.Array
+    finished: jax.Array
+    accepted: jax.Array
+
+
+def init(cfg: SchedulerConfig) -> SchedState:
+    """Every slot EMPTY, every usable block free, an empty prefix index, counters at 0."""
+    b, max_len, k = cfg.cache.max_seqs, cfg.max_len, cfg.policy.draft_len
+    zb = jnp.zeros((b,), i32)
+    zero = jnp.zeros((), i32)
+    seqs = SeqTable(
+        status=jnp.zeros((b,), jnp.int8), tokens=jnp.zeros((b, max_len), i32), num_tokens=zb, prompt_len=zb,
+        max_new_tokens=zb, priority=zb, arrival=zb, request_id=jnp.full((b,), -1, i32), swapped_len=zb,
+        num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
+        index_pending=jnp.zeros((b,), bool),
+    )
+    counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
+    return SchedState(kv=manager.init(cfg.kv), seqs=seqs, counters=counters, step=zero, next_arrival=zero,
+                      swap_used=zero)
