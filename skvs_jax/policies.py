@@ -16,9 +16,11 @@ Presets (docs/design.md):
                 opportunistic drafts bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
 
 Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
-scheduler reads every other switch; the prefix cache sees none of them, only what the scheduler (through the KV
-manager) passes it per call: a lookup window (K under `prefix_barrier`, else 0), the `max_spec_ratio` knob, and
-whether to insert on fill (`insert`). `generation_threshold` reaches `reclaim_expired` as a knob.
+engine reads `kv_precision`, and `speculation`, `draft_len`, `draft_buckets` for its compiled widths; the
+scheduler reads the rest. The prefix cache sees none of them, only what the scheduler passes it through the KV
+manager per call: a lookup window (K under `prefix_barrier`, else 0) and the `max_spec_ratio` knob; `insert`
+decides which of the manager's indexing calls the scheduler makes. `generation_threshold` reaches
+`reclaim_expired` as a knob.
 """
 
 from __future__ import annotations
@@ -79,9 +81,8 @@ class Policy:
         a step every row drafts at most floor(verify_budget / R) - 1, so drafts shrink evenly as the batch grows
         and stop once the rows alone fill the budget. Scale it from the device's compute knee (the tokens per
         step past which a decode step stops being memory-bound, `sim.cost_model.CostModel.knee_tokens`): well
-        past it, verifying drafts costs more time than the accepted tokens save. In the simulated load sweep
-        (docs/simulator.md) twice the knee kept skvs at >= 1.0x of no speculation at every load; the knee itself
-        was too tight. None: no cap (vLLM's `speculative_disable_by_batch_size` is the all-or-nothing form).
+        past it, verifying drafts costs more time than the accepted tokens save (docs/simulator.md measures
+        which multiple of the knee pays). None: no cap (vLLM's `speculative_disable_by_batch_size` is the all-or-nothing form).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.

@@ -1,7 +1,8 @@
 """The spec-aware prefix cache: an index from block-aligned token prefixes to physical KV blocks.
 
-Only *full blocks of validated tokens* are ever indexed (`insert_after_validation`), so a draft token can never
-reach a shared block. `lookup` returns the longest cached block-aligned prefix of each prompt, shrunk by the
+Only *full blocks of validated tokens* are indexed by `insert_after_validation`, so a draft token can never reach
+a shared block. (The naive integration, `Policy.insert == "on_fill"`, also indexes blocks holding drafts and
+removes the ones verification rejects within the same `update`: see `kv.manager.settle_on_fill`.) `lookup` returns the longest cached block-aligned prefix of each prompt, shrunk by the
 article's **speculative barrier**: with `spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio *
 spec_window / S))` blocks are given up, and `spec_boundary` (the token index where speculation may start, beyond
 which nothing is shared) is returned with the hit. The module is an index, not an owner: hits feed

@@ -74,7 +74,7 @@ class SchedulerConfig:
       victim: a name in VICTIM_RULES or a function (rank, computed, held) -> int32[B] key.
       index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
         block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
-        a decode step fills about B * tokens-per-step / S blocks (46 at B=256, 2.9 tokens, S=16).
+        a decode step fills about B * (tokens per step) / S blocks.
       prefix_capacity / prefix_ways: the prefix cache's table (default: `PrefixCacheConfig.for_cache`'s, four
         times the usable blocks, in 8-way buckets).
       draft_reach: per draft bucket, the most drafts a step with that many draft slots can accept (default: the

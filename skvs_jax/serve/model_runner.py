@@ -5,8 +5,9 @@ it can copy blocks of and hand to the KV tiers. A runner is a static (hashable) 
 functions as a static argument; everything that changes (weights, cache) goes in and out as pytrees. To serve
 another model, implement `ModelRunner` and build the engine with `Engine.from_runner`.
 
-This module is the one place in `skvs_jax` that imports `reference_models` (docs/design.md: the engine reaches the
-models only through a small model-runner protocol).
+This module is the one place in the serving path that imports `reference_models`' model code (docs/design.md: the
+engine reaches the models only through this protocol). The commands and the simulator's calibration load the
+shipped weights with `reference_models.load_shipped`; the core never imports `reference_models`.
 """
 
 from __future__ import annotations

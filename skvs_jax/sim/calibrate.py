@@ -10,7 +10,7 @@
 3. Replays each run in the simulator (the engine's outputs as the token table, `replay_acceptance` for the
    accepted runs) with the fitted device, and prints, per policy: whether every scheduler counter and the
    per-step block / draft / token series are equal, and the P50 end-to-end latency, engine (median over the
-   repeats: on a shared machine one run's wall clock moves by 15%) vs simulator.
+   repeats, since a shared machine's wall clock is noisy: docs/simulator.md shows the spread) vs simulator.
 
 The step time fitted is the start-to-start interval of consecutive steps (what a request waits), so host-side
 work between steps is included.
