@@ -82,7 +82,8 @@ class Policy:
         and stop once the rows alone fill the budget. Scale it from the device's compute knee (the tokens per
         step past which a decode step stops being memory-bound, `sim.cost_model.CostModel.knee_tokens`): well
         past it, verifying drafts costs more time than the accepted tokens save (docs/simulator.md measures
-        which multiple of the knee pays). None: no cap (vLLM's `speculative_disable_by_batch_size` is the all-or-nothing form).
+        which multiple of the knee pays). None: no cap (vLLM's `speculative_disable_by_batch_size` is the
+        all-or-nothing form).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.

@@ -1,13 +1,14 @@
 """The spec-aware prefix cache: an index from block-aligned token prefixes to physical KV blocks.
 
-Only *full blocks of validated tokens* are indexed by `insert_after_validation`, so a draft token can never reach
-a shared block. (The naive integration, `Policy.insert == "on_fill"`, also indexes blocks holding drafts and
-removes the ones verification rejects within the same `update`: see `kv.manager.settle_on_fill`.) `lookup` returns the longest cached block-aligned prefix of each prompt, shrunk by the
-article's **speculative barrier**: with `spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio *
-spec_window / S))` blocks are given up, and `spec_boundary` (the token index where speculation may start, beyond
-which nothing is shared) is returned with the hit. The module is an index, not an owner: hits feed
-`allocator.share`, newly indexed blocks must be pinned with `allocator.set_cached`, cached ref-0 blocks are
-evicted by `allocator.evict_lru`, and the ids it returns go to `remove`.
+Only *full blocks of validated tokens* are indexed by `insert_after_validation`, so a draft token can never reach a
+shared block. (The naive integration, `Policy.insert == "on_fill"`, also indexes blocks holding drafts and removes
+the ones verification rejects within the same `update`: see `kv.manager.settle_on_fill`.) `lookup` returns the
+longest cached block-aligned prefix of each prompt, shrunk by the article's **speculative barrier**: with
+`spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio * spec_window / S))` blocks are given up, and
+`spec_boundary` (the token index where speculation may start, beyond which nothing is shared) is returned with the
+hit. The module is an index, not an owner: hits feed `allocator.share`, newly indexed blocks must be pinned with
+`allocator.set_cached`, cached ref-0 blocks are evicted by `allocator.evict_lru`, and the ids it returns go to
+`remove`. The scheduler never pairs these by hand: `kv.manager` does.
 
 Keys. Block j of a sequence has the chain hash h_j = A * h_{j-1} + digest(tokens of block j) (mod 2^32, h_{-1} = 0),
 in two independent 32-bit lanes (64 bits). `digest` sums a murmur3 finaliser of (token, position) over the
