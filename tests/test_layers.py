@@ -71,5 +71,6 @@ def test_only_commands_import_commands():
 def test_the_checker_sees_lazy_and_from_imports(tmp_path):
     """The parser is the test's only instrument: it must see every form of import the package uses."""
     f = tmp_path / "m.py"
-    f.write_text("import skvs_jax.kv.allocator\nfrom skvs_jax import sim\n\ndef g():\n    from skvs_jax.serve import engine\n")
+    f.write_text("import skvs_jax.kv.allocator\nfrom skvs_jax import sim\n\n"
+                 "def g():\n    from skvs_jax.serve import engine\n")
     assert {"skvs_jax.kv.allocator", "skvs_jax.sim", "skvs_jax.serve.engine"} <= imported_modules(f)

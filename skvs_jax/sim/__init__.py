@@ -5,7 +5,8 @@
   `jnp` arithmetic.
 * `simulate`: the engine's step (`scheduler.add_unchecked` / `schedule_unchecked` / `update_unchecked`, the same
   code) in a `while_loop`, the model replaced by the cost model, a token table and an acceptance table (a chain
-  acceptance model, or replayed from the model itself for a greedy run). `start` / `advance` / `finish` are the same loop in pieces.
+  acceptance model, or replayed from the model itself for a greedy run). `start` / `advance` / `finish` are the
+  same loop in pieces.
 * `acceptance_model`: chain acceptance presets (Medusa's published numbers; the tiny model's measured heads).
 * `sweep`: many simulations of one policy in one compiled call (knobs, KV budget, arrival rate, trace as data),
   vmapped or mapped per device, and split over a `dp` mesh axis.
