@@ -1,11 +1,12 @@
 """skvs_jax: a speculation-aware KV-cache scheduler in JAX.
 
-Glossary of dimension names, used in every annotation and docstring of the project:
+Glossary of dimension names, used in every annotation and docstring of the project. Each letter means one
+thing everywhere; a dimension that is none of these is written as a word (`[B, ways]`, `[paths, depth]`).
 
   B    sequence slots (rows of a block table), or sequences in a batch
   N    physical KV blocks in the pool (block 0 is the null block)
   S    block size, tokens per block
-  M    max blocks per sequence (columns of a block table)
+  M    max blocks per sequence (columns of a block table); M * S is a request's most tokens (`max_len`)
   P    capacity of the speculative pool
   T    tokens in one engine step
   Q    query tokens per sequence in one attention call (1 for decode, K + 1 for verification)
@@ -13,15 +14,25 @@ Glossary of dimension names, used in every annotation and docstring of the proje
   Hq   query heads;  Hkv  key/value heads;  D  head dim
   L    layers;  V  vocabulary size
 
+and, in the scheduler and the KV manager:
+
+  A    waiting sequences examined for admission per step (the admission window)
+  R    rows offered to the prefix index per step
+  C    slots of the prefix index
+  W    table columns one transition touches (its window; a decode step's is `KVConfig.window`)
+  J    full blocks in a row of tokens, min(len // S, M)
+  X    a flat list of block ids of any length
+
 State is data (pytrees of fixed-shape arrays); capacities and switches are static config
-(`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`.
+(`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`. The design, the
+layers and the invariants are in docs/design.md.
 """
 
 from skvs_jax import config, metrics, policies, scheduler, workloads
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
-from skvs_jax.kv import allocator, prefix_cache, tiers
+from skvs_jax.kv import allocator, manager, prefix_cache, tiers
 
 __version__ = "0.1.0"
 
-__all__ = ["allocator", "config", "metrics", "policies", "prefix_cache", "scheduler", "tiers", "workloads",
+__all__ = ["allocator", "config", "manager", "metrics", "policies", "prefix_cache", "scheduler", "tiers", "workloads",
            "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__"]

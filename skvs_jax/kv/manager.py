@@ -115,7 +115,7 @@ def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
 
 def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.Array, max_spec_ratio: jax.Array,
            cfg: KVConfig) -> tuple[jax.Array, jax.Array]:
-    """Prefix hits of A candidates: tokens int32[A, L], lengths int32[A] (0: no candidate), spec_window int32[A]
+    """Prefix hits of A candidates: tokens int32[A, M*S], lengths int32[A] (0: no candidate), spec_window int32[A]
     (the barrier's reach: K under the speculative barrier, else 0). Returns (num_blocks int32[A], block_ids
     int32[A, M]): the blocks to share. Most steps admit nobody: the hashing is skipped when no length is > 0 (the
     branches only read the index, so nothing is copied)."""
@@ -219,7 +219,7 @@ def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
 def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
                cfg: KVConfig) -> tuple[pc.PrefixCache, jax.Array]:
     """Index the full blocks of the rows `sel` (int32[R] slots, live ones first, B = padding): their first
-    lengths[b] tokens of tokens int32[B, L], held in table int32[B, M]. Returns (prefix, ids int32[R, M]), the
+    lengths[b] tokens of tokens int32[B, M*S], held in table int32[B, M]. Returns (prefix, ids int32[R, M]), the
     block ids newly indexed per selected row (NULL_BLOCK elsewhere). The caller pins them.
 
     A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
@@ -260,7 +260,7 @@ def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax
 
 def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, table: jax.Array, sel: jax.Array,
                   cfg: KVConfig) -> tuple[KVState, jax.Array]:
-    """The naive integration's on-fill indexing, before verification: every full block of view_tokens int32[B, L]
+    """The naive integration's on-fill indexing, before verification: every full block of view_tokens int32[B, M*S]
     (committed tokens, then the drafts as the forward pass placed them) up to filled_to int32[B] is indexed,
     drafts included. Returns the ids int32[R, M] indexed per selected row; `settle_on_fill` then keeps the
     entries verification confirmed and removes the others. Nothing is pinned yet."""

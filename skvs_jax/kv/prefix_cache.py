@@ -24,8 +24,8 @@ request's prefix. A colliding insert (same key, other content) is refused and co
 every descendant of a removed entry (their parent block id may be reused for other content), so the live
 entries always form a forest whose parents are live; it returns the descendants so the caller can unpin them.
 
-Table: C = num_buckets * W slots, set-associative (bucket = key mod num_buckets, W ways). Chosen over open
-addressing with unbounded probing because every lookup is one gather of a fixed [W] window (no probe loop, no
+Table: C = num_buckets * ways slots, set-associative (bucket = key mod num_buckets). Chosen over open
+addressing with unbounded probing because every lookup is one gather of a fixed [ways] window (no probe loop, no
 early exit), removal just clears a slot (no tombstones, since a lookup always scans the whole bucket), and a
 batch of inserts into one bucket gets its ways in one shot (rank among same-bucket inserts -> rank-th free way),
 with no rounds of conflict resolution. The price is that a bucket can overflow before the table is full; an
@@ -75,7 +75,7 @@ class PrefixCacheConfig:
       block_size: S, tokens per block.
       max_blocks_per_seq: M, width of the block tables it reads and of the hits it returns.
       capacity: C, table slots; a multiple of `ways`.
-      ways: W, slots per bucket (entries whose keys map to the same bucket).
+      ways: slots per bucket (entries whose keys map to the same bucket).
       hash_bits: bits kept per 32-bit key lane. 32 in production; small values are for tests that need
         collisions (they are refused, never returned as hits).
     """
@@ -232,7 +232,7 @@ def _bucket(key: jax.Array, cfg: PrefixCacheConfig) -> jax.Array:
 
 
 def _split_blocks(tokens: jax.Array, cfg: PrefixCacheConfig) -> jax.Array:
-    """int32[B, L] -> int32[B, J, S], J = min(L // S, M): the full blocks a block table can hold."""
+    """int32[B, len] -> int32[B, J, S], J = min(len // S, M): the full blocks a block table can hold."""
     s = cfg.block_size
     j = min(tokens.shape[1] // s, cfg.max_blocks_per_seq)
     return tokens[:, : j * s].reshape(tokens.shape[0], j, s)
@@ -257,7 +257,7 @@ def _longest_chain(
     """
     b, j, _ = blocks.shape
     key = chain_keys(blocks, cfg.hash_bits) if key is None else key  # [B, J, 2]
-    slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, W]
+    slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, ways]
     same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
     slot = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[..., None], axis=-1)[..., 0]  # [B, J]
@@ -299,13 +299,13 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     """
     cache, prev = carry  # prev: int32[B] block indexing the row's prefix through j_b - 1 (ROOT, or BROKEN)
     key, toks, bid, want = x  # [B, 2] uint32, [B, S], [B], [B] bool
-    c, n, w = cfg.capacity, cfg.num_blocks, cfg.ways
+    c, n, ways = cfg.capacity, cfg.num_blocks, cfg.ways
     rows = jnp.arange(bid.shape[0], dtype=i32)
     want = want & (prev != BROKEN)
 
     # 1. The prefix is already indexed (same key, same content): nothing to insert, follow the entry.
     bucket = _bucket(key, cfg)
-    slots = bucket[:, None] * w + jnp.arange(w, dtype=i32)[None, :]  # [B, W]
+    slots = bucket[:, None] * ways + jnp.arange(ways, dtype=i32)[None, :]  # [B, ways]
     live = cache.block[slots] > 0
     same_key = live & jnp.all(cache.key[slots] == key[:, None, :], axis=-1)
     exists = jnp.any(same_key, axis=-1)
@@ -339,7 +339,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     # token and parent gathers above, so XLA orders them first and updates the table in place, not a copy.
     got = candidate & (rank < jnp.sum(free, axis=1, dtype=i32)) & ~known
     way = jnp.argmax(free & (free_rank == rank[:, None]), axis=1).astype(i32)
-    dst = jnp.where(got, bucket * w + way, c)  # c: dropped by the scatters
+    dst = jnp.where(got, bucket * ways + way, c)  # c: dropped by the scatters
     cache = cache.replace(
         key=cache.key.at[dst].set(key, mode="drop"),
         block=cache.block.at[dst].set(bid, mode="drop"),
@@ -456,7 +456,7 @@ def check_cache(cache: PrefixCache, cfg: PrefixCacheConfig) -> None:
 
 def _check_tokens(tokens) -> tuple[int, int]:
     if not hasattr(tokens, "shape") or len(tokens.shape) != 2:
-        raise ValueError(f"tokens must be a 2-D [B, L] array, got shape {getattr(tokens, 'shape', None)}")
+        raise ValueError(f"tokens must be a 2-D [B, len] array, got shape {getattr(tokens, 'shape', None)}")
     checks.array("tokens", tokens, tokens.shape, "i")
     if np.dtype(tokens.dtype) != np.int32:
         raise TypeError(f"tokens must have dtype int32, got {tokens.dtype}")
@@ -474,9 +474,9 @@ def lookup(
 ) -> LookupResult:
     """Longest cached block-aligned prefix of each prompt, minus the speculative barrier.
 
-    tokens: int32[B, L] prompts; lengths: int[B] in [0, L]; spec_window: int scalar or int[B] >= 0, the expected
+    tokens: int32[B, len] prompts; lengths: int[B] in [0, len]; spec_window: int scalar or int[B] >= 0, the expected
     draft length of each sequence (0 = no speculation, no barrier); max_spec_ratio: float scalar in [0, 1] (data,
-    so one program serves every value). Only the first min(L // S, M) blocks are considered, and at most
+    so one program serves every value). Only the first min(len // S, M) blocks are considered, and at most
     (length - 1) // S of them are returned (>= 1 token left to compute). The table is not modified.
     """
     check_cache(cache, cfg)
@@ -508,9 +508,9 @@ def insert_after_validation(
 ) -> tuple[PrefixCache, InsertResult]:
     """Index every whole block of validated tokens that is not indexed yet.
 
-    tokens: int32[B, L]; num_validated: int[B] in [0, L], the committed (accepted) tokens of each row -- tokens
+    tokens: int32[B, len]; num_validated: int[B] in [0, len], the committed (accepted) tokens of each row -- tokens
     past it (drafts, padding) are never read into the index; block_table: int[B, M], the physical block of each
-    logical block. Block j of row b is a candidate iff (j + 1) * S <= num_validated[b] and j < min(L // S, M).
+    logical block. Block j of row b is a candidate iff (j + 1) * S <= num_validated[b] and j < min(len // S, M).
     A candidate whose prefix is already indexed is skipped; identical new prefixes in one call are indexed
     once (the lowest row's block); refusals (collision, full bucket, block id invalid or already indexed under
     another prefix) are counted and end that row's chain. Returns the new table and the blocks newly indexed,

@@ -55,17 +55,18 @@ def add(
 ) -> tuple[SchedState, jax.Array]:
     """Queue requests as WAITING in EMPTY slots (lowest slots first, arrival numbers in row order).
 
-    prompts: int32[A, Lp] (Lp <= L = M * S, padded); prompt_len: int32[A], 0 = padding row; max_new_tokens,
-    priority, request_id: int32[A]. A request needs prompt_len + max_new_tokens <= L. Returns the state and
-    int32[A] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it again later). A padding
-    row's max_new_tokens is ignored. Inside a user's jit a row that breaks these rules is treated as padding.
+    prompts: int32[requests, width] (width <= M * S, padded); prompt_len: int32[requests], 0 = padding row;
+    max_new_tokens, priority, request_id: int32[requests]. A request needs prompt_len + max_new_tokens <= M * S.
+    Returns the state and int32[requests] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it
+    again later). A padding row's max_new_tokens is ignored. Inside a user's jit a row that breaks these rules is
+    treated as padding.
     """
     _check_state(st, cfg)
     if not hasattr(prompts, "shape") or len(prompts.shape) != 2:
-        raise ValueError(f"prompts must be a 2-D [A, Lp] array, got shape {getattr(prompts, 'shape', None)}")
+        raise ValueError(f"prompts must be a 2-D [requests, width] array, got shape {getattr(prompts, 'shape', None)}")
     a, lp = prompts.shape
     if lp > cfg.max_len:
-        raise ValueError(f"prompts has {lp} columns; a request holds at most L = {cfg.max_len} tokens")
+        raise ValueError(f"prompts has {lp} columns; a request holds at most L = M * S = {cfg.max_len} tokens")
     checks.array("prompts", prompts, (a, lp), "i")
     priority = jnp.zeros((a,), i32) if priority is None else priority
     request_id = jnp.arange(a, dtype=i32) if request_id is None else request_id
@@ -79,10 +80,11 @@ def add(
         bad = (np.asarray(prompt_len) > 0) & (total > cfg.max_len)
         if bad.any():
             r = int(np.nonzero(bad)[0][0])
-            raise ValueError(f"request {r}: prompt_len + max_new_tokens = {total[r]} exceeds L = {cfg.max_len} "
-                             f"tokens per sequence (max_blocks_per_seq * block_size)")
-    return add_unchecked(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32), jnp.asarray(max_new_tokens, i32),
-                jnp.asarray(priority, i32), jnp.asarray(request_id, i32), cfg=cfg)
+            raise ValueError(f"request {r}: prompt_len + max_new_tokens = {total[r]} exceeds L = M * S = "
+                             f"{cfg.max_len} tokens per sequence (max_blocks_per_seq * block_size)")
+    return add_unchecked(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32),
+                         jnp.asarray(max_new_tokens, i32), jnp.asarray(priority, i32), jnp.asarray(request_id, i32),
+                         cfg=cfg)
 
 
 def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig) -> tuple[SchedState, Batch]:
@@ -135,7 +137,7 @@ def update(
     knobs = cfg.policy.knobs() if knobs is None else knobs
     _check_knobs(knobs, cfg)
     return update_unchecked(st, batch, jnp.asarray(accepted, i32), jnp.asarray(next_tokens, i32),
-                   jnp.asarray(draft_tokens, i32), stop, knobs, cfg=cfg)
+                            jnp.asarray(draft_tokens, i32), stop, knobs, cfg=cfg)
 
 
 def abort(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedState:

@@ -66,17 +66,18 @@ def reach(tree: DraftTree, buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def node_tokens(draft_logits: jax.Array, tree: DraftTree) -> jax.Array:
-    """draft_logits float32[B, H, V] -> int32[B, K]: node u's token is rank(u) of head depth(u) - 1."""
+    """draft_logits float32[B, heads, V] -> int32[B, K]: node u's token is rank(u) of head depth(u) - 1."""
     head, rank = tree.head_and_rank
-    top = jax.lax.top_k(draft_logits, int(rank.max()) + 1)[1].astype(i32)  # [B, H, R]
+    top = jax.lax.top_k(draft_logits, int(rank.max()) + 1)[1].astype(i32)  # [B, heads, ranks]
     return top[:, jnp.asarray(head), jnp.asarray(rank)]
 
 
 def layout(tree: DraftTree, start: jax.Array, qn: jax.Array, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The verification call's slots. start, qn int32[B] (first query position, known tokens in the query).
+    """The verification call's Q = width slots. start, qn int32[B] (first query position, known tokens in the
+    query).
 
-    Returns (node int32[B, W]: node index of each slot, 0 for the root and for known slots, -1 past the tree;
-    positions int32[B, W] RoPE positions; mask bool[B, W, W] the tree mask, or None for a chain: causal).
+    Returns (node int32[B, Q]: node index of each slot, 0 for the root and for known slots, -1 past the tree;
+    positions int32[B, Q] RoPE positions; mask bool[B, Q, Q] the tree mask, or None for a chain: causal).
     """
     k = tree.num_slots - 1
     j = jnp.arange(width, dtype=i32)[None, :]
@@ -91,19 +92,19 @@ def layout(tree: DraftTree, start: jax.Array, qn: jax.Array, width: int) -> tupl
     row_node = (j >= qn[:, None])[:, :, None]  # query slot i is a tree node
     col_known = (j < qn[:, None])[:, None, :]
     ji = jnp.arange(width, dtype=i32)
-    causal = (ji[None, :] <= ji[:, None])[None]  # [1, W, W]: key slot j <= query slot i
+    causal = (ji[None, :] <= ji[:, None])[None]  # [1, Q, Q]: key slot j <= query slot i
     mask = jnp.where(col_known, causal | row_node, row_node & tmask[ui, uj])
     return node, positions, mask
 
 
 @struct.dataclass
 class Verified:
-    """What verification decided, per row (B rows, D = tree depth, K nodes)."""
+    """What verification decided, per row (B rows, K nodes, `depth` = the tree's depth)."""
 
-    accepted: jax.Array  # int32[B] accepted drafts (<= num_drafts, <= D)
-    path_nodes: jax.Array  # int32[B, D + 1] node indices of the chosen root-to-leaf path (path_nodes[:, 0] = 0)
+    accepted: jax.Array  # int32[B] accepted drafts (<= num_drafts, <= depth)
+    path_nodes: jax.Array  # int32[B, depth + 1] node indices of the chosen root-to-leaf path (path_nodes[:, 0] = 0)
     path_tokens: jax.Array  # int32[B, K] the chosen path's tokens first (accepted ones are [:accepted]), then 0
-    target: jax.Array  # int32[B, W] the target's token after each query slot (sampled, or argmax at T = 0)
+    target: jax.Array  # int32[B, Q] the target's token after each query slot (sampled, or argmax at temperature 0)
     next_token: jax.Array  # int32[B] the token after the accepted drafts
 
 
@@ -113,7 +114,7 @@ def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, 
            posterior_alpha: float = acceptance.POSTERIOR_ALPHA) -> Verified:
     """Accept the longest run of drafts along one path of the (first num_drafts nodes of the) tree.
 
-    logits float[B, W, V] the target's logits after each query slot; nodes int32[B, K] node tokens in slot order;
+    logits float[B, Q, V] the target's logits after each query slot; nodes int32[B, K] node tokens in slot order;
     qn, num_drafts int32[B]; temperature float32[B] (0 = greedy); draft_logits float32[B, K, V]: the distribution
     the drafts were sampled from (a chain with sampled drafts: the general lossless rule), or None (point masses).
     """
@@ -125,7 +126,7 @@ def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, 
     temp = temperature.astype(jnp.float32)
     scaled = logits.astype(jnp.float32) / jnp.maximum(temp, 1e-6)[:, None, None]
     sampled = jax.random.categorical(key_target, scaled, axis=-1).astype(i32)
-    target = jnp.where(temp[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, W]
+    target = jnp.where(temp[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, Q]
     b_idx = jnp.arange(b, dtype=i32)[:, None]
     slot_of = lambda u: jnp.clip(qn[:, None] - 1 + u, 0, w - 1)  # noqa: E731  node index -> query slot
 
@@ -146,12 +147,12 @@ def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, 
         ok = acceptance.typical_ok(logits[b_idx, parent_slot], nodes, jnp.broadcast_to(temp[:, None], nodes.shape),
                                    posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
     ok = ok & (u <= num_drafts[:, None])
-    slots, valid = (jnp.asarray(x) for x in tree.paths)  # [P, D + 1]
-    along = ok[:, jnp.clip(slots[:, 1:] - 1, 0, k - 1)] & valid[None, :, 1:]  # [B, P, D]
-    per_path = count_leading(along, axis=2)  # [B, P]
+    slots, valid = (jnp.asarray(x) for x in tree.paths)  # [paths, depth + 1]
+    along = ok[:, jnp.clip(slots[:, 1:] - 1, 0, k - 1)] & valid[None, :, 1:]  # [B, paths, depth]
+    per_path = count_leading(along, axis=2)  # [B, paths]
     best = jnp.argmax(per_path, axis=1)
     accepted = per_path[jnp.arange(b), best]
-    path = slots[best]  # [B, D + 1]
+    path = slots[best]  # [B, depth + 1]
     d = path.shape[1] - 1
     path_tokens = jnp.pad(jnp.take_along_axis(nodes, jnp.clip(path[:, 1:] - 1, 0, k - 1), axis=1),
                           ((0, 0), (0, k - d)))
@@ -166,14 +167,14 @@ def move_accepted(pages: tuple[jax.Array, ...], tree: DraftTree, block_table: ja
     """Copy the K/V of the accepted path's nodes from their tree slots to their sequence positions.
 
     pages: the runner's `kv_pages`, arrays [N, S, ...] (K, V and any scales); block_table int32[B, M];
-    start, qn, accepted int32[B]; path_nodes int32[B, D + 1]. A chain is already in place: returned unchanged.
+    start, qn, accepted int32[B]; path_nodes int32[B, depth + 1]. A chain is already in place: returned unchanged.
     """
     if is_chain(tree):
         return pages
     n, s = pages[0].shape[:2]
     depth = jnp.arange(path_nodes.shape[1], dtype=i32)[None, :]
     base = (start + qn - 1)[:, None]
-    src_pos, dst_pos = base + path_nodes, base + depth  # [B, D + 1]
+    src_pos, dst_pos = base + path_nodes, base + depth  # [B, depth + 1]
     m = block_table.shape[1]
     to_slot = lambda pos: (jnp.take_along_axis(block_table, jnp.clip(pos // s, 0, m - 1), axis=1) * s  # noqa: E731
                            + pos % s)

@@ -10,11 +10,11 @@ It calls the *same* `add_unchecked` / `schedule_unchecked` / `update_unchecked` 
 of the scheduler), so with the same trace, output tokens and acceptance the scheduling is the engine's, step for
 step. What replaces the model:
 
-* `SimTrace.tokens` [R, W]: each request's full token sequence (prompt, then its outputs). The scheduler appends
-  these as the "model's" tokens, so the prefix cache hashes what a real run would. Synthetic outputs
-  (`synthetic_outputs`) or, to replay a real run, the engine's outputs.
-* `SimTrace.accept_run` [R, W]: at a sequence holding n tokens, how many of its next drafts the target accepts
-  if offered K (a row granted d drafts accepts min(d, run)). From an acceptance model (`chain_acceptance`) or,
+* `SimTrace.tokens` [requests, width]: each request's full token sequence (prompt, then its outputs). The
+  scheduler appends these as the "model's" tokens, so the prefix cache hashes what a real run would. Synthetic
+  outputs (`synthetic_outputs`) or, to replay a real run, the engine's outputs.
+* `SimTrace.accept_run` [requests, width]: at a sequence holding n tokens, how many of its next drafts the target
+  accepts if offered K (a row granted d drafts accepts min(d, run)). From an acceptance model (`chain_acceptance`) or,
   for a greedy engine run, from the model itself (`replay_acceptance`): with greedy Medusa verification the
   accepted run depends only on the text, not on the schedule.
 
@@ -42,11 +42,13 @@ i32, f32 = jnp.int32, jnp.float32
 
 @struct.dataclass
 class SimTrace:
-    """A trace as arrays, R requests in arrival order (ties by request id), W = max_len + K + 1 columns.
+    """A trace as arrays: its requests in arrival order (ties by request id), width = max_len + K + 1 columns.
 
-    prompts int32[R, L] (prompt tokens, 0-padded); prompt_len, max_new, priority int32[R]; arrival float32[R]
-    seconds; tokens int32[R, W] prompt then outputs; accept_run int32[R, W] (see the module docstring);
-    request_id int32[R] the trace's ids (the simulator itself numbers requests 0..R-1)."""
+    prompts int32[requests, M*S] (prompt tokens, 0-padded); prompt_len, max_new, priority int32[requests];
+    arrival float32[requests]
+    seconds; tokens int32[requests, width] prompt then outputs; accept_run int32[requests, width] (see the module
+    docstring);
+    request_id int32[requests] the trace's ids (the simulator itself numbers requests from 0)."""
 
     prompts: jax.Array
     prompt_len: jax.Array
@@ -60,27 +62,28 @@ class SimTrace:
 
 @struct.dataclass
 class SimLog:
-    """Per step [T] (entries with active False are padding after the trace finished) and per request [R].
+    """Per step [steps] (entries with active False are padding after the trace finished) and per request
+    [requests].
     blocks_used counts blocks held out of the run's KV budget `kv_blocks` (withheld blocks are not counted)."""
 
-    active: jax.Array  # bool[T]
-    start_time: jax.Array  # float32[T] simulated seconds
+    active: jax.Array  # bool[steps]
+    start_time: jax.Array  # float32[steps] simulated seconds
     duration: jax.Array
-    blocks_used: jax.Array  # int32[T]
+    blocks_used: jax.Array  # int32[steps]
     spec_blocks: jax.Array
-    oom: jax.Array  # bool[T]
+    oom: jax.Array  # bool[steps]
     preempted: jax.Array
     drafted: jax.Array
     accepted: jax.Array
     verifications: jax.Array
     output_tokens: jax.Array
-    num_seqs: jax.Array  # int32[T] sequences in the step (`scheduler.step_shape`)
+    num_seqs: jax.Array  # int32[steps] sequences in the step (`scheduler.step_shape`)
     # Request times are kept relative to the request's arrival: an absolute float32 time near 3,000 s has a
     # resolution of 0.24 ms, a large share of a 13 ms TTFT; a difference taken in the loop does not lose it.
-    ttft: jax.Array  # float32[R] seconds from arrival to the first token, NaN if none
-    e2e: jax.Array  # float32[R] seconds from arrival to the finish, NaN if unfinished
-    admitted_tokens: jax.Array  # int32[R] tokens looked up at admissions (prompt + output so far)
-    cached_tokens: jax.Array  # int32[R] of those, prefix hits
+    ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
+    e2e: jax.Array  # float32[requests] seconds from arrival to the finish, NaN if unfinished
+    admitted_tokens: jax.Array  # int32[requests] tokens looked up at admissions (prompt + output so far)
+    cached_tokens: jax.Array  # int32[requests] of those, prefix hits
     preemptions: jax.Array
     req_drafted: jax.Array
     req_accepted: jax.Array
@@ -161,7 +164,7 @@ def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *
     lens = jnp.asarray(lengths, i32)
     positions = jnp.broadcast_to(jnp.arange(width, dtype=i32)[None, :], (len(ids), width))
     _, hidden, _ = runner.forward(params, jnp.asarray(tokens), positions, cache, table, lens, lens, impl=impl)
-    drafts = np.asarray(jax.vmap(lambda h: runner.draft(params, h))(hidden))[:, :, :k]  # [R, width, K]
+    drafts = np.asarray(jax.vmap(lambda h: runner.draft(params, h))(hidden))[:, :, :k]  # [requests, width, K]
     out = {}
     for row, r in enumerate(ids):
         t, seq = lengths[row], tokens[row]
@@ -248,7 +251,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         ok = (idx < r_n) & (b_idx < free) & (trace.arrival[jnp.clip(idx, 0, r_n - 1)] <= clock)
         ci = jnp.clip(idx, 0, r_n - 1)
 
-        def admit(st):  # most steps admit nobody: skip gathering [B, L] prompts
+        def admit(st):  # most steps admit nobody: skip gathering [B, M*S] prompts
             return sc.add_unchecked(st, jnp.where(ok[:, None], trace.prompts[ci], 0),
                                     jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
                                     trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]

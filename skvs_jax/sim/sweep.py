@@ -9,7 +9,7 @@ A lane is one simulation. Everything that differs between lanes is data, so all 
                  so a multi-turn trace's think times would shrink too: `skvs simulate --sweep` stacks a trace
                  per rate for such workloads instead
   trace          which of the stacked traces to run (traces of different seeds, or workloads, stacked by
-                 `stack`; they must share R requests and the table widths)
+                 `stack`; they must share the request count and the table widths)
 
 What is static (and so needs its own compiled program): the policy's switches, the cache geometry and the
 batch-size bound (`SchedulerConfig`), the cost model, and the number of steps. Comparing policies is therefore
@@ -49,7 +49,7 @@ DP = distributed.DP  # the mesh axis lanes are sharded over
 
 @struct.dataclass
 class Lane:
-    """One simulation's data; batch every leaf along a leading axis [P] for a sweep."""
+    """One simulation's data; batch every leaf along a leading axis [lanes] for a sweep."""
 
     knobs: Knobs
     kv_blocks: jax.Array  # int32[]
@@ -58,7 +58,7 @@ class Lane:
 
 
 def stack(traces: Sequence[SimTrace]) -> SimTrace:
-    """Stack traces of equal shapes (same request count and `SchedulerConfig`) along a new leading axis [S]."""
+    """Stack traces of equal shapes (same request count and `SchedulerConfig`) along a new leading axis [traces]."""
     if not traces:
         raise ValueError("traces must hold at least one SimTrace")
     shapes = {tuple(x.shape for x in jax.tree.leaves(t)) for t in traces}
@@ -71,7 +71,7 @@ def grid(base: Knobs, *, cfg: sc.SchedulerConfig, draft_len: Sequence[int] | Non
          max_spec_ratio: Sequence[float] | None = None, kv_blocks: Sequence[int] | None = None,
          arrival_scale: Sequence[float] = (1.0,), traces: Sequence[int] = (0,),
          verify_budget: Sequence[int] | None = None) -> tuple[Lane, list[dict]]:
-    """The Cartesian product of the given values as batched lanes [P], and one label dict per lane (same order).
+    """The Cartesian product of the given values as batched lanes [lanes], and one label dict per lane (same order).
     Omitted knobs keep `base`'s value; kv_blocks defaults to the whole pool."""
     axes = {
         "draft_len": list(draft_len) if draft_len is not None else [int(base.draft_len)],
@@ -157,7 +157,7 @@ def _advance_jit(carry, traces, lanes, *, cfg, cost, steps, mesh, strategy):
 
 def run(traces: SimTrace, lanes: Lane, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
         chunk: int | None = None, mesh: Mesh | None = None, strategy: str = "vmap") -> tuple[sc.SchedState, SimLog]:
-    """Simulate every lane: final states and logs batched [P, ...] in lane order. traces: stacked [S, ...].
+    """Simulate every lane: final states and logs batched [lanes, ...] in lane order. traces: stacked [traces, ...].
 
     The lanes advance together `chunk` steps per compiled call (default: max_steps in one call) until every lane
     is done or max_steps (rounded up to a whole chunk) have run; the log has one row per step run, inactive
@@ -228,5 +228,6 @@ def summaries(logs: SimLog, traces: SimTrace, lanes: Lane, cfg: sc.SchedulerConf
 
 
 def finished(states: sc.SchedState) -> np.ndarray:
-    """int[P] requests each lane finished (compare with the trace's R: a lane short of it ran out of steps)."""
+    """int[lanes] requests each lane finished (compare with the trace's request count: a lane short of it ran out
+    of steps)."""
     return np.asarray(states.counters.finished)
