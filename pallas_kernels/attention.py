@@ -42,22 +42,22 @@ _XLA_CHUNK_TOKENS = 32  # tokens per online-softmax step of the XLA path (measur
 def visibility(pos, context_lens, query_lens, tree_mask, num_queries: int) -> jax.Array:
     """Which key positions each query row may attend to.
 
-    pos [P] int32 key positions; context_lens, query_lens [B]; tree_mask [B, Q, Q] bool or None.
-    Returns [B, Q, P] bool.
+    pos [keys] int32 key positions; context_lens, query_lens [B]; tree_mask [B, Q, Q] bool or None.
+    Returns [B, Q, keys] bool.
     """
     qi = jnp.arange(num_queries, dtype=jnp.int32)[None, :, None]  # [1, Q, 1]
-    p = pos[None, None, :]  # [1, 1, P]
+    p = pos[None, None, :]  # [1, 1, keys]
     ctx = context_lens[:, None, None]  # [B, 1, 1]
     qlen = query_lens[:, None, None]  # [B, 1, 1]
     prefix = ctx - qlen
     if tree_mask is None:
         seen = p <= prefix + qi
     else:
-        j = p - prefix  # [B, 1, P] index of the key among the query tokens
+        j = p - prefix  # [B, 1, keys] index of the key among the query tokens
         in_tree = (j >= 0) & (j < qlen) & (j < num_queries)  # a traced qlen > Q: keys past Q are not in the tree
         jc = jnp.clip(j, 0, num_queries - 1)
         jc = jnp.broadcast_to(jc, (tree_mask.shape[0], num_queries, pos.shape[0]))
-        tree = jnp.take_along_axis(tree_mask, jc, axis=2)  # [B, Q, P]
+        tree = jnp.take_along_axis(tree_mask, jc, axis=2)  # [B, Q, keys]
         seen = (p < prefix) | (in_tree & tree)
     return seen & (p < ctx) & (p >= 0) & (qi < qlen)
 
@@ -80,20 +80,20 @@ def paged_attention_reference(
     B, Q, Hq, D = q.shape
     _, S, Hkv, _ = k_pages.shape
     M = block_tables.shape[1]
-    G, L = Hq // Hkv, M * S
+    G, keys = Hq // Hkv, M * S
     scale = jnp.float32(1.0 / math.sqrt(D) if sm_scale is None else sm_scale)
     if query_lens is None:
         query_lens = jnp.full((B,), Q, jnp.int32)
-    k = c.dequantize_kv(k_pages, k_scales)[block_tables].reshape(B, L, Hkv, D)
-    v = c.dequantize_kv(v_pages, v_scales)[block_tables].reshape(B, L, Hkv, D)
-    seen = visibility(jnp.arange(L, dtype=jnp.int32), context_lens, query_lens, tree_mask, Q)  # [B, Q, L]
-    in_ctx = jnp.arange(L)[None, :] < context_lens[:, None]  # [B, L]
+    k = c.dequantize_kv(k_pages, k_scales)[block_tables].reshape(B, keys, Hkv, D)
+    v = c.dequantize_kv(v_pages, v_scales)[block_tables].reshape(B, keys, Hkv, D)
+    seen = visibility(jnp.arange(keys, dtype=jnp.int32), context_lens, query_lens, tree_mask, Q)  # [B, Q, keys]
+    in_ctx = jnp.arange(keys)[None, :] < context_lens[:, None]  # [B, keys]
     v = jnp.where(in_ctx[:, :, None, None], v, 0.0)  # NaN / garbage outside the context never reaches the sum
 
     qf = q.astype(jnp.float32).reshape(B, Q, Hkv, G, D)
     logits = jnp.einsum("bqhgd,blhd->bhgql", qf, k, precision=lax.Precision.HIGHEST) * scale
     logits = _soft_cap(logits, soft_cap)
-    mask = seen[:, None, None, :, :]  # [B, 1, 1, Q, L]
+    mask = seen[:, None, None, :, :]  # [B, 1, 1, Q, keys]
     logits = jnp.where(mask, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -113,9 +113,9 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
     _, S, Hkv, _ = k_pages.shape
     M = block_tables.shape[1]
     G = Hq // Hkv
-    P = max(1, _XLA_CHUNK_TOKENS // S)  # blocks per step
-    C = P * S  # tokens per step
-    M_pad = -(-M // P) * P
+    pages = max(1, _XLA_CHUNK_TOKENS // S)  # blocks per step
+    chunk = pages * S  # tokens per step
+    M_pad = -(-M // pages) * pages
     tables = jnp.pad(block_tables, ((0, 0), (0, M_pad - M)))  # pad with the null block (masked anyway)
     # Keys end at the table (M * S) even if a traced context_lens runs past it, as in the reference: the padding
     # above is the null block, which must never be read as context.
@@ -125,13 +125,13 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
 
     def step(i, carry):
         m, l, acc = carry  # [B, Hkv, G, Q], [B, Hkv, G, Q], [B, Hkv, G, Q, D]
-        ids = lax.dynamic_slice_in_dim(tables, i * P, P, axis=1)  # [B, P]
-        kc = c.dequantize_kv(k_pages[ids], None if k_scales is None else k_scales[ids]).reshape(B, C, Hkv, D)
-        vc = c.dequantize_kv(v_pages[ids], None if v_scales is None else v_scales[ids]).reshape(B, C, Hkv, D)
-        pos = i * C + jnp.arange(C, dtype=jnp.int32)
+        ids = lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)  # [B, pages]
+        kc = c.dequantize_kv(k_pages[ids], None if k_scales is None else k_scales[ids]).reshape(B, chunk, Hkv, D)
+        vc = c.dequantize_kv(v_pages[ids], None if v_scales is None else v_scales[ids]).reshape(B, chunk, Hkv, D)
+        pos = i * chunk + jnp.arange(chunk, dtype=jnp.int32)
         vc = jnp.where((pos[None, :] < key_end[:, None])[:, :, None, None], vc, 0.0)
         in_table = (pos < M * S)[None, None, None, None, :]
-        seen = visibility(pos, context_lens, query_lens, tree, Q)[:, None, None] & in_table  # [B, 1, 1, Q, C]
+        seen = visibility(pos, context_lens, query_lens, tree, Q)[:, None, None] & in_table  # [B, 1, 1, Q, chunk]
         s = jnp.einsum("bhgqd,bchd->bhgqc", qf, kc, precision=lax.Precision.HIGHEST)
         s = jnp.where(seen, _soft_cap(s, soft_cap), -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
@@ -142,20 +142,21 @@ def _paged_attention_xla(q, k_pages, v_pages, block_tables, context_lens, query_
         acc = alpha[..., None] * acc + jnp.einsum("bhgqc,bchd->bhgqd", p, vc, precision=lax.Precision.HIGHEST)
         return m_new, l, acc
 
-    steps = (jnp.max(context_lens, initial=0) + C - 1) // C
+    steps = (jnp.max(context_lens, initial=0) + chunk - 1) // chunk
     init = (jnp.full((B, Hkv, G, Q), -jnp.inf), jnp.zeros((B, Hkv, G, Q)), jnp.zeros((B, Hkv, G, Q, D)))
-    _, l, acc = lax.fori_loop(0, jnp.minimum(steps, M_pad // P), step, init)
+    _, l, acc = lax.fori_loop(0, jnp.minimum(steps, M_pad // pages), step, init)
     out = jnp.where(l[..., None] == 0, 0.0, acc / jnp.where(l == 0, 1.0, l)[..., None])  # NaN stays NaN
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Q, Hq, D).astype(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- Pallas path
-def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap, quantised, has_tree, use_dot,
-                      dot_dtype):
-    """Program (b, h, p): rows [R, D] = the Q*G query rows of sequence b sharing KV head h, over steps
+def _attention_kernel(*refs, S, PP, G, num_words, max_keys, steps_per_split, sm_scale, soft_cap, quantised, has_tree,
+                      use_dot, dot_dtype):
+    """Program (b, h, p): rows [num_rows, D] = the Q*G query rows of sequence b sharing KV head h, over steps
     [p * steps_per_split, (p + 1) * steps_per_split) of the sequence (split-K, flash-decoding style); step j
-    gathers the PP blocks block_tables[b, j*PP : (j+1)*PP], i.e. C = PP*S tokens.
-    Writes the normalised partial output [R, D], its row max m [R] and row sum l [R]; the wrapper merges."""
+    gathers the PP blocks block_tables[b, j*PP : (j+1)*PP], i.e. chunk = PP*S tokens.
+    Writes the normalised partial output [num_rows, D], its row max m [num_rows] and row sum l [num_rows]; the
+    wrapper merges."""
     refs = list(refs)
     q_ref, bt_ref, ctx_ref, qlen_ref = refs[:4]
     bits_ref = refs[4] if has_tree else None
@@ -164,28 +165,28 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
     o_ref, m_ref, l_ref = refs[-3:]
 
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    R, D = q_ref.shape
+    num_rows, D = q_ref.shape
     ctx = ctx_ref[b]
     qlen = qlen_ref[b]
     prefix = ctx - qlen
-    key_end = jnp.minimum(ctx, L)  # L = M * S: keys end at the table, never in the null-block padding
+    key_end = jnp.minimum(ctx, max_keys)  # max_keys = M * S: keys end at the table, never in the null-block padding
     q = q_ref[...]
     q = q.astype(jnp.float32) * jnp.float32(sm_scale) if dot_dtype == jnp.float32 else q
-    C = PP * S  # tokens per step
-    qi = lax.broadcasted_iota(jnp.int32, (R, C), 0) // G  # query index of each row
-    col = lax.broadcasted_iota(jnp.int32, (R, C), 1)
-    words = [bits_ref[b, w, :][:, None] for w in range(W)] if has_tree else []  # W x [R, 1]
+    chunk = PP * S  # tokens per step
+    qi = lax.broadcasted_iota(jnp.int32, (num_rows, chunk), 0) // G  # query index of each row
+    col = lax.broadcasted_iota(jnp.int32, (num_rows, chunk), 1)
+    words = [bits_ref[b, w, :][:, None] for w in range(num_words)] if has_tree else []  # num_words x [num_rows, 1]
     precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
 
     def body(j, carry):
-        m, l, acc = carry  # [R], [R], [R, D] float32
+        m, l, acc = carry  # [num_rows], [num_rows], [num_rows, D] float32
         blk = bt_ref[b, pl.ds(j * PP, PP)]  # [PP] block ids
-        k = k_ref[blk, :, h, :].reshape(C, D)  # gather PP pages -> [C, D]
-        v = v_ref[blk, :, h, :].reshape(C, D)
+        k = k_ref[blk, :, h, :].reshape(chunk, D)  # gather PP pages -> [chunk, D]
+        v = v_ref[blk, :, h, :].reshape(chunk, D)
         if quantised:
-            k = k.astype(jnp.float32) * ks_ref[blk, :, h].reshape(C)[:, None]
-            v = v.astype(jnp.float32) * vs_ref[blk, :, h].reshape(C)[:, None]
-        pos = j * C + col  # [R, C]
+            k = k.astype(jnp.float32) * ks_ref[blk, :, h].reshape(chunk)[:, None]
+            v = v.astype(jnp.float32) * vs_ref[blk, :, h].reshape(chunk)[:, None]
+        pos = j * chunk + col  # [num_rows, chunk]
         if use_dot:
             s = jnp.dot(q, k.astype(dot_dtype).T, preferred_element_type=jnp.float32, precision=precision)
         else:
@@ -194,8 +195,8 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
             s = s * jnp.float32(sm_scale)
         s = _soft_cap(s, soft_cap)
         if has_tree:
-            jj = jnp.clip(pos - prefix, 0, 32 * W - 1)
-            word = words[0] if W == 1 else sum(jnp.where((jj >> 5) == w, words[w], 0) for w in range(W))
+            jj = jnp.clip(pos - prefix, 0, 32 * num_words - 1)
+            word = words[0] if num_words == 1 else sum(jnp.where((jj >> 5) == w, words[w], 0) for w in range(num_words))
             in_tree = ((word >> (jj & 31)) & 1) == 1
             seen = (pos < prefix) | ((pos >= prefix) & in_tree)
         else:
@@ -204,10 +205,10 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
         s = jnp.where(seen, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.where(seen, jnp.exp(s - m_safe[:, None]), 0.0)  # [R, C]
+        p = jnp.where(seen, jnp.exp(s - m_safe[:, None]), 0.0)  # [num_rows, chunk]
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=1)
-        in_ctx = (j * C + lax.broadcasted_iota(jnp.int32, (C, D), 0)) < key_end
+        in_ctx = (j * chunk + lax.broadcasted_iota(jnp.int32, (chunk, D), 0)) < key_end
         v = jnp.where(in_ctx, v.astype(jnp.float32), 0.0)  # garbage past the context never reaches the sum
         if use_dot:
             pv = jnp.dot(p.astype(dot_dtype), v.astype(dot_dtype), preferred_element_type=jnp.float32,
@@ -216,9 +217,10 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
             pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
         return m_new, l, alpha[:, None] * acc + pv
 
-    init = (jnp.full((R,), -jnp.inf, jnp.float32), jnp.zeros((R,), jnp.float32), jnp.zeros((R, D), jnp.float32))
+    init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.float32),
+            jnp.zeros((num_rows, D), jnp.float32))
     first = split * steps_per_split
-    last = jnp.minimum(first + steps_per_split, (key_end + C - 1) // C)
+    last = jnp.minimum(first + steps_per_split, (key_end + chunk - 1) // chunk)
     m, l, acc = lax.fori_loop(first, jnp.maximum(first, last), body, init)
     o_ref[...] = jnp.where(l[:, None] == 0, 0.0, acc / jnp.where(l == 0, 1.0, l)[:, None])  # NaN stays NaN
     m_ref[...] = m
@@ -226,11 +228,12 @@ def _attention_kernel(*refs, S, PP, G, W, L, steps_per_split, sm_scale, soft_cap
 
 
 def _merge_splits(o, m, l):
-    """o [..., P, R, D] normalised partials, m/l [..., P, R] -> [..., R, D]; rows that saw nothing give 0."""
-    m_max = jnp.max(m, axis=-2, keepdims=True)  # [..., 1, R]
+    """o [..., splits, rows, D] normalised partials, m/l [..., splits, rows] -> [..., rows, D]; rows that saw
+    nothing give 0."""
+    m_max = jnp.max(m, axis=-2, keepdims=True)  # [..., 1, rows]
     m_safe = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = l * jnp.exp(m - m_safe)  # [..., P, R]; 0 for splits that saw nothing
-    total = jnp.sum(w, axis=-2)  # [..., R]
+    w = l * jnp.exp(m - m_safe)  # [..., splits, rows]; 0 for splits that saw nothing
+    total = jnp.sum(w, axis=-2)  # [..., rows]
     out = jnp.sum(w[..., None] * o, axis=-3)
     return jnp.where(total[..., None] == 0, 0.0, out / jnp.where(total == 0, 1.0, total)[..., None])
 
@@ -249,12 +252,13 @@ def default_pages_per_step(S: int) -> int:
     return max(1, 64 // S)
 
 
-def _tree_bits(tree_mask, W: int) -> jax.Array:
-    """tree_mask [B, Q, Q] bool -> [B, W, Q] int32 bit words: bit j % 32 of word j // 32 is tree_mask[b, i, j]."""
+def _tree_bits(tree_mask, num_words: int) -> jax.Array:
+    """tree_mask [B, Q, Q] bool -> [B, num_words, Q] int32 bit words: bit j % 32 of word j // 32 is
+    tree_mask[b, i, j]."""
     B, Q, _ = tree_mask.shape
-    t = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, 32 * W - Q))).reshape(B, Q, W, 32).astype(jnp.uint32)
+    t = jnp.pad(tree_mask, ((0, 0), (0, 0), (0, 32 * num_words - Q))).reshape(B, Q, num_words, 32).astype(jnp.uint32)
     weights = jnp.arange(32, dtype=jnp.uint32)[None, None, None, :]
-    bits = jnp.sum(t << weights, axis=-1, dtype=jnp.uint32)  # [B, Q, W]
+    bits = jnp.sum(t << weights, axis=-1, dtype=jnp.uint32)  # [B, Q, num_words]
     return jnp.transpose(lax.bitcast_convert_type(bits, jnp.int32), (0, 2, 1))
 
 
@@ -273,42 +277,44 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, que
     # steps with the null block (masked by context_lens).
     PP = min(pl.next_power_of_2(max(1, pages_per_step)), pl.next_power_of_2(block_tables.shape[1]))
     use_dot = PP * S >= 16 and D >= 16  # Triton's tl.dot needs every dimension >= 16
-    R = Q * G
-    Rp = max(16 if use_dot else 1, pl.next_power_of_2(R))  # Triton tensors are powers of two
-    rows = jnp.transpose(q.reshape(B, Q, Hkv, G, D), (0, 2, 1, 3, 4)).reshape(B, Hkv, R, D)
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))
+    num_rows = Q * G
+    rows_padded = max(16 if use_dot else 1, pl.next_power_of_2(num_rows))  # Triton tensors are powers of two
+    rows = jnp.transpose(q.reshape(B, Q, Hkv, G, D), (0, 2, 1, 3, 4)).reshape(B, Hkv, num_rows, D)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, rows_padded - num_rows), (0, 0)))
     if quantised or q.dtype != dot_dtype:
         rows = rows.astype(dot_dtype)
-    W = -(-Q // 32)
+    num_words = -(-Q // 32)
     M = block_tables.shape[1]
     steps = -(-M // PP)
     tables = jnp.pad(block_tables, ((0, 0), (0, steps * PP - M)))  # whole steps; padding is the null block
     inputs = [rows, tables, context_lens, query_lens]
     if has_tree:
-        bits = jnp.repeat(_tree_bits(tree_mask, W), G, axis=2)  # [B, W, R]: row r belongs to query r // G
-        inputs.append(jnp.pad(bits, ((0, 0), (0, 0), (0, Rp - R))))
+        # [B, num_words, num_rows]: row r belongs to query r // G
+        bits = jnp.repeat(_tree_bits(tree_mask, num_words), G, axis=2)
+        inputs.append(jnp.pad(bits, ((0, 0), (0, 0), (0, rows_padded - num_rows))))
     inputs += [k_pages, v_pages] + ([k_scales, v_scales] if quantised else [])
-    P = max(1, min(num_splits, steps))
+    splits = max(1, min(num_splits, steps))
     whole = pl.no_block_spec
-    in_specs = [pl.BlockSpec((None, None, Rp, D), lambda b, h, p: (b, h, 0, 0))] + [whole] * (len(inputs) - 1)
+    in_specs = [pl.BlockSpec((None, None, rows_padded, D), lambda b, h, p: (b, h, 0, 0))] + [whole] * (len(inputs) - 1)
     kernel = functools.partial(
-        _attention_kernel, S=S, PP=PP, G=G, W=W, L=M * S, steps_per_split=-(-steps // P), sm_scale=sm_scale,
-        soft_cap=soft_cap, quantised=quantised, has_tree=has_tree, use_dot=use_dot, dot_dtype=dot_dtype)
+        _attention_kernel, S=S, PP=PP, G=G, num_words=num_words, max_keys=M * S,
+        steps_per_split=-(-steps // splits), sm_scale=sm_scale, soft_cap=soft_cap, quantised=quantised,
+        has_tree=has_tree, use_dot=use_dot, dot_dtype=dot_dtype)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, P),
+        grid=(B, Hkv, splits),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, Rp, D), lambda b, h, p: (b, h, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, Rp), lambda b, h, p: (b, h, p, 0)),
-                   pl.BlockSpec((None, None, None, Rp), lambda b, h, p: (b, h, p, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, P, Rp, D), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, P, Rp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, P, Rp), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, None, None, rows_padded, D), lambda b, h, p: (b, h, p, 0, 0)),
+                   pl.BlockSpec((None, None, None, rows_padded), lambda b, h, p: (b, h, p, 0)),
+                   pl.BlockSpec((None, None, None, rows_padded), lambda b, h, p: (b, h, p, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, splits, rows_padded, D), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, splits, rows_padded), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, splits, rows_padded), jnp.float32)],
         interpret=interpret,
         name="skvs_paged_attention",
         **c.pallas_kwargs(interpret, num_warps=4, num_stages=2),
     )(*inputs)
-    out = _merge_splits(o, m, l)[:, :, :R].reshape(B, Hkv, Q, G, D)  # [B, Hkv, Q, G, D]
+    out = _merge_splits(o, m, l)[:, :, :num_rows].reshape(B, Hkv, Q, G, D)  # [B, Hkv, Q, G, D]
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(B, Q, Hq, D).astype(q.dtype)
 
 

@@ -1,5 +1,9 @@
 """Tiny Llama and Medusa heads in Flax NNX, with a Hugging Face checkpoint loader, a CPU trainer and shipped weights.
 
+Dimension names are the project's (`skvs_jax/__init__.py`): B sequences, T tokens in one forward call, Hq / Hkv
+heads, D head dim, L layers, V vocabulary; and Dm the model width. Other dimensions are words (`heads` for the
+Medusa heads, `paths` and `depth` for a draft tree, `prompt_len`).
+
 Modules (each reads top to bottom):
   llama       LlamaConfig, Llama (dense forward; paged prefill / multi-query on `pallas_kernels`), KVCache
   medusa      MedusaConfig, MedusaHeads (Medusa-1: residual SiLU block + own LM head per head)

@@ -10,7 +10,7 @@
   overwritten by the next step (the kernel never reads past `context_lens`).
 
 Each sequence gets its own contiguous run of blocks (block 0 is the null block). Prompts in a batch share one
-length. Dimensions: B sequences, P prompt length, K drafts, V vocab, Dm width.
+length. Dimensions: B sequences, `prompt_len` the prompt length, K drafts, V vocab, Dm width.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ def _dense_next(graphdef, state, tokens, t):
 
 
 def greedy_reference(model: Llama, prompts: np.ndarray, num_new: int) -> np.ndarray:
-    """prompts [B, P] -> [B, P + num_new]: one full dense forward over the sequence per generated token.
+    """prompts [B, prompt_len] -> [B, prompt_len + num_new]: one full dense forward over the sequence per generated
+    token.
 
-    The sequence sits in a fixed buffer of length P + num_new; causal masking keeps the not-yet-generated tail
+    The sequence sits in a fixed buffer of length prompt_len + num_new; causal masking keeps the not-yet-generated tail
     (zeros) from influencing earlier positions, so one compilation serves every step.
     """
     prompts = check_prompts(model, prompts)
@@ -82,10 +83,10 @@ def contiguous_layout(model: Llama, batch: int, max_len: int, block_size: int) -
 
 
 def check_prompts(model: Llama, prompts: np.ndarray) -> np.ndarray:
-    """Validate prompts [B, P] at the API boundary (shape, vocabulary); returns them as int32."""
+    """Validate prompts [B, prompt_len] at the API boundary (shape, vocabulary); returns them as int32."""
     prompts = np.asarray(prompts)
     if prompts.ndim != 2 or prompts.shape[1] < 1:
-        raise ValueError(f"prompts must be [B, P] with P >= 1, got shape {prompts.shape}")
+        raise ValueError(f"prompts must be [B, prompt_len] with prompt_len >= 1, got shape {prompts.shape}")
     check_token_ids(prompts, model.config.vocab_size)
     return prompts.astype(np.int32)
 
@@ -115,7 +116,8 @@ def check_heads(model: Llama, heads) -> None:
 
 
 def greedy_generate(model: Llama, prompts: np.ndarray, num_new: int, *, block_size: int = 16) -> np.ndarray:
-    """prompts [B, P] -> tokens [B, P + num_new]: paged prefill, then paged decode (Q = 1) per token."""
+    """prompts [B, prompt_len] -> tokens [B, prompt_len + num_new]: paged prefill, then paged decode (Q = 1) per
+    token."""
     prompts = check_prompts(model, prompts)
     if check_num_new(num_new) == 0:
         return prompts
@@ -171,7 +173,8 @@ def _medusa_step(graphdef, state, heads_state, cache, tokens, n, hidden, tables,
 def medusa_generate(
     model: Llama, heads: MedusaHeads, prompts: np.ndarray, num_new: int, *, block_size: int = 16
 ) -> tuple[np.ndarray, MedusaStats]:
-    """prompts [B, P] -> (tokens [B, P + num_new] identical to greedy decoding, acceptance statistics)."""
+    """prompts [B, prompt_len] -> (tokens [B, prompt_len + num_new] identical to greedy decoding, acceptance
+    statistics)."""
     prompts = check_prompts(model, prompts)
     check_num_new(num_new)
     check_heads(model, heads)

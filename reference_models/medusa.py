@@ -6,8 +6,7 @@ token at position t + 2 + i (the base LM head predicts t + 1). Each head is `num
 Parameter paths map one-to-one to that repository's `medusa_head.{i}.{j}.linear.{weight,bias}` and
 `medusa_head.{i}.{num_layers}.weight` (see `checkpoint.py`).
 
-Dimensions: Dm model width, V vocab, H heads (here the number of Medusa heads, K in the glossary when they
-draft a chain of K tokens).
+Dimensions: Dm model width, V vocab, `heads` the Medusa heads (K of them draft a chain of K tokens).
 """
 
 from __future__ import annotations
@@ -73,10 +72,10 @@ class MedusaHeads(nnx.Module):
         self.heads = nnx.List([MedusaHead(config, lm_head_init) for _ in range(config.num_heads)])
 
     def __call__(self, hidden: Array) -> Array:
-        """hidden [..., Dm] (base model, after the final norm) -> logits [H, ..., V]; head i predicts t + 2 + i."""
+        """hidden [..., Dm] (base model, after the final norm) -> logits [heads, ..., V]; head i predicts t + 2 + i."""
         return jnp.stack([head(hidden) for head in self.heads])
 
     def draft(self, hidden: Array) -> Array:
-        """Greedy chain of drafts: hidden [B, Dm] at the last committed position t -> tokens [B, H] int32,
+        """Greedy chain of drafts: hidden [B, Dm] at the last committed position t -> tokens [B, heads] int32,
         draft j for position t + 2 + j."""
         return jnp.argmax(self(hidden), axis=-1).T.astype(jnp.int32)

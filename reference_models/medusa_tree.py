@@ -86,7 +86,7 @@ class DraftTree:
 
     @property
     def paths(self) -> tuple[np.ndarray, np.ndarray]:
-        """(slots [P, Dmax + 1] int32, valid [P, Dmax + 1] bool): root-to-leaf slot paths, padded with 0."""
+        """(slots [paths, depth + 1] int32, valid [paths, depth + 1] bool): root-to-leaf slot paths, padded with 0."""
         slot = {c: i + 1 for i, c in enumerate(self.choices)}
         leaves = [c for c in self.choices if not any(o[: len(c)] == c and len(o) > len(c) for o in self.choices)]
         width = 1 + max(len(c) for c in self.choices)
@@ -128,7 +128,7 @@ def _tree_step(graphdefs, tree: DraftTree, state, heads_state, cache, tokens, n,
     model, heads = nnx.merge(graphdefs[0], state), nnx.merge(graphdefs[1], heads_state)
     b, q = tokens.shape[0], tree.num_slots
     head, rank = tree.head_and_rank
-    top = jax.lax.top_k(heads(hidden), int(rank.max()) + 1)[1].astype(jnp.int32)  # [H, B, R]
+    top = jax.lax.top_k(heads(hidden), int(rank.max()) + 1)[1].astype(jnp.int32)  # [heads, B, ranks]
     nodes = top[jnp.asarray(head), :, jnp.asarray(rank)].T  # [B, Q-1]
     last = jnp.take_along_axis(tokens, (n - 1)[:, None], axis=1)  # [B, 1]
     query = jnp.concatenate([last, nodes], axis=1)  # [B, Q]
@@ -136,12 +136,12 @@ def _tree_step(graphdefs, tree: DraftTree, state, heads_state, cache, tokens, n,
     mask = jnp.broadcast_to(jnp.asarray(tree.mask)[None], (b, q, q))
     logits, hiddens, cache = model.forward_paged(query, positions, cache, tables, n - 1 + q, tree_mask=mask)
     targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, Q]: greedy token after each slot
-    path_slots, path_valid = (jnp.asarray(x) for x in tree.paths)  # [P, W]
-    candidates, expected = query[:, path_slots], targets[:, path_slots]  # [B, P, W]
+    path_slots, path_valid = (jnp.asarray(x) for x in tree.paths)  # [paths, depth + 1]
+    candidates, expected = query[:, path_slots], targets[:, path_slots]  # [B, paths, depth + 1]
     accepted_per_path = accepted_prefix_len(candidates[:, :, 1:], expected[:, :, :-1], path_valid[None, :, 1:])
     best = jnp.argmax(accepted_per_path, axis=1)  # [B]
     accepted = jnp.take_along_axis(accepted_per_path, best[:, None], axis=1)[:, 0]  # [B]
-    best_slots = path_slots[best]  # [B, W]
+    best_slots = path_slots[best]  # [B, depth + 1]
     running = n < limit
     # Commit targets along the best path: accepted drafts, then the bonus token, at positions n .. n + a.
     w = best_slots.shape[1]
@@ -152,7 +152,7 @@ def _tree_step(graphdefs, tree: DraftTree, state, heads_state, cache, tokens, n,
     tokens = tokens.at[rows, cols].set(jnp.take_along_axis(targets, best_slots, axis=1), mode="drop")
     # Move the accepted nodes' K/V from cache position n-1+slot to n-1+depth (the root is already in place).
     s = cache.block_size
-    src_pos, dst_pos = (n - 1)[:, None] + best_slots, (n - 1)[:, None] + j  # [B, W]
+    src_pos, dst_pos = (n - 1)[:, None] + best_slots, (n - 1)[:, None] + j  # [B, depth + 1]
     to_slot = lambda pos: (jnp.take_along_axis(tables, pos // s, axis=1) * s + pos % s)  # noqa: E731
     move = write & (j >= 1)
     cache = _move_kv(cache, to_slot(src_pos).reshape(-1), jnp.where(move, to_slot(dst_pos), -1).reshape(-1))
@@ -166,7 +166,8 @@ def _tree_step(graphdefs, tree: DraftTree, state, heads_state, cache, tokens, n,
 def medusa_tree_generate(
     model: Llama, heads: MedusaHeads, prompts: np.ndarray, num_new: int, tree: DraftTree, *, block_size: int = 16
 ) -> tuple[np.ndarray, MedusaStats]:
-    """prompts [B, P] -> (tokens [B, P + num_new] identical to greedy decoding, acceptance statistics)."""
+    """prompts [B, prompt_len] -> (tokens [B, prompt_len + num_new] identical to greedy decoding, acceptance
+    statistics)."""
     prompts = check_prompts(model, prompts)
     check_num_new(num_new)
     check_heads(model, heads)

@@ -137,7 +137,7 @@ def medusa_train_step(graphdef, params, opt, hidden, teacher, prompt_len, peak_l
 
     def loss_fn(p):
         heads = nnx.merge(graphdef, p)
-        logits = heads(hidden)  # [H, B, T, V]
+        logits = heads(hidden)  # [heads, B, T, V]
         t_len = hidden.shape[1]
         total_loss = jnp.float32(0.0)
         for i in range(logits.shape[0]):
@@ -166,7 +166,7 @@ def head_top1_agreement(model: Llama, heads: MedusaHeads, sequences: np.ndarray,
     """Per head i: P(argmax head_i(h_t) == greedy token t + 2 + i) over positions whose target was generated."""
     graphdef, params = nnx.split(model)
     hidden, _ = base_outputs(graphdef, params, jnp.asarray(sequences))
-    preds = np.asarray(jnp.argmax(heads(hidden), axis=-1))  # [H, B, T]
+    preds = np.asarray(jnp.argmax(heads(hidden), axis=-1))  # [heads, B, T]
     rates = []
     for i in range(heads.config.num_heads):
         t = np.arange(prompt_len - 1 - i, sequences.shape[1] - 2 - i)  # targets t + 2 + i >= prompt_len + 1
@@ -181,7 +181,7 @@ def head_agreement_on_text(model: Llama, heads: MedusaHeads, text: np.ndarray) -
     graphdef, params = nnx.split(model)
     hidden, logits = base_outputs(graphdef, params, jnp.asarray(text))
     base = np.asarray(jnp.argmax(logits, axis=-1))  # [B, T]: base prediction for position t + 1
-    preds = np.asarray(jnp.argmax(heads(hidden), axis=-1))  # [H, B, T]
+    preds = np.asarray(jnp.argmax(heads(hidden), axis=-1))  # [heads, B, T]
     t_len = text.shape[1]
     return [float(np.mean(preds[i][:, : t_len - 1 - i] == base[:, 1 + i:])) for i in range(heads.config.num_heads)]
 
