@@ -117,7 +117,7 @@ class PrefixCacheConfig:
 
 @struct.dataclass
 class PrefixCounters:
-    """Cumulative int32 scalars: what inserts and removals did (failures are data, never exceptions)."""
+    """Cumulative int32[] scalars: what inserts and removals did (failures are data, never exceptions)."""
 
     inserted: jax.Array  # entries added
     collisions: jax.Array  # inserts refused: their key is taken by (or shared in the call with) other content
@@ -128,59 +128,45 @@ class PrefixCounters:
 
 @struct.dataclass
 class PrefixCache:
-    """The table. A slot is live iff block > 0; live entries form a forest through `parent`.
+    """The table. A slot is live iff block > 0; live entries form a forest through `parent`."""
 
-    key:           uint32[C, 2]  chain hash of the prefix ending with this block (two lanes)
-    block:         int32[C]      physical block id; 0 = empty slot
-    parent:        int32[C]      block id of the entry one block shorter; ROOT (0) for a first block
-    tokens:        int32[C, S]   the block's token ids (every hit is checked against them)
-    slot_of_block: int32[N]      slot indexing each block, -1 if none (a block is indexed at most once)
-    """
-
-    key: jax.Array
-    block: jax.Array
-    parent: jax.Array
-    tokens: jax.Array
-    slot_of_block: jax.Array
+    key: jax.Array  # uint32[C, 2] chain hash of the prefix ending with this block (two lanes)
+    block: jax.Array  # int32[C] physical block id; 0 = empty slot
+    parent: jax.Array  # int32[C] block id of the entry one block shorter; ROOT (0) for a first block
+    tokens: jax.Array  # int32[C, S] the block's token ids (every hit is checked against them)
+    slot_of_block: jax.Array  # int32[N] slot indexing each block, -1 if none (a block is indexed at most once)
     counters: PrefixCounters
 
 
 @struct.dataclass
 class LookupResult:
-    """Per sequence b (int32):
+    """What `lookup` found, per sequence."""
 
-    num_matched:   [B]     cached full blocks of the prompt before the barrier (for hit-rate metrics)
-    num_blocks:    [B]     blocks to share after the barrier
-    num_tokens:    [B]     num_blocks * S: pass to `allocator.share` with block_ids
-    block_ids:     [B, M]  the shared blocks, NULL_BLOCK past num_blocks
-    spec_boundary: [B]     token index where speculation may start; nothing at or after it is shared
-    """
-
-    num_matched: jax.Array
-    num_blocks: jax.Array
-    num_tokens: jax.Array
-    block_ids: jax.Array
-    spec_boundary: jax.Array
+    num_matched: jax.Array  # int32[B] cached full blocks of the prompt before the barrier (for hit-rate metrics)
+    num_blocks: jax.Array  # int32[B] blocks to share after the barrier
+    num_tokens: jax.Array  # int32[B] num_blocks * S: pass to `allocator.share` with block_ids
+    block_ids: jax.Array  # int32[B, M] the shared blocks, NULL_BLOCK past num_blocks
+    spec_boundary: jax.Array  # int32[B] token index where speculation may start; nothing at or after it is shared
 
 
 @struct.dataclass
 class InsertResult:
-    """block_ids: int32[B, M] blocks newly indexed (NULL_BLOCK elsewhere): pin them with `allocator.set_cached`.
-    num_inserted: int32[B]; collisions, dropped_full, rejected: int32[] refusals in this call."""
+    """What `insert` did."""
 
-    block_ids: jax.Array
-    num_inserted: jax.Array
-    collisions: jax.Array
-    dropped_full: jax.Array
-    rejected: jax.Array
+    block_ids: jax.Array  # int32[B, M] blocks newly indexed (NULL_BLOCK elsewhere): pin them (`allocator.set_cached`)
+    num_inserted: jax.Array  # int32[B]
+    collisions: jax.Array  # int32[] refusals in this call: same key, other content
+    dropped_full: jax.Array  # int32[] refusals in this call: the bucket had no free way
+    rejected: jax.Array  # int32[] refusals in this call: an invalid or already indexed block id
 
 
 @struct.dataclass
 class RemoveResult:
-    """num_removed: int32[] entries removed; descendants: int32[C] ids of entries removed because an ancestor
-    was (NULL_BLOCK-padded): they are still pinned, so unpin them with `allocator.set_cached(..., False)`."""
+    """What `remove` did."""
 
-    num_removed: jax.Array
+    num_removed: jax.Array  # int32[] entries removed
+    # int32[C] ids of entries removed because an ancestor was (NULL_BLOCK-padded): they are still pinned, so unpin
+    # them with `allocator.set_cached(..., False)`
     descendants: jax.Array
 
 

@@ -162,139 +162,92 @@ class SchedulerConfig:
 
 @struct.dataclass
 class SeqTable:
-    """Per-slot request state (the allocator keeps the block tables and computed lengths).
+    """Per-slot request state (the allocator keeps the block tables and computed lengths)."""
 
-    status:          int8[B]      EMPTY / WAITING / RUNNING / SWAPPED / FINISHED
-    tokens:          int32[B, M*S] prompt, then the accepted output tokens; 0 past num_tokens
-    num_tokens:      int32[B]     known tokens (prompt + outputs)
-    prompt_len:      int32[B]
-    max_new_tokens:  int32[B]     the request finishes when it has produced this many
-    priority:        int32[B]     lower is served first
-    arrival:         int32[B]     arrival number (FCFS within a priority)
-    request_id:      int32[B]     the caller's id, -1 for EMPTY
-    swapped_len:     int32[B]     committed tokens of a SWAPPED sequence, held by the host tier
-    num_preemptions: int32[B]
-    num_cached:      int32[B]     prompt tokens served from the prefix cache, summed over admissions
-    accept_hist:     int32[B, K+1] verification steps by number of accepted drafts (adaptive draft length)
-    index_pending:   bool[B]      filled a block that `update` has not offered to the prefix index yet
-    """
-
-    status: jax.Array
-    tokens: jax.Array
-    num_tokens: jax.Array
-    prompt_len: jax.Array
-    max_new_tokens: jax.Array
-    priority: jax.Array
-    arrival: jax.Array
-    request_id: jax.Array
-    swapped_len: jax.Array
-    num_preemptions: jax.Array
-    num_cached: jax.Array
-    accept_hist: jax.Array
-    index_pending: jax.Array
+    status: jax.Array  # int8[B] EMPTY / WAITING / RUNNING / SWAPPED / FINISHED
+    tokens: jax.Array  # int32[B, M*S] prompt, then the accepted output tokens; 0 past num_tokens
+    num_tokens: jax.Array  # int32[B] known tokens (prompt + outputs)
+    prompt_len: jax.Array  # int32[B]
+    max_new_tokens: jax.Array  # int32[B] the request finishes when it has produced this many
+    priority: jax.Array  # int32[B] lower is served first
+    arrival: jax.Array  # int32[B] arrival number (FCFS within a priority)
+    request_id: jax.Array  # int32[B] the caller's id, -1 for EMPTY
+    swapped_len: jax.Array  # int32[B] committed tokens of a SWAPPED sequence, held by the host tier
+    num_preemptions: jax.Array  # int32[B]
+    num_cached: jax.Array  # int32[B] prompt tokens served from the prefix cache, summed over admissions
+    accept_hist: jax.Array  # int32[B, K+1] verification steps by number of accepted drafts (adaptive draft len)
+    index_pending: jax.Array  # bool[B] filled a block that `update` has not offered to the prefix index yet
 
 
 @struct.dataclass
 class SchedCounters:
-    """Cumulative int32 scalars."""
+    """Cumulative int32[] scalars."""
 
-    steps: jax.Array
+    steps: jax.Array  # `update`s
     oom_steps: jax.Array  # steps in which some sequence could not get its blocks without preemption
-    preempt_recompute: jax.Array
-    preempt_swap: jax.Array
-    swap_ins: jax.Array
-    admitted: jax.Array
+    preempt_recompute: jax.Array  # preemptions by recompute (blocks released, back to WAITING)
+    preempt_swap: jax.Array  # preemptions by swap to the host tier
+    swap_ins: jax.Array  # SWAPPED sequences restored
+    admitted: jax.Array  # admissions (a recomputed request is admitted again)
     finished: jax.Array
-    aborted: jax.Array
+    aborted: jax.Array  # requests ended by `abort` before they finished
     prompt_tokens: jax.Array  # tokens to prefill at admission, before prefix hits
     cached_tokens: jax.Array  # of those, served by prefix hits
     drafted: jax.Array  # draft tokens proposed (decode)
     accepted: jax.Array  # of those, accepted
     verifications: jax.Array  # (sequence, step) pairs that verified >= 1 draft
-    output_tokens: jax.Array
+    output_tokens: jax.Array  # tokens appended by `update` (accepted drafts + the target's token)
 
 
 @struct.dataclass
 class SchedState:
-    """The whole scheduler: the KV manager's state (block pool, tables, prefix index), the request table, counters.
+    """The whole scheduler: the KV manager's state (pool, tables, prefix index), the request table, counters."""
 
-    kv:           KVState      the allocator and the prefix index (`kv.manager` keeps them consistent)
-    seqs:         SeqTable     per-slot request state
-    counters:     SchedCounters
-    step:         int32[]      the generation recorded on speculative blocks (one per `update`)
-    next_arrival: int32[]      arrival number of the next added request
-    swap_used:    int32[]      host-tier blocks held by SWAPPED sequences
-    """
-
-    kv: manager.KVState
-    seqs: SeqTable
+    kv: manager.KVState  # the allocator and the prefix index (`kv.manager` keeps them consistent)
+    seqs: SeqTable  # per-slot request state
     counters: SchedCounters
-    step: jax.Array
-    next_arrival: jax.Array
-    swap_used: jax.Array
+    step: jax.Array  # int32[] the generation recorded on speculative blocks (one per `update`)
+    next_arrival: jax.Array  # int32[] arrival number of the next added request
+    swap_used: jax.Array  # int32[] host-tier blocks held by SWAPPED sequences
 
 
 @struct.dataclass
 class Batch:
-    """One step's work, fixed-shape over the B slots.
+    """One step's work, fixed-shape over the B slots."""
 
-    scheduled:    bool[B]      the slot computes tokens this step
-    start:        int32[B]     position of its first query token (its committed length)
-    num_query:    int32[B]     tokens to compute from `tokens` (prefill chunk, or 1 for decode)
-    num_drafts:   int32[B]     draft tokens to propose and verify after them (decode only)
-    num_reserved: int32[B]     draft slots reserved while prefilling (spec_in_prefill); never verified
-    samples:      bool[B]      the step computes the last known token, so it samples a new one
-    block_table:  int32[B, M]  tables after allocation
-    cow_src/dst:  int32[B]     copy block src's KV into dst before the step (NULL_BLOCK: none)
-    swap_out:     bool[B]      preempted by swap this step: copy swap_out_blocks to the host tier first
-    swap_out_blocks: int32[B, M]  their committed blocks, NULL_BLOCK-padded (read before anything is written)
-    swap_in:      bool[B]      restored this step: copy the host copy into the first ceil(restore / S) blocks
-                               of block_table; they compute nothing this step
-    restore:      int32[B]     committed tokens restored by swap_in
-    preempted:    bool[B]      recomputed (blocks released, back to WAITING)
-    admitted:     bool[B]      admitted this step; hit_tokens[B] of them shared from the prefix cache
-    hit_tokens:   int32[B]
-    oom:          bool[]       some sequence could not get its blocks without preemption
-    num_tokens:   int32[]      tokens computed this step (query + drafts + reserved)
-    blocks_used:  int32[]      blocks not on the free stack after allocation (null block excluded)
-    spec_blocks:  int32[]      blocks holding only unvalidated or rejected drafts (SPECULATIVE or STALE)
-    cached_idle:  int32[]      cached blocks no sequence holds (evictable)
-    alloc_ok:     bool[]       every allocation succeeded (False would be a scheduler bug; tests check it)
-    """
-
-    scheduled: jax.Array
-    start: jax.Array
-    num_query: jax.Array
-    num_drafts: jax.Array
-    num_reserved: jax.Array
-    samples: jax.Array
-    block_table: jax.Array
-    cow_src: jax.Array
-    cow_dst: jax.Array
-    swap_out: jax.Array
-    swap_out_blocks: jax.Array
-    swap_in: jax.Array
-    restore: jax.Array
-    preempted: jax.Array
-    admitted: jax.Array
-    hit_tokens: jax.Array
-    oom: jax.Array
-    num_tokens: jax.Array
-    blocks_used: jax.Array
-    spec_blocks: jax.Array
-    cached_idle: jax.Array
-    alloc_ok: jax.Array
+    scheduled: jax.Array  # bool[B] the slot computes tokens this step
+    start: jax.Array  # int32[B] position of its first query token (its committed length)
+    num_query: jax.Array  # int32[B] tokens to compute from `tokens` (prefill chunk, or 1 for decode)
+    num_drafts: jax.Array  # int32[B] draft tokens to propose and verify after them (decode only)
+    num_reserved: jax.Array  # int32[B] draft slots reserved while prefilling (spec_in_prefill); never verified
+    samples: jax.Array  # bool[B] the step computes the last known token, so it samples a new one
+    block_table: jax.Array  # int32[B, M] tables after allocation
+    cow_src: jax.Array  # int32[B] copy block cow_src's KV into cow_dst before the step (NULL_BLOCK: none)
+    cow_dst: jax.Array  # int32[B]
+    swap_out: jax.Array  # bool[B] preempted by swap this step: copy swap_out_blocks to the host tier first
+    swap_out_blocks: jax.Array  # int32[B, M] their committed blocks, NULL_BLOCK-padded (read before any write)
+    swap_in: jax.Array  # bool[B] restored: the host copy goes into the first ceil(restore / S) blocks; computes nothing
+    restore: jax.Array  # int32[B] committed tokens restored by swap_in
+    preempted: jax.Array  # bool[B] recomputed (blocks released, back to WAITING)
+    admitted: jax.Array  # bool[B] admitted this step; hit_tokens[B] of them shared from the prefix cache
+    hit_tokens: jax.Array  # int32[B]
+    oom: jax.Array  # bool[] some sequence could not get its blocks without preemption
+    num_tokens: jax.Array  # int32[] tokens computed this step (query + drafts + reserved)
+    blocks_used: jax.Array  # int32[] blocks not on the free stack after allocation (null block excluded)
+    spec_blocks: jax.Array  # int32[] blocks holding only unvalidated or rejected drafts (SPECULATIVE or STALE)
+    cached_idle: jax.Array  # int32[] cached blocks no sequence holds (evictable)
+    alloc_ok: jax.Array  # bool[] every allocation succeeded (False would be a scheduler bug; tests check it)
 
 
 @struct.dataclass
 class StepShape:
-    """The work of one step, as a model (or a cost model) sees it: int32 scalars."""
+    """The work of one step, as a model (or a cost model) sees it."""
 
-    prefill_tokens: jax.Array  # known tokens of rows that do not sample this step (prompt chunks before the last)
-    decode_tokens: jax.Array  # query tokens of rows that sample: the last chunk or last token, plus draft slots
-    kv_tokens_read: jax.Array  # cached context the attention reads: sum of `start` over scheduled rows
-    num_seqs: jax.Array  # scheduled rows
-    drafting_rows: jax.Array  # rows with draft slots (the draft heads run for them)
+    prefill_tokens: jax.Array  # int32[] known tokens of rows that do not sample (prompt chunks before the last)
+    decode_tokens: jax.Array  # int32[] query tokens of rows that sample: the last chunk or last token, plus draft slots
+    kv_tokens_read: jax.Array  # int32[] cached context the attention reads: sum of `start` over scheduled rows
+    num_seqs: jax.Array  # int32[] scheduled rows
+    drafting_rows: jax.Array  # int32[] rows with draft slots (the draft heads run for them)
 
 
 def step_shape(batch: Batch) -> StepShape:
@@ -313,11 +266,11 @@ def step_shape(batch: Batch) -> StepShape:
 
 @struct.dataclass
 class StepResult:
-    """What `update` did: num_new int32[B] tokens appended; finished bool[B]; accepted int32[B] drafts."""
+    """What `update` did."""
 
-    num_new: jax.Array
-    finished: jax.Array
-    accepted: jax.Array
+    num_new: jax.Array  # int32[B] tokens appended
+    finished: jax.Array  # bool[B]
+    accepted: jax.Array  # int32[B] accepted drafts
 
 
 def init(cfg: SchedulerConfig) -> SchedState:

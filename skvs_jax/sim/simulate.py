@@ -42,52 +42,46 @@ i32, f32 = jnp.int32, jnp.float32
 
 @struct.dataclass
 class SimTrace:
-    """A trace as arrays: its requests in arrival order (ties by request id), width = max_len + K + 1 columns.
+    """A trace as arrays: its requests in arrival order (ties by request id); width = max_len + K + 1 columns."""
 
-    prompts int32[requests, M*S] (prompt tokens, 0-padded); prompt_len, max_new, priority int32[requests];
-    arrival float32[requests]
-    seconds; tokens int32[requests, width] prompt then outputs; accept_run int32[requests, width] (see the module
-    docstring);
-    request_id int32[requests] the trace's ids (the simulator itself numbers requests from 0)."""
-
-    prompts: jax.Array
-    prompt_len: jax.Array
-    max_new: jax.Array
-    priority: jax.Array
-    arrival: jax.Array
-    tokens: jax.Array
-    accept_run: jax.Array
-    request_id: jax.Array
+    prompts: jax.Array  # int32[requests, M*S] prompt tokens, 0-padded
+    prompt_len: jax.Array  # int32[requests]
+    max_new: jax.Array  # int32[requests]
+    priority: jax.Array  # int32[requests]
+    arrival: jax.Array  # float32[requests] seconds
+    tokens: jax.Array  # int32[requests, width] prompt then outputs
+    accept_run: jax.Array  # int32[requests, width] drafts the target accepts at each length (module docstring)
+    request_id: jax.Array  # int32[requests] the trace's ids (the simulator itself numbers requests from 0)
 
 
 @struct.dataclass
 class SimLog:
     """Per step [steps] (entries with active False are padding after the trace finished) and per request
-    [requests].
-    blocks_used counts blocks held out of the run's KV budget `kv_blocks` (withheld blocks are not counted)."""
+    [requests]. blocks_used counts blocks held out of the run's KV budget `kv_blocks` (withheld blocks are not
+    counted)."""
 
     active: jax.Array  # bool[steps]
     start_time: jax.Array  # float32[steps] simulated seconds
-    duration: jax.Array
-    blocks_used: jax.Array  # int32[steps]
-    spec_blocks: jax.Array
+    duration: jax.Array  # float32[steps] simulated seconds (the cost model's step time)
+    blocks_used: jax.Array  # int32[steps] at the step's peak (after allocation, before commit)
+    spec_blocks: jax.Array  # int32[steps] blocks holding only unvalidated or rejected drafts
     oom: jax.Array  # bool[steps]
-    preempted: jax.Array
-    drafted: jax.Array
-    accepted: jax.Array
-    verifications: jax.Array
-    output_tokens: jax.Array
+    preempted: jax.Array  # int32[steps] sequences preempted (recompute or swap)
+    drafted: jax.Array  # int32[steps] draft tokens proposed (and verified)
+    accepted: jax.Array  # int32[steps] of those, accepted
+    verifications: jax.Array  # int32[steps] rows that verified >= 1 draft
+    output_tokens: jax.Array  # int32[steps]
     num_seqs: jax.Array  # int32[steps] sequences in the step (`scheduler.step_shape`)
     # Request times are kept relative to the request's arrival: an absolute float32 time near 3,000 s has a
-    # resolution of 0.24 ms, a large share of a 13 ms TTFT; a difference taken in the loop does not lose it.
+    # resolution of 0.24 ms, a large share of a short TTFT; a difference taken in the loop does not lose it.
     ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
     e2e: jax.Array  # float32[requests] seconds from arrival to the finish, NaN if unfinished
     admitted_tokens: jax.Array  # int32[requests] tokens looked up at admissions (prompt + output so far)
     cached_tokens: jax.Array  # int32[requests] of those, prefix hits
-    preemptions: jax.Array
-    req_drafted: jax.Array
-    req_accepted: jax.Array
-    req_output: jax.Array
+    preemptions: jax.Array  # int32[requests]
+    req_drafted: jax.Array  # int32[requests]
+    req_accepted: jax.Array  # int32[requests]
+    req_output: jax.Array  # int32[requests]
     kv_blocks: jax.Array  # int32[] the KV budget the run had (`simulate`'s kv_blocks)
 
 
