@@ -18,6 +18,15 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def at_least(name: str, value: object, minimum: int) -> int:
+    """A static (Python or numpy) int >= minimum, returned as an int: TypeError for another type, ValueError below."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from skvs_jax import checks
+
 NULL_BLOCK = 0
 """Block id that dead block-table entries point to. Never handed out, never written by a real token."""
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +38,11 @@ class CacheConfig:
     spec_pool_capacity: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("num_blocks", self.num_blocks, 2)
-        _check_int("block_size", self.block_size, 1)
-        _check_int("max_seqs", self.max_seqs, 1)
-        _check_int("max_blocks_per_seq", self.max_blocks_per_seq, 1)
-        _check_int("spec_pool_capacity", self.spec_pool_capacity, 0)
+        checks.at_least("num_blocks", self.num_blocks, 2)
+        checks.at_least("block_size", self.block_size, 1)
+        checks.at_least("max_seqs", self.max_seqs, 1)
+        checks.at_least("max_blocks_per_seq", self.max_blocks_per_seq, 1)
+        checks.at_least("spec_pool_capacity", self.spec_pool_capacity, 0)
         if self.max_blocks_per_seq > self.num_blocks - 1:
             raise ValueError(
                 f"max_blocks_per_seq ({self.max_blocks_per_seq}) cannot exceed the usable blocks "
@@ -105,8 +100,8 @@ class SpecConfig:
     use_spec_pool: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("draft_len", self.draft_len, 0)
-        _check_int("generation_threshold", self.generation_threshold, 0)
+        checks.at_least("draft_len", self.draft_len, 0)
+        checks.at_least("generation_threshold", self.generation_threshold, 0)
         if isinstance(self.max_spec_ratio, bool) or not isinstance(self.max_spec_ratio, (int, float)):
             raise TypeError(f"max_spec_ratio must be a float, got {type(self.max_spec_ratio).__name__}")
         if not (0.0 <= float(self.max_spec_ratio) <= 1.0) or math.isnan(self.max_spec_ratio):

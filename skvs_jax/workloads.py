@@ -123,14 +123,6 @@ class Trace:
 # ---------------------------------------------------------------------------------------------- validation
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not checks.is_int(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_float(name: str, value: object, minimum: float, *, strict: bool) -> float:
     """A finite real >= minimum (> minimum when strict)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -149,7 +141,7 @@ def _check_rate(rate: object) -> float | None:
 
 
 def _check_cap(name: str, value: object) -> int | None:
-    return None if value is None else _check_int(name, value, 1)
+    return None if value is None else checks.at_least(name, value, 1)
 
 
 # -------------------------------------------------------------------------------------------------- drawing
@@ -223,8 +215,8 @@ def sharegpt(num_requests: int, *, seed: int, rate: float | None = None,
     is `max(1, round(scale * x))`, then capped; `scale=1` with no caps (None) reproduces the published means.
     Scaling keeps the distribution's shape (ratio of the means, spread relative to the mean), not its size.
     """
-    num_requests = _check_int("num_requests", num_requests, 1)
-    seed = _check_int("seed", seed, 0)
+    num_requests = checks.at_least("num_requests", num_requests, 1)
+    seed = checks.at_least("seed", seed, 0)
     rate = _check_rate(rate)
     means = [_check_float(k, v, 0.0, strict=True)
              for k, v in (("mean_prompt_len", mean_prompt_len), ("mean_output_len", mean_output_len))]
@@ -255,11 +247,11 @@ def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, n
     uniform popularity), followed by a user suffix whose length follows the ShareGPT prompt fit (scaled,
     capped so that the whole prompt fits `max_prompt_len`); output lengths follow the ShareGPT output fit.
     """
-    num_requests = _check_int("num_requests", num_requests, 1)
-    seed = _check_int("seed", seed, 0)
+    num_requests = checks.at_least("num_requests", num_requests, 1)
+    seed = checks.at_least("seed", seed, 0)
     rate = _check_rate(rate)
-    num_system_prompts = _check_int("num_system_prompts", num_system_prompts, 1)
-    system_prompt_len = _check_int("system_prompt_len", system_prompt_len, 1)
+    num_system_prompts = checks.at_least("num_system_prompts", num_system_prompts, 1)
+    system_prompt_len = checks.at_least("system_prompt_len", system_prompt_len, 1)
     zipf_exponent = _check_float("zipf_exponent", zipf_exponent, 0.0, strict=False)
     scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
     if max_prompt_len is not None and system_prompt_len >= max_prompt_len:
@@ -305,11 +297,11 @@ def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_
     is open-loop, so a replay driver that wants closed-loop behaviour holds a turn until the previous turn of
     its `conversation_id` has finished. Conversations are generated until `num_requests` requests exist.
     """
-    num_requests = _check_int("num_requests", num_requests, 1)
-    seed = _check_int("seed", seed, 0)
+    num_requests = checks.at_least("num_requests", num_requests, 1)
+    seed = checks.at_least("seed", seed, 0)
     rate = _check_rate(rate)
     mean_turns = _check_float("mean_turns", mean_turns, 1.0, strict=False)
-    max_turns = _check_int("max_turns", max_turns, 1)
+    max_turns = checks.at_least("max_turns", max_turns, 1)
     think_time = _check_float("think_time", think_time, 0.0, strict=False)
     scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
     params = {"num_requests": num_requests, "rate": rate, "mean_turns": mean_turns, "max_turns": max_turns,

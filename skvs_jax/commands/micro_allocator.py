@@ -16,7 +16,6 @@ oracle must end in exactly the same state (checked and printed). Times are media
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
@@ -25,18 +24,14 @@ import numpy as np
 
 from skvs_jax import testing
 from skvs_jax.arrays import i32
+from skvs_jax.commands.micro_common import add_pool_arguments, median_us
 from skvs_jax.config import CacheConfig, SpecConfig
 from skvs_jax.kv import allocator
 from skvs_jax.testing.oracle import OracleAllocator
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqs", type=int, default=256, help="sequences in the batch (B)")
-    parser.add_argument("--blocks", type=int, default=65_536, help="blocks in the pool (N)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (S)")
-    parser.add_argument("--max-blocks-per-seq", type=int, default=256, help="block-table width (M)")
-    parser.add_argument("--draft-len", type=int, default=4, help="draft tokens per sequence per step (K)")
-    parser.add_argument("--accept-prob", type=float, default=0.7, help="per-draft acceptance probability")
+    add_pool_arguments(parser, seqs_help="sequences in the batch (B)", max_blocks_per_seq=256)
     parser.add_argument("--steps", type=int, default=200, help="timed steps of the batched allocator")
     parser.add_argument("--steps-per-call", type=int, default=20, help="steps run under one lax.scan per call")
     parser.add_argument("--dispatch-steps", type=int, default=30, help="steps timed one jitted call each")
@@ -105,10 +100,6 @@ def _sequential_step(pm, accepted, *, cfg: CacheConfig, draft_len: int):
 
 
 # ------------------------------------------------------------------------------------------------ run
-
-
-def _median_us(times: list[float]) -> float:
-    return statistics.median(times) * 1e6
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         if c:
             times.append((time.perf_counter() - t0) / chunk)
         failures += int(fails.sum())
-    jax_us = _median_us(times)
+    jax_us = median_us(times)
     # ... and one jitted call per step, dispatch included.
     first = (calls + 1) * chunk
     st, fails = step_jit(st, acc_dev[first], gens[first])
@@ -195,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         jax.block_until_ready(st)
         times.append(time.perf_counter() - t0)
         failures += int(fails)
-    jax_call_us = _median_us(times)
+    jax_call_us = median_us(times)
 
     # 3. plain-Python oracle on exactly the same work, then the two states must agree block for block.
     times = []
@@ -203,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         oracle_step(t)
         times.append(time.perf_counter() - t0)
-    oracle_us = _median_us(times)
+    oracle_us = median_us(times)
     testing.assert_matches_oracle(st, oracle)
 
     # 2. sequential fori_loop search on the same prompts and accept counts, timed the same way.
@@ -225,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         pm = jax.block_until_ready(seq_jit(pm, acc_c))
         if c:
             times.append((time.perf_counter() - t0) / chunk)
-    seq_us = _median_us(times)
+    seq_us = median_us(times)
     assert int(np.asarray(pm["num_blocks"]).sum()) == int(np.sum(-(-np.asarray(pm["lengths"]) // cfg.block_size)))
 
     print("skvs micro allocator: allocate(1) + allocate_speculative(K) + commit(random accept) + reclaim, per step")

@@ -24,20 +24,15 @@ import numpy as np
 
 from skvs_jax import policies, testing
 from skvs_jax import scheduler as sc
-from skvs_jax.commands.micro_allocator import _median_us
+from skvs_jax.commands.micro_common import add_pool_arguments, median_us
 from skvs_jax.config import CacheConfig
 from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seqs", type=int, default=256, help="running sequences (B)")
-    parser.add_argument("--blocks", type=int, default=65_536, help="blocks in the pool (N)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (S)")
-    parser.add_argument("--max-blocks-per-seq", type=int, default=128, help="block-table width (M)")
-    parser.add_argument("--draft-len", type=int, default=4, help="draft tokens per sequence per step (K)")
+    add_pool_arguments(parser, seqs_help="running sequences (B)", max_blocks_per_seq=128)
     parser.add_argument("--policy", default="skvs", choices=sorted(policies.PRESETS), help="scheduling policy")
     parser.add_argument("--prompt-len", type=int, default=512, help="mean prompt length (tokens)")
-    parser.add_argument("--accept-prob", type=float, default=0.7, help="per-draft acceptance probability")
     parser.add_argument("--steps-per-call", type=int, default=10, help="steps run under one lax.scan per call")
     parser.add_argument("--calls", type=int, default=5, help="timed calls (the oracle repeats every step)")
     parser.add_argument("--seed", type=int, default=0)
@@ -130,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             times.append((time.perf_counter() - t0) / n)
         ok &= bool(np.all(np.asarray(good)))
         t += n
-    jax_us = _median_us(times)
+    jax_us = median_us(times)
 
     # 1b. One jitted call per step (the first of these compiles the unscanned step).
     times = []
@@ -143,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             times.append(time.perf_counter() - t0)
         ok &= bool(good)
         t += 1
-    jax_call_us = _median_us(times)
+    jax_call_us = median_us(times)
 
     # 2. The oracle does the same steps, each timed; then both must hold the same state.
     times = []
@@ -151,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         oracle_step(i)
         times.append(time.perf_counter() - t0)
-    oracle_us = _median_us(times)
+    oracle_us = median_us(times)
     testing.assert_matches_oracle(st.kv.alloc, oracle.alloc)
     same_index = testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix) == oracle.index.index
     ok &= same_index

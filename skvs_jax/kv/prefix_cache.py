@@ -90,11 +90,7 @@ class PrefixCacheConfig:
     def __post_init__(self) -> None:
         for name, minimum in (("num_blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1), ("capacity", 1),
                               ("ways", 1), ("hash_bits", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < minimum:
-                raise ValueError(f"{name} must be >= {minimum}, got {value}")
+            checks.at_least(name, getattr(self, name), minimum)
         if self.capacity % self.ways:
             raise ValueError(f"capacity ({self.capacity}) must be a multiple of ways ({self.ways})")
         if self.hash_bits > 32:

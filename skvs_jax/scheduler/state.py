@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from skvs_jax import checks
 from skvs_jax.arrays import i32
 from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager
@@ -102,11 +103,7 @@ class SchedulerConfig:
             raise TypeError(f"policy must be a Policy, got {type(self.policy).__name__}")
         for name, lo in (("max_running", 1), ("token_budget", 1), ("prefill_chunk", 0), ("admit_window", 0),
                          ("swap_blocks", 0), ("index_rows", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {value}")
+            checks.at_least(name, getattr(self, name), lo)
         if self.max_running > self.cache.max_seqs:
             raise ValueError(f"max_running ({self.max_running}) cannot exceed cache.max_seqs "
                              f"({self.cache.max_seqs})")

@@ -9,28 +9,14 @@ from __future__ import annotations
 from hypothesis import strategies as hs
 
 from skvs_jax.config import CacheConfig, SpecConfig
-from skvs_jax.testing.allocator_kit import (
-    MAX_EVICT,
-    SMALL_CONFIGS,
-    SPEC_CONFIGS,
-    Allocate,
-    AllocateSpeculative,
-    Commit,
-    Evict,
-    Fork,
-    Free,
-    Operation,
-    Reclaim,
-    SetCached,
-    SharePrefix,
-)
+from skvs_jax.testing import allocator_kit as kit
 
 
 def cache_configs(fixed: bool = True) -> hs.SearchStrategy[CacheConfig]:
     """Small cache geometries. fixed=True samples a few fixed ones (each compiles once per test session);
     fixed=False draws arbitrary ones (more coverage, one compilation per distinct config)."""
     if fixed:
-        return hs.sampled_from(SMALL_CONFIGS)
+        return hs.sampled_from(kit.SMALL_CONFIGS)
     return hs.builds(
         lambda s, b, m, extra, p: CacheConfig(
             num_blocks=m + 1 + extra, block_size=s, max_seqs=b, max_blocks_per_seq=m, spec_pool_capacity=p
@@ -46,7 +32,7 @@ def cache_configs(fixed: bool = True) -> hs.SearchStrategy[CacheConfig]:
 def spec_configs(fixed: bool = True) -> hs.SearchStrategy[SpecConfig]:
     """Speculation settings covering both release modes with and without the speculative pool."""
     if fixed:
-        return hs.sampled_from(SPEC_CONFIGS)
+        return hs.sampled_from(kit.SPEC_CONFIGS)
     return hs.builds(
         SpecConfig,
         draft_len=hs.integers(0, 8),
@@ -57,7 +43,7 @@ def spec_configs(fixed: bool = True) -> hs.SearchStrategy[SpecConfig]:
     )
 
 
-def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[Operation]:
+def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[kit.Operation]:
     """One random operation for this config, every transition represented."""
     b = cfg.max_seqs
     slots = hs.integers(0, b - 1)
@@ -66,18 +52,18 @@ def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[Operatio
     tokens = hs.one_of(hs.integers(0, 2), hs.integers(0, 3 * cfg.block_size), hs.just(cfg.max_tokens_per_seq))
     vec = lambda elem: hs.lists(elem, min_size=b, max_size=b).map(tuple)  # noqa: E731
     return hs.one_of(
-        hs.builds(Allocate, vec(tokens), order),
-        hs.builds(AllocateSpeculative, vec(hs.integers(0, spec.draft_len)), order),
-        hs.builds(Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
-        hs.builds(Free, vec(hs.booleans())),
-        hs.builds(Fork, vec(hs.integers(-1, b - 1))),
-        hs.builds(SharePrefix, slots, vec(hs.booleans()), hs.sampled_from([0, 0, 1])),
-        hs.builds(SetCached, slots, hs.booleans()),
-        hs.builds(Evict, hs.integers(0, MAX_EVICT)),
-        hs.builds(Reclaim, hs.integers(0, 4)),
+        hs.builds(kit.Allocate, vec(tokens), order),
+        hs.builds(kit.AllocateSpeculative, vec(hs.integers(0, spec.draft_len)), order),
+        hs.builds(kit.Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
+        hs.builds(kit.Free, vec(hs.booleans())),
+        hs.builds(kit.Fork, vec(hs.integers(-1, b - 1))),
+        hs.builds(kit.SharePrefix, slots, vec(hs.booleans()), hs.sampled_from([0, 0, 1])),
+        hs.builds(kit.SetCached, slots, hs.booleans()),
+        hs.builds(kit.Evict, hs.integers(0, kit.MAX_EVICT)),
+        hs.builds(kit.Reclaim, hs.integers(0, 4)),
     )
 
 
 def operation_sequences(cfg: CacheConfig, spec: SpecConfig, max_size: int = 40) -> hs.SearchStrategy:
-    """Lists of operations; a final Free of every slot is appended by `run_sequence`."""
+    """Lists of operations; a final kit.Free of every slot is appended by `run_sequence`."""
     return hs.lists(operations(cfg, spec), max_size=max_size)
