@@ -579,8 +579,8 @@ class CostModel:
         layers; plus, outside Vidur, the embedding, the LM head and the Medusa heads.
 
         What the step shape does not say is filled in mean-field, as the roofline does: a step with prefill
-        tokens has one prefilling row (its chunk P), the other rows decode (at most D of them); each row has the
-        mean context C / B. The LM head runs on the D decode tokens and the prefill's last token; its time, and
+        tokens has one prefilling row (its chunk P), the other rows decode (at most D of them); the decoding rows
+        share the context read C equally and the prefill reads none (a fresh prompt), unless no row decodes. The LM head runs on the D decode tokens and the prefill's last token; its time, and
         the Medusa heads', is the measured up-projection GEMM (the same inner dimension Dm, at the same rows)
         scaled by the weights' ratio (V Dm vs 2 F Dm; both limits of a GEMM, weight-bound and compute-bound,
         scale with it). Sampling is not charged. Where the model or device differs from the profile's, every
@@ -616,14 +616,17 @@ class CostModel:
         save_ms = jnp.where(tokens > 0, jnp.interp(tokens, tab["kv_save_tokens"], tab["kv_save"]), 0.0) * kv_ratio
         prefilling = (p > 0).astype(jnp.float32)
         decoding = jnp.clip(b - prefilling, jnp.minimum(d, 1.0), d)  # rows decoding (1 token each, or verifying)
-        ctx = c / jnp.maximum(b, 1.0)
+        # The context read belongs to the decoding rows when there are any (a fresh prefill reads none), else to
+        # the prefilling rows.
+        ctx = c / jnp.maximum(jnp.where(decoding > 0, decoding, b), 1.0)
         a0, a1, a2, floor = tab["decode"]
         dec_ctx = jnp.ceil(ctx / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else ctx
         decode_ms = jnp.maximum(a0 + a1 * decoding + a2 * decoding * dec_ctx, floor)
         decode_ms = jnp.where(decoding > 0, decode_ms * (1.0 + DECODE_BATCHING_OVERHEAD * (decoding > 1)), 0.0)
         # Vidur prices a chunk's attention with the chunk already counted as cached context (+0.15 ms a layer at
         # 1024 fresh tokens); a real prefill reads only the context before it.
-        pre_ctx = jnp.ceil((ctx + p) / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else ctx
+        pre_ctx = jnp.where(decoding > 0, 0.0, ctx)
+        pre_ctx = jnp.ceil((pre_ctx + p) / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else pre_ctx
         b0, b1, b2, b3, floor = tab["prefill"]
         prefill_ms = jnp.where(p > 0, jnp.maximum(b0 + b1 * p * pre_ctx + b2 * p * p + b3 * p, floor), 0.0)
         attention_ms = save_ms + decode_ms * kv_ratio + prefill_ms * flop_ratio
