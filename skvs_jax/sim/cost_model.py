@@ -622,7 +622,7 @@ class CostModel:
         a0, a1, a2, floor = tab["decode"]
         dec_ctx = jnp.ceil(ctx / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else ctx
         decode_ms = jnp.maximum(a0 + a1 * decoding + a2 * decoding * dec_ctx, floor)
-        decode_ms = jnp.where(decoding > 0, decode_ms * (1.0 + DECODE_BATCHING_OVERHEAD * (decoding > 1)), 0.0)
+        decode_ms = jnp.where(decoding > 0, decode_ms * jnp.where(decoding > 1, 1.0 + DECODE_BATCHING_OVERHEAD, 1.0), 0.0)
         # Vidur prices a chunk's attention with the chunk already counted as cached context (+0.15 ms a layer at
         # 1024 fresh tokens); a real prefill reads only the context before it.
         pre_ctx = jnp.where(decoding > 0, 0.0, ctx)
