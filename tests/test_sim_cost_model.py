@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skvs_jax import policies
-from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device
-from skvs_jax.sim import cost_model
+from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, cost_model, fit_cpu_device
 
 KIB = 1024
 WEIGHTS = pathlib.Path(__file__).resolve().parents[1] / "reference_models" / "weights"
@@ -362,7 +361,7 @@ def test_measured_jit_vmap_and_scan_match_eager():
         assert eager.dtype == jnp.float32 and eager.shape == (16,)
         np.testing.assert_allclose(jax.jit(cost.step_time)(*inputs), eager, rtol=1e-6)
         np.testing.assert_allclose(jax.vmap(cost.step_time)(*inputs), eager, rtol=1e-6)
-        _, per_step = jax.lax.scan(lambda clock, x: (clock + cost.step_time(*x), cost.step_time(*x)),
+        _, per_step = jax.lax.scan(lambda clock, x, c=cost: (clock + c.step_time(*x), c.step_time(*x)),
                                    jnp.float32(0.0), tuple(inputs))
         np.testing.assert_allclose(per_step, eager, rtol=1e-6)
     assert float(MEASURED.step_time(0, 0, 4096, 3, 0)) == 0.0  # an empty step costs nothing in every mode

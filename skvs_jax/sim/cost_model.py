@@ -580,7 +580,8 @@ class CostModel:
 
         What the step shape does not say is filled in mean-field, as the roofline does: a step with prefill
         tokens has one prefilling row (its chunk P), the other rows decode (at most D of them); the decoding rows
-        share the context read C equally and the prefill reads none (a fresh prompt), unless no row decodes. The LM head runs on the D decode tokens and the prefill's last token; its time, and
+        share the context read C equally and the prefill reads none (a fresh prompt), unless no row decodes.
+        The LM head runs on the D decode tokens and the prefill's last token; its time, and
         the Medusa heads', is the measured up-projection GEMM (the same inner dimension Dm, at the same rows)
         scaled by the weights' ratio (V Dm vs 2 F Dm; both limits of a GEMM, weight-bound and compute-bound,
         scale with it). Sampling is not charged. Where the model or device differs from the profile's, every
@@ -622,7 +623,8 @@ class CostModel:
         a0, a1, a2, floor = tab["decode"]
         dec_ctx = jnp.ceil(ctx / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else ctx
         decode_ms = jnp.maximum(a0 + a1 * decoding + a2 * decoding * dec_ctx, floor)
-        decode_ms = jnp.where(decoding > 0, decode_ms * jnp.where(decoding > 1, 1.0 + DECODE_BATCHING_OVERHEAD, 1.0), 0.0)
+        ragged = jnp.where(decoding > 1, 1.0 + DECODE_BATCHING_OVERHEAD, 1.0)
+        decode_ms = jnp.where(decoding > 0, decode_ms * ragged, 0.0)
         # Vidur prices a chunk's attention with the chunk already counted as cached context (+0.15 ms a layer at
         # 1024 fresh tokens); a real prefill reads only the context before it.
         pre_ctx = jnp.where(decoding > 0, 0.0, ctx)
@@ -635,9 +637,10 @@ class CostModel:
         else:
             dm_ref, f_ref = ref_m.hidden_size, ref_m.intermediate_size
             up = tab["up_proj"][t]
+            bandwidth_ratio = ((ref_d.hbm_bytes_per_s * ref_d.bandwidth_efficiency)
+                               / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
             emb_ms = jnp.where(tokens > 0, jnp.interp(tokens, grid, tab["emb"][t]), 0.0) * (
-                m.hidden_size * m.weight_dtype_bytes / (dm_ref * ref_m.weight_dtype_bytes)
-                * (ref_d.hbm_bytes_per_s * ref_d.bandwidth_efficiency) / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
+                m.hidden_size * m.weight_dtype_bytes / (dm_ref * ref_m.weight_dtype_bytes) * bandwidth_ratio)
             logit_rows = d + prefilling
             lm_ms = jnp.where(logit_rows > 0, gemm_ms(up, logit_rows, m.vocab_size * m.hidden_size
                                                       / (2 * f_ref * dm_ref)), 0.0)

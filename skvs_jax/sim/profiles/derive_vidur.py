@@ -28,9 +28,9 @@ def linear_tables(path: str) -> dict:
         by_n: dict[int, list] = {}
         for r in rows:
             if int(r["num_tensor_parallel_workers"]) == tp:
-                med = lambda op: float(r[f"time_stats.{op}.median"])  # noqa: E731
+                med = {op: float(r[f"time_stats.{op}.median"]) for op in (*LAYER_OPS, "emb")}
                 by_n.setdefault(int(r["num_tokens"]), []).append(
-                    (sum(med(op) for op in LAYER_OPS), med("mlp_up_proj"), med("emb")))
+                    (sum(med[op] for op in LAYER_OPS), med["mlp_up_proj"], med["emb"]))
         ns = sorted(by_n)
         vals = np.asarray([np.mean(by_n[n], axis=0) for n in ns])  # duplicate rows (2048, 4096, 32768): mean
         out[str(tp)] = {"num_tokens": ns, "layer_ms": [round(x, 5) for x in vals[:, 0]],
@@ -71,8 +71,8 @@ if __name__ == "__main__":
                       "(Vidur's ExecutionTime block, attention kernels and all-reduce excluded), duplicate rows "
                       "averaged. decode_kv_batch_ms, prefill_chunk_kv_ms, kv_save_tokens_ms: a sample of "
                       "attention.csv rows (TP1, block size 16; 895 decode and 551 prefill rows), kv-save "
-                      "from the kv = 0 rows (the exactly transcribed ones), averaged per token count, anchored at 1 token by attn_rope's 1-token "
-                      "time (the sample has no KV write below 64 tokens)",
+                      "from the kv = 0 rows (the exactly transcribed ones), averaged per token count, anchored "
+                      "at 1 token by attn_rope's 1-token time (the sample has no KV write below 64 tokens)",
         "model": "meta-llama/Meta-Llama-3-8B (the shapes of meta-llama/Llama-3.1-8B)",
         "device": "NVIDIA A100-SXM4-80GB",
         "linear_per_tp": linear_tables(sys.argv[1]), **attention_rows(sys.argv[2])}
