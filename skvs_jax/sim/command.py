@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
     spec = cost.model
     print(f"skvs simulate: {args.requests} requests ({args.workload}, seeds 0..{args.seeds - 1}, scale {args.scale}), "
-          f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}), acceptance {args.acceptance} (K={args.draft_len}, "
+          f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}), acceptance {args.acceptance} "
+          f"(K={args.draft_len}, "
           f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
           f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "
           f"{args.token_budget}, skvs verify budget {verify_budget or 'none'}; {steps_run} simulated steps in "

@@ -1,8 +1,13 @@
-"""Roofline cost model of one engine step: how long a step of a given shape takes on a given device.
+"""Cost model of one engine step: how long a step of a given shape takes on a given device.
 
 The trace simulator runs the real scheduler in a `while_loop` and asks this module, once per step, how many
 seconds the model forward of that step would take for a large model on a GPU. It is pure `jnp` arithmetic on
 the step's token counts, so it traces, jits and vmaps with the simulator.
+
+Two ways to price a step (`CostModel.mode`, see `COST_MODES`): **measured** operator times, interpolated in
+Vidur's kernel profiles of Llama-3-8B on an A100 (the default for `llama-3.1-8b` on `a100-80gb`; other models and
+devices scaled from it by the roofline's ratio, labelled extrapolated; the `cpu-measured` device's fit), and the
+**roofline** below (the default elsewhere). The measured mode is described at `CostModel._measured_terms`.
 
 Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...]):
   prefill_tokens  P, prompt tokens computed this step (chunked prefill included)
@@ -12,7 +17,7 @@ Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...])
   num_seqs        B, sequences in the step (used only to share the query tokens among sequences)
   medusa_rows     R, hidden states the Medusa heads draft from (typically one per speculating sequence)
 
-Formula, with T = P + D, t the tensor-parallel degree, and everything per device:
+Roofline formula, with T = P + D, t the tensor-parallel degree, and everything per device:
   flops   = T * 2 * W_mm / t                                    (weight matmuls, LM head included)
           + (T / B) * C * 4 L Hq D / t + T (T / B + 1) / 2 * 4 L Hq D / t       (attention scores and values)
           + R * 2 * W_medusa_mm / t                              (Medusa heads: residual blocks + vocab projection)
@@ -44,7 +49,8 @@ Assumptions (each one a simplification a reader should know about):
 - Medusa weights are read once per step when any row drafts; Medusa FLOPs scale with the drafting rows.
 
 Sources: model shapes from the `config.json` of the Hugging Face repositories named at each preset; device
-numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant. The
+numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant; the
+measured tables from microsoft/vidur (MIT licence, commit 7d47513, data/profiling), as `profiles/*.json` state. The
 `cpu-measured` device is fitted by `fit_cpu_device` to the real engine's logged step times on this machine
 (`python -m skvs_jax.sim.calibrate` re-fits it and checks the simulator against the engine).
 """
