@@ -1,4 +1,8 @@
-"""Tests of the simulator's cost model: published shapes, the issue's A100 numbers, jit/vmap, and the CPU fit."""
+"""Tests of the simulator's cost model: published shapes, the issue's A100 numbers, jit/vmap, the CPU fit, and the
+measured mode (Vidur's A100 profiles; its fidelity against Vidur's results: tests/test_sim_vidur_fidelity.py).
+
+Llama-3.1-8B on the A100 defaults to the measured mode, so tests of the roofline's own figures pin mode="roofline".
+"""
 
 import dataclasses
 import json
@@ -13,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skvs_jax import policies
-from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, fit_cpu_device
+from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, cost_model, fit_cpu_device
 
 KIB = 1024
 WEIGHTS = pathlib.Path(__file__).resolve().parents[1] / "reference_models" / "weights"
@@ -79,7 +83,7 @@ def test_medusa_vocab_projection_is_a_real_cost_at_128k_vocab():
     # 4 heads each with a [128256, 4096] projection: ~2.2B parameters, ~29% of the base model's matmul FLOPs.
     assert LLAMA_8B.medusa_param_count == pytest.approx(2.17e9, rel=1e-2)
     assert LLAMA_8B.medusa_flops_per_row / LLAMA_8B.flops_per_token() == pytest.approx(0.289, abs=2e-3)
-    cm = CostModel(LLAMA_8B, A100)
+    cm = CostModel(LLAMA_8B, A100, mode="roofline")
     assert float(cm.step_time(0, 1, 512, 1, 1)) > float(cm.step_time(0, 1, 512, 1, 0)) + 2e-3
 
 
@@ -87,7 +91,7 @@ def test_medusa_vocab_projection_is_a_real_cost_at_128k_vocab():
 
 
 def test_llama8b_a100_batch1_decode_is_about_10ms_and_memory_bound():
-    terms = decode_batch1(CostModel(LLAMA_8B, A100))
+    terms = decode_batch1(CostModel(LLAMA_8B, A100, mode="roofline"))
     assert terms["step_s"] == pytest.approx(10e-3, rel=0.10)
     assert terms["memory_s"] > 10 * terms["compute_s"]
     assert terms["allreduce_s"] == 0.0
@@ -101,12 +105,12 @@ def test_llama8b_a100_pure_roofline_is_7_9ms():
 def test_knee_between_128_and_256_tokens():
     # Definition: tokens per step at which matmul compute time equals weight-read time. Both with the preset's
     # efficiencies (0.7 compute, 0.78 bandwidth) and on the pure roofline.
-    assert 128 <= CostModel(LLAMA_8B, A100).knee_tokens() <= 256
+    assert 128 <= CostModel(LLAMA_8B, A100, mode="roofline").knee_tokens() <= 256
     assert 128 <= CostModel(LLAMA_8B, ideal(A100)).knee_tokens() <= 256
 
 
 def test_step_shape_changes_from_memory_to_compute_bound_around_the_knee():
-    cm = CostModel(LLAMA_8B, A100)
+    cm = CostModel(LLAMA_8B, A100, mode="roofline")
     small = cm.breakdown(0, 64, 64 * 512, 64)
     large = cm.breakdown(1024, 0, 0, 1)
     assert float(small["memory_s"]) > float(small["compute_s"])
@@ -139,7 +143,7 @@ def test_empty_step_costs_nothing():
 
 
 COST_MODELS = [
-    CostModel(LLAMA_8B, A100),
+    CostModel(LLAMA_8B, A100, mode="roofline"),
     CostModel(LLAMA_70B, A100, tp=2),
     CostModel(LLAMA_8B, dataclasses.replace(DEVICES["h100-sxm"], host_overhead_s=1e-4, compute_memory_overlap=0.5)),
 ]
@@ -259,3 +263,127 @@ def test_fit_cpu_device_accepts_plain_tuples_and_clamps_negative_constants():
     assert math.isinf(CostModel(TINY, flat).knee_tokens())
     assert policies.parse_verify_budget("knee", knee=CostModel(TINY, flat).knee_tokens()) is None
     assert policies.parse_verify_budget("knee", knee=150.7) == 150
+
+
+# ---------------------------------------------------------------------------------------------- measured mode
+
+
+MEASURED = CostModel(LLAMA_8B, A100)  # the default for this pair: Vidur's A100 profiles
+
+
+def test_measured_is_the_default_for_the_profiled_pair_only():
+    assert MEASURED.resolved_mode == "measured" and not MEASURED.extrapolated
+    assert CostModel(LLAMA_8B, A100, mode="roofline").resolved_mode == "roofline"
+    for other in (CostModel(LLAMA_8B, DEVICES["h100-sxm"]), CostModel(LLAMA_70B, A100, tp=2),
+                  CostModel(LLAMA_8B, ideal(A100)), CostModel(LLAMA_8B, A100, tp=16)):
+        assert other.resolved_mode == "roofline", other  # no profile (tp 16 is not profiled)
+    # A Medusa head count does not change the base model's profile.
+    assert CostModel(dataclasses.replace(LLAMA_8B, num_medusa_heads=0), A100).resolved_mode == "measured"
+    h100 = CostModel(LLAMA_8B, DEVICES["h100-sxm"], mode="measured")
+    assert h100.extrapolated and "extrapolated" in h100.label
+    assert "Vidur" in MEASURED.label and "extrapolated" not in MEASURED.label
+
+
+def test_cpu_measured_is_a_measured_cost_model_too():
+    cpu = CostModel(TINY, DEVICES["cpu-measured"])
+    assert DEVICES["cpu-measured"].fitted and cpu.resolved_mode == "measured" and not cpu.extrapolated
+    assert CostModel(TINY, DEVICES["cpu-measured"], mode="measured").step_time(0, 4, 100, 4) == cpu.step_time(
+        0, 4, 100, 4)
+    assert "fitted" in cpu.label
+    for mode in ("roofline", "measured-vidur"):
+        with pytest.raises(ValueError, match="fitted"):
+            CostModel(TINY, DEVICES["cpu-measured"], mode=mode)
+
+
+def test_bad_mode_names_the_argument():
+    with pytest.raises(ValueError, match="mode"):
+        CostModel(LLAMA_8B, A100, mode="vidur")
+    with pytest.raises(ValueError, match="tp"):
+        CostModel(LLAMA_8B, A100, tp=16, mode="measured")  # the profile has tp 1, 2, 4, 8
+    with pytest.raises(ValueError, match="fitted"):
+        dataclasses.replace(A100, fitted=1)
+
+
+def test_measured_agrees_with_the_roofline_at_both_ends_and_not_between():
+    """The issue's reading of the profiles: batch-1 decode and large prefills agree with the roofline; at 32-384
+    tokens a step's GEMMs cost 1.2-2.0x the roofline, with tile steps (128 -> 136 tokens)."""
+    roof = CostModel(LLAMA_8B, A100, mode="roofline")
+    ratio = lambda *a: float(MEASURED.step_time(*a)) / float(roof.step_time(*a))  # noqa: E731
+    assert 1.0 < ratio(0, 1, 512, 1) < 1.25  # 12.2 vs 10.1 ms: 0.745 of peak bandwidth, plus kernel floors
+    assert 0.95 < ratio(2048, 0, 0, 1) < 1.4  # compute-bound: 0.63-0.70 of peak, plus the KV write
+    lin = lambda t: float(MEASURED.breakdown(t, 0, 0, 1)["linear_s"])  # noqa: E731
+    assert lin(136) > 1.3 * lin(128)  # the GEMM tile step (0.394 -> 0.546 ms a layer)
+    assert lin(129) == lin(136)  # counts round up to 8, the profile's grid
+    roof_lin = lambda t: float(roof.breakdown(t, 0, 0, 1)["roofline_s"])  # noqa: E731
+    # The layers' GEMMs alone against the whole roofline step (LM head included), so a lower bound.
+    for t in (64, 160, 288):
+        assert 1.05 < lin(t) / roof_lin(t) < 2.0, t
+    assert lin(384) > roof_lin(384)
+
+
+def test_measured_vidur_leaves_out_what_vidur_leaves_out():
+    vidur = CostModel(LLAMA_8B, A100, mode="measured-vidur")
+    decode = {k: float(v) for k, v in MEASURED.breakdown(0, 1, 512, 1).items()}
+    assert float(vidur.breakdown(0, 1, 512, 1)["head_s"]) == 0.0
+    assert decode["head_s"] == pytest.approx(0.67e-3, rel=0.1)  # LM head ~0.65 ms and the embedding gather
+    assert float(vidur.step_time(0, 1, 512, 1)) == pytest.approx(decode["step_s"] - decode["head_s"], rel=1e-6)
+    # A fresh 1024-token prefill: Vidur prices its attention as if its chunk were cached (~+5 ms a step).
+    extra = float(vidur.breakdown(1024, 0, 0, 1)["attention_s"]) - float(MEASURED.breakdown(1024, 0, 0, 1)[
+        "attention_s"])
+    assert 3e-3 < extra < 7e-3
+
+
+_MEASURED_JITTED = [jax.jit(CostModel(LLAMA_8B, A100, tp=tp, mode=mode).step_time)
+                    for tp, mode in ((1, "measured"), (2, "measured"), (1, "measured-vidur"))]
+_MEASURED_JITTED.append(jax.jit(CostModel(LLAMA_70B, DEVICES["h200"], tp=2, mode="measured").step_time))
+
+
+@pytest.mark.parametrize("index", range(len(_MEASURED_JITTED)))
+@given(base=st.tuples(*(st.integers(0, 4096) for _ in range(3)), st.integers(1, 64), st.integers(0, 64)),
+       step=st.integers(1, 2048))
+def test_measured_step_time_is_monotone_in_work(index, base, step):
+    """Non-decreasing in prefill, decode, KV read and Medusa rows (the tables are running maxima). Not asserted
+    for num_seqs: more rows at the same tokens is more decode-attention launches, which the profile charges."""
+    variants = [base] + [tuple(v + step * (i == j) for j, v in enumerate(base)) for i in range(5)]
+    times = np.asarray(_MEASURED_JITTED[index](*np.asarray(variants, np.int32).T))
+    assert np.all(np.isfinite(times)) and np.all(times >= 0)
+    slack = 1e-6 * times[0]
+    for i in (0, 1, 2, 4):
+        assert times[1 + i] >= times[0] - slack, (i, times)
+
+
+def test_measured_jit_vmap_and_scan_match_eager():
+    rng = np.random.default_rng(0)
+    inputs = [jnp.asarray(rng.integers(lo, hi, size=16), jnp.int32)
+              for lo, hi in ((0, 2048), (0, 256), (0, 100_000), (1, 64), (0, 64))]
+    for cost in (MEASURED, CostModel(LLAMA_8B, DEVICES["h100-sxm"], mode="measured-vidur")):
+        eager = cost.step_time(*inputs)
+        assert eager.dtype == jnp.float32 and eager.shape == (16,)
+        np.testing.assert_allclose(jax.jit(cost.step_time)(*inputs), eager, rtol=1e-6)
+        np.testing.assert_allclose(jax.vmap(cost.step_time)(*inputs), eager, rtol=1e-6)
+        _, per_step = jax.lax.scan(lambda clock, x, c=cost: (clock + c.step_time(*x), c.step_time(*x)),
+                                   jnp.float32(0.0), tuple(inputs))
+        np.testing.assert_allclose(per_step, eager, rtol=1e-6)
+    assert float(MEASURED.step_time(0, 0, 4096, 3, 0)) == 0.0  # an empty step costs nothing in every mode
+
+
+def test_extrapolation_follows_the_roofline_ratio():
+    """H100 / H200 and other models: the profile scaled per operator by the roofline's ratio between them."""
+    h100 = CostModel(LLAMA_8B, DEVICES["h100-sxm"], mode="measured")
+    a100_lin = float(MEASURED.breakdown(0, 1, 0, 1)["linear_s"])
+    # Batch 1 is weight-bound: the linear operators scale with bandwidth (2.039 -> 3.35 TB/s).
+    assert float(h100.breakdown(0, 1, 0, 1)["linear_s"]) == pytest.approx(a100_lin * 2.039 / 3.35, rel=1e-5)
+    # Llama-3-70B at tp 2 on A100: the per-layer weights ratio and 80 layers.
+    big = CostModel(LLAMA_70B, A100, tp=2, mode="measured")
+    ref = CostModel(LLAMA_8B, A100, tp=2, mode="measured")
+    expected = (float(ref.breakdown(0, 1, 0, 1)["linear_s"]) * 80 / 32
+                * LLAMA_70B._layer_matmul_params / LLAMA_8B._layer_matmul_params)
+    assert float(big.breakdown(0, 1, 0, 1)["linear_s"]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_profile_file_states_its_source():
+    doc = json.loads((cost_model.PROFILE_DIR / cost_model.REFERENCE_PROFILE.file).read_text())
+    assert "microsoft/vidur" in doc["source"] and "MIT" in doc["source"] and "7d47513" in doc["source"]
+    tables = cost_model.load_profile(cost_model.REFERENCE_PROFILE.file)
+    assert sorted(tables["linear"]) == [1, 2, 4, 8]
+    assert all(np.all(np.diff(t) >= 0) for t in tables["linear"].values())

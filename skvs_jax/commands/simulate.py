@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(cost_model.MODELS))
     parser.add_argument("--device", default="a100-80gb", choices=sorted(cost_model.DEVICES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices per replica)")
+    parser.add_argument("--cost-mode", default="auto", choices=cost_model.COST_MODES,
+                        help="how steps are priced (cost_model.COST_MODES): auto = measured kernels where profiled "
+                             "(llama-3.1-8b on a100-80gb), else the roofline")
     parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
     parser.add_argument("--requests", type=int, default=256)
@@ -179,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
     rates = _parse_rates(args)
     try:
         alphas = _acceptance(args.acceptance, args.draft_len)
-        cost = cost_model.CostModel(cost_model.MODELS[args.model], cost_model.DEVICES[args.device], tp=args.tp)
+        cost = cost_model.CostModel(cost_model.MODELS[args.model], cost_model.DEVICES[args.device], tp=args.tp,
+                                    mode=args.cost_mode)
     except ValueError as err:
         raise SystemExit(f"skvs simulate: {err}") from None
     cache = _geometry(args, cost, args.draft_len)
@@ -220,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
     spec = cost.model
     print(f"skvs simulate: {args.requests} requests ({args.workload}, seeds 0..{args.seeds - 1}, scale {args.scale}), "
-          f"{spec.name} on {args.tp} x {args.device}, acceptance {args.acceptance} (K={args.draft_len}, "
+          f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}), acceptance {args.acceptance} "
+          f"(K={args.draft_len}, "
           f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
           f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "
           f"{args.token_budget}, skvs verify budget {verify_budget or 'none'}; {steps_run} simulated steps in "

@@ -1,8 +1,13 @@
-"""Roofline cost model of one engine step: how long a step of a given shape takes on a given device.
+"""Cost model of one engine step: how long a step of a given shape takes on a given device.
 
 The trace simulator runs the real scheduler in a `while_loop` and asks this module, once per step, how many
 seconds the model forward of that step would take for a large model on a GPU. It is pure `jnp` arithmetic on
 the step's token counts, so it traces, jits and vmaps with the simulator.
+
+Two ways to price a step (`CostModel.mode`, see `COST_MODES`): **measured** operator times, interpolated in
+Vidur's kernel profiles of Llama-3-8B on an A100 (the default for `llama-3.1-8b` on `a100-80gb`; other models and
+devices scaled from it by the roofline's ratio, labelled extrapolated; the `cpu-measured` device's fit), and the
+**roofline** below (the default elsewhere). The measured mode is described at `CostModel._measured_terms`.
 
 Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...]):
   prefill_tokens  P, prompt tokens computed this step (chunked prefill included)
@@ -12,7 +17,7 @@ Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...])
   num_seqs        B, sequences in the step (used only to share the query tokens among sequences)
   medusa_rows     R, hidden states the Medusa heads draft from (typically one per speculating sequence)
 
-Formula, with T = P + D, t the tensor-parallel degree, and everything per device:
+Roofline formula, with T = P + D, t the tensor-parallel degree, and everything per device:
   flops   = T * 2 * W_mm / t                                    (weight matmuls, LM head included)
           + (T / B) * C * 4 L Hq D / t + T (T / B + 1) / 2 * 4 L Hq D / t       (attention scores and values)
           + R * 2 * W_medusa_mm / t                              (Medusa heads: residual blocks + vocab projection)
@@ -44,7 +49,8 @@ Assumptions (each one a simplification a reader should know about):
 - Medusa weights are read once per step when any row drafts; Medusa FLOPs scale with the drafting rows.
 
 Sources: model shapes from the `config.json` of the Hugging Face repositories named at each preset; device
-numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant. The
+numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each stated at its constant; the
+measured tables from microsoft/vidur (MIT licence, commit 7d47513, data/profiling), as `profiles/*.json` state. The
 `cpu-measured` device is fitted by `fit_cpu_device` to the real engine's logged step times on this machine
 (`python -m skvs_jax.sim.calibrate` re-fits it and checks the simulator against the engine).
 """
@@ -52,8 +58,11 @@ numbers from NVIDIA datasheets; efficiencies and latencies are assumptions, each
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import json
 import math
+import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -248,6 +257,8 @@ class DeviceSpec:
       host_overhead_s: fixed time per step spent outside the forward pass (scheduling, launch, sync), seconds.
       compute_memory_overlap: in [0, 1]; 1 = the roofline max(compute, memory) (GPU: loads overlap math), 0 = their
         sum (what `fit_cpu_device` fits: the CPU engine's time is additive in its terms).
+      fitted: the constants are fitted to measured step times (`fit_cpu_device`), not datasheet peaks times
+        assumed efficiencies: a `CostModel` on it is in the "measured" mode (see `COST_MODES`).
     """
 
     name: str
@@ -261,6 +272,7 @@ class DeviceSpec:
     tp_degree: int = 1
     host_overhead_s: float = 0.0
     compute_memory_overlap: float = 1.0
+    fitted: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -273,6 +285,8 @@ class DeviceSpec:
         _check_float("host_overhead_s", self.host_overhead_s, 0.0, 1e3)
         _check_float("compute_memory_overlap", self.compute_memory_overlap, 0.0, 1.0)
         _check_int("tp_degree", self.tp_degree, 1)
+        if not isinstance(self.fitted, bool):
+            raise ValueError(f"fitted must be a bool, got {self.fitted!r}")
 
 
 # Efficiency assumptions shared by the GPU presets (none of them measured here; GPU runs should refine them).
@@ -322,8 +336,104 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=2.095e10, hbm_bytes_per_s=8.949e8,
                                hbm_capacity_bytes=math.inf, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                                link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=2.206e-3,
-                               compute_memory_overlap=0.0),
+                               compute_memory_overlap=0.0, fitted=True),
 }
+
+
+# ------------------------------------------------------------------------------------------ measured profiles
+
+# How a `CostModel` prices a step (its `mode`):
+#   "roofline": the formula of the module docstring, from datasheet peaks and assumed efficiencies.
+#   "measured": measured operator times. For a model and device with a `KernelProfile` (Llama-3.1-8B on an A100),
+#     Vidur's kernel profiles, interpolated; for other models and devices the same profile scaled per operator by
+#     the roofline's ratio between them ("extrapolated", see `CostModel.extrapolated`). On a device fitted by
+#     `fit_cpu_device` (`cpu-measured`), that fit.
+#   "measured-vidur": the measured mode with Vidur's own accounting, to compare with Vidur's results: no
+#     embedding, LM head, Medusa heads or sampling (Vidur's `ExecutionTime.model_time` leaves them out), and a
+#     prefill's attention priced with its own chunk already in the KV cache, contexts rounded up to 64 tokens
+#     (Vidur's `kv_cache_prediction_granularity`). Not a model of a GPU: a model of Vidur.
+#   "auto" (the default): "measured" where a measurement exists (a profiled preset pair, exactly; a fitted
+#     device), else "roofline".
+COST_MODES = ("auto", "roofline", "measured", "measured-vidur")
+PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
+# Vidur's predictor prices a step's GEMMs at its token count rounded up to 8 (its profile's grid up to 1024
+# tokens), which is also where GEMM tiling steps: 129 tokens cost what 136 do.
+TOKEN_ROUNDING = 8
+# Vidur's `attention_decode_batching_overhead_fraction` (0.1, its default): a batch of decodes of unequal
+# contexts runs 10% slower than the profiled batch of equal ones. Charged when more than one row decodes.
+DECODE_BATCHING_OVERHEAD = 0.1
+VIDUR_KV_GRANULARITY = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelProfile:
+    """Measured per-layer operator times of one model on one device: a JSON file in `skvs_jax/sim/profiles/`
+    (its "source" and "derivation" keys say where every number comes from).
+
+    Attributes:
+      file: the file's name.  model, device: the `MODELS` / `DEVICES` keys it was measured on.
+    """
+
+    file: str
+    model: str
+    device: str
+
+
+# Vidur (microsoft/vidur, MIT licence, commit 7d47513, data/profiling/compute/a100/meta-llama/Meta-Llama-3-8B):
+# Meta-Llama-3-8B has Llama-3.1-8B's shapes (32 layers, 4096 wide, 32 / 8 heads, 14336, 128256 vocab).
+PROFILES: dict[tuple[str, str], KernelProfile] = {
+    ("llama-3.1-8b", "a100-80gb"): KernelProfile("llama-3-8b_a100.json", "llama-3.1-8b", "a100-80gb"),
+}
+REFERENCE_PROFILE = PROFILES[("llama-3.1-8b", "a100-80gb")]  # what extrapolated costs are scaled from
+
+
+def _weighted_nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares in relative error (rows weighted 1 / y): short and long kernels count alike."""
+    w = 1.0 / y
+    scale = np.linalg.norm(a * w[:, None], axis=0)
+    return _nnls(a * w[:, None] / scale, y * w) / scale
+
+
+@functools.cache
+def load_profile(file: str) -> dict[str, Any]:
+    """The tables of a profile file, as `CostModel` uses them (numpy float32, milliseconds per layer).
+
+    Keys: tokens [n] (the linear operators' grid); per tensor-parallel degree t, linear[t] / up_proj[t] / emb[t]
+    [n] (the layer's non-attention operators, the MLP up-projection alone, the embedding gather), each made
+    non-decreasing in tokens (a running maximum: a dip of a few microseconds between neighbouring counts is
+    noise, and a larger step never costs less); kv_save_tokens, kv_save [m]; decode = (a, b, c, floor): decode
+    attention a + b B + c B ctx ms for B rows of mean context ctx, at least floor (the batch-1 time), fitted by
+    non-negative least squares in relative error to the measured rows; prefill = (a, b, c, d, floor):
+    a + b chunk ctx + c chunk^2 + d chunk ms, fitted the same way.
+    """
+    doc = json.loads((PROFILE_DIR / file).read_text())
+    out: dict[str, Any] = {"linear": {}, "up_proj": {}, "emb": {}}
+    grid = None
+    for tp, table in doc["linear_per_tp"].items():
+        tokens = np.asarray(table["num_tokens"], np.float32)
+        if grid is None:
+            grid = tokens
+        elif not np.array_equal(grid, tokens):
+            raise ValueError(f"{file}: every tensor-parallel degree must share one token grid")
+        for key, col in (("linear", "layer_ms"), ("up_proj", "up_proj_ms"), ("emb", "emb_ms")):
+            out[key][int(tp)] = np.maximum.accumulate(np.asarray(table[col], np.float32))
+    out["tokens"] = grid
+    save = np.asarray(doc["kv_save_tokens_ms"], np.float64)
+    out["kv_save_tokens"] = save[:, 0].astype(np.float32)
+    out["kv_save"] = np.maximum.accumulate(save[:, 1]).astype(np.float32)
+    kv, batch, ms = np.asarray(doc["decode_kv_batch_ms"], np.float64).T
+    coef = _weighted_nnls(np.stack([np.ones_like(batch), batch, batch * kv], axis=1), ms)
+    out["decode"] = (*map(float, coef), float(np.median(ms[batch == 1])))
+    chunk, ctx, ms = np.asarray(doc["prefill_chunk_kv_ms"], np.float64).T
+    coef = _weighted_nnls(np.stack([np.ones_like(chunk), chunk * ctx, chunk * chunk, chunk], axis=1), ms)
+    out["prefill"] = (*map(float, coef), float(ms.min()))
+    return out
+
+
+def _base_shape(m: ModelSpec) -> tuple:
+    """What the base model's costs depend on (Medusa heads are priced separately)."""
+    return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
+            m.vocab_size, m.weight_dtype_bytes, m.kv_dtype_bytes)
 
 
 # ------------------------------------------------------------------------------------------------- cost model
@@ -331,7 +441,8 @@ DEVICES: dict[str, DeviceSpec] = {
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Step time of `model` on `device` with tensor parallelism `tp` (None: `device.tp_degree`).
+    """Step time of `model` on `device` with tensor parallelism `tp` (None: `device.tp_degree`), priced in `mode`
+    (one of `COST_MODES`: "auto" measures where a measurement exists, see `resolved_mode`).
 
     Static (hashable): close over it, or pass it to jitted functions as a static argument.
     """
@@ -339,6 +450,7 @@ class CostModel:
     model: ModelSpec
     device: DeviceSpec
     tp: int | None = None
+    mode: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -356,6 +468,52 @@ class CostModel:
                              f"({m.intermediate_size})")
         if m.num_kv_heads % t and t % m.num_kv_heads:
             raise ValueError(f"tp ({t}) must divide num_kv_heads ({m.num_kv_heads}) or be a multiple of it")
+        if self.mode not in COST_MODES:
+            raise ValueError(f"mode must be one of {COST_MODES}, got {self.mode!r}")
+        if self.device.fitted and self.mode in ("roofline", "measured-vidur"):
+            raise ValueError(f"mode {self.mode!r} needs datasheet peaks or a kernel profile; device "
+                             f"{self.device.name!r} is fitted to measured steps (use mode 'auto' or 'measured')")
+        if self.mode in ("measured", "measured-vidur") and not self.device.fitted:
+            tps = sorted(load_profile(REFERENCE_PROFILE.file)["linear"])
+            if t not in tps:
+                raise ValueError(f"mode {self.mode!r}: the kernel profile has tp in {tps}, got tp={t}")
+
+    # Which cost model (Python values: static) ------------------------------------------------------------
+    @property
+    def resolved_mode(self) -> str:
+        """"roofline", "measured" or "measured-vidur": what `mode` means for this model and device. "auto" is
+        "measured" on a fitted device and on a `PROFILES` pair exactly as preset (same base shapes, same device
+        spec) at a profiled tp; "roofline" elsewhere."""
+        if self.mode != "auto":
+            return self.mode
+        if self.device.fitted:
+            return "measured"
+        profile = PROFILES.get((self.model.name, self.device.name))
+        if (profile is not None and self.device == DEVICES[profile.device]
+                and _base_shape(self.model) == _base_shape(MODELS[profile.model])
+                and self.tp in load_profile(profile.file)["linear"]):
+            return "measured"
+        return "roofline"
+
+    @property
+    def extrapolated(self) -> bool:
+        """Measured costs scaled from another model or device by the roofline's ratio (not measured here)."""
+        if self.resolved_mode == "roofline" or self.device.fitted:
+            return False
+        return not (self.device == DEVICES[REFERENCE_PROFILE.device]
+                    and _base_shape(self.model) == _base_shape(MODELS[REFERENCE_PROFILE.model]))
+
+    @property
+    def label(self) -> str:
+        """The mode and the source of its numbers, for tables."""
+        mode = self.resolved_mode
+        if mode == "roofline":
+            return "roofline (datasheet peaks x assumed efficiencies)"
+        if self.device.fitted:
+            return f"measured (fitted to engine steps: {self.device.name})"
+        ref = f"Vidur's profiles of {REFERENCE_PROFILE.model} on {REFERENCE_PROFILE.device}"
+        how = ", Vidur's accounting" if mode == "measured-vidur" else ""
+        return f"{mode} (extrapolated by the roofline from {ref}{how})" if self.extrapolated else f"{mode} ({ref})"
 
     # Rates (Python floats: static) -----------------------------------------------------------------------
     @property
@@ -374,12 +532,37 @@ class CostModel:
                   num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> dict[str, jax.Array]:
         """The terms of `step_time`, each float32 of the inputs' broadcast shape [...].
 
-        Keys: flops and bytes (per device), compute_s, memory_s, roofline_s (compute and memory combined),
-        allreduce_s, host_overhead_s, step_s (the total; 0 where the step has no tokens).
+        Keys, roofline mode and a fitted device: flops and bytes (per device), compute_s, memory_s, roofline_s
+        (compute and memory combined), allreduce_s, host_overhead_s, step_s (the total; 0 where the step has no
+        tokens). Measured modes (a kernel profile): linear_s (the layers' non-attention operators), attention_s
+        (decode and prefill kernels, KV writes), head_s (embedding, LM head, Medusa heads; 0 in measured-vidur),
+        allreduce_s, host_overhead_s, step_s.
         """
-        m, t = self.model, self.tp
-        p, d, c, b, r = jnp.broadcast_arrays(*(jnp.asarray(x, dtype=jnp.float32) for x in (
+        inputs = jnp.broadcast_arrays(*(jnp.asarray(x, dtype=jnp.float32) for x in (
             prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)))
+        terms = (self._roofline_terms(*inputs) if self.resolved_mode == "roofline" or self.device.fitted
+                 else self._measured_terms(*inputs))
+        p, d, _, _, r = inputs
+        active = (p + d + r) > 0.0
+        terms["allreduce_s"] = self._allreduce_s(p + d, active)
+        terms["host_overhead_s"] = jnp.where(active, self.device.host_overhead_s, 0.0)
+        compute = terms["roofline_s"] if "roofline_s" in terms else terms["linear_s"] + terms["attention_s"] + \
+            terms["head_s"]
+        terms["step_s"] = jnp.where(active, compute + terms["allreduce_s"] + terms["host_overhead_s"], 0.0)
+        return terms
+
+    def _allreduce_s(self, tokens: jax.Array, active: jax.Array) -> jax.Array:
+        """2 L ring all-reduces of [T, Dm] activations per step (tp > 1), as in the module docstring; the
+        measured modes use the same term (the profile's all-reduce rows are not shipped)."""
+        m, t = self.model, self.tp
+        if t == 1:
+            return jnp.zeros_like(tokens)
+        ring_s_per_token = 2.0 * (t - 1) / t * m.hidden_size * m.weight_dtype_bytes / self.device.link_bytes_per_s
+        per_call_s = self.device.allreduce_latency_s + tokens * ring_s_per_token
+        return jnp.where(active, 2 * m.num_layers * per_call_s, 0.0)
+
+    def _roofline_terms(self, p, d, c, b, r) -> dict[str, jax.Array]:
+        m, t = self.model, self.tp
         tokens = p + d  # T
         queries_per_seq = tokens / jnp.maximum(b, 1.0)  # T / B
         attention_pairs = queries_per_seq * c + tokens * (queries_per_seq + 1.0) / 2.0
@@ -393,17 +576,93 @@ class CostModel:
         compute_s = flops / self._flops_per_s
         memory_s = nbytes / self._bytes_per_s
         roofline_s = compute_s + memory_s - self.device.compute_memory_overlap * jnp.minimum(compute_s, memory_s)
-        active = (tokens + r) > 0.0
-        if t > 1:  # 2 L ring all-reduces of [T, Dm] activations
-            ring_s_per_token = 2.0 * (t - 1) / t * m.hidden_size * m.weight_dtype_bytes / self.device.link_bytes_per_s
-            per_call_s = self.device.allreduce_latency_s + tokens * ring_s_per_token
-            allreduce_s = jnp.where(active, 2 * m.num_layers * per_call_s, 0.0)
-        else:
-            allreduce_s = jnp.zeros_like(tokens)
-        host_s = jnp.where(active, self.device.host_overhead_s, 0.0)
-        step_s = jnp.where(active, roofline_s + allreduce_s + host_s, 0.0)
         return {"flops": flops, "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
-                "roofline_s": roofline_s, "allreduce_s": allreduce_s, "host_overhead_s": host_s, "step_s": step_s}
+                "roofline_s": roofline_s}
+
+    def _measured_terms(self, p, d, c, b, r) -> dict[str, jax.Array]:
+        """Vidur's composition of a step (`ExecutionTime`): per layer, the non-attention operators at the step's
+        token count, the KV write, decode attention over the decoding rows, prefill attention over the chunk; all
+        layers; plus, outside Vidur, the embedding, the LM head and the Medusa heads.
+
+        What the step shape does not say is filled in mean-field, as the roofline does: a step with prefill
+        tokens has one prefilling row (its chunk P), the other rows decode (at most D of them); the decoding rows
+        share the context read C equally and the prefill reads none (a fresh prompt), unless no row decodes.
+        The LM head runs on the D decode tokens and the prefill's last token; its time, and
+        the Medusa heads', is the measured up-projection GEMM (the same inner dimension Dm, at the same rows)
+        scaled by the weights' ratio (V Dm vs 2 F Dm; both limits of a GEMM, weight-bound and compute-bound,
+        scale with it). Sampling is not charged. Where the model or device differs from the profile's, every
+        operator is scaled by the roofline's ratio between them (`extrapolated`): the linear operators by
+        `_per_param_s`, attention and KV writes by the KV bytes per device over bandwidth, prefill attention by
+        its FLOPs per device over compute.
+        """
+        m, t, dev = self.model, self.tp, self.device
+        ref_m, ref_d = MODELS[REFERENCE_PROFILE.model], DEVICES[REFERENCE_PROFILE.device]
+        tab = load_profile(REFERENCE_PROFILE.file)
+        vidur = self.resolved_mode == "measured-vidur"
+        grid = tab["tokens"]
+        ceil8 = lambda x: jnp.ceil(x / TOKEN_ROUNDING) * TOKEN_ROUNDING  # noqa: E731
+
+        def gemm_ms(table: np.ndarray, rows: jax.Array, params_ratio: float) -> jax.Array:
+            """A measured GEMM-bound table at `rows`, scaled to this model and device."""
+            rows = ceil8(rows)
+            ms = jnp.interp(rows, grid, table) * params_ratio
+            if self.extrapolated:
+                ms = ms * self._per_param_s(rows, m, dev) / self._per_param_s(rows, ref_m, ref_d)
+            return ms
+
+        tokens = p + d
+        linear_ms = gemm_ms(tab["linear"][t], tokens, m._layer_matmul_params / ref_m._layer_matmul_params)
+        # Attention kernels, measured at tp = 1: KV heads split min(t, Hkv) ways, query heads t ways.
+        kv_ratio = ((m.num_kv_heads * m.head_dim * m.kv_dtype_bytes / min(t, m.num_kv_heads))
+                    / (ref_m.num_kv_heads * ref_m.head_dim * ref_m.kv_dtype_bytes)
+                    * (ref_d.hbm_bytes_per_s * ref_d.bandwidth_efficiency)
+                    / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
+        flop_ratio = ((m.num_heads * m.head_dim / t) / (ref_m.num_heads * ref_m.head_dim)
+                      * (ref_d.peak_flops_per_s * ref_d.compute_efficiency)
+                      / (dev.peak_flops_per_s * dev.compute_efficiency))
+        save_ms = jnp.where(tokens > 0, jnp.interp(tokens, tab["kv_save_tokens"], tab["kv_save"]), 0.0) * kv_ratio
+        prefilling = (p > 0).astype(jnp.float32)
+        decoding = jnp.clip(b - prefilling, jnp.minimum(d, 1.0), d)  # rows decoding (1 token each, or verifying)
+        # The context read belongs to the decoding rows when there are any (a fresh prefill reads none), else to
+        # the prefilling rows.
+        ctx = c / jnp.maximum(jnp.where(decoding > 0, decoding, b), 1.0)
+        a0, a1, a2, floor = tab["decode"]
+        dec_ctx = jnp.ceil(ctx / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else ctx
+        decode_ms = jnp.maximum(a0 + a1 * decoding + a2 * decoding * dec_ctx, floor)
+        ragged = jnp.where(decoding > 1, 1.0 + DECODE_BATCHING_OVERHEAD, 1.0)
+        decode_ms = jnp.where(decoding > 0, decode_ms * ragged, 0.0)
+        # Vidur prices a chunk's attention with the chunk already counted as cached context (+0.15 ms a layer at
+        # 1024 fresh tokens); a real prefill reads only the context before it.
+        pre_ctx = jnp.where(decoding > 0, 0.0, ctx)
+        pre_ctx = jnp.ceil((pre_ctx + p) / VIDUR_KV_GRANULARITY) * VIDUR_KV_GRANULARITY if vidur else pre_ctx
+        b0, b1, b2, b3, floor = tab["prefill"]
+        prefill_ms = jnp.where(p > 0, jnp.maximum(b0 + b1 * p * pre_ctx + b2 * p * p + b3 * p, floor), 0.0)
+        attention_ms = save_ms + decode_ms * kv_ratio + prefill_ms * flop_ratio
+        if vidur:
+            head_ms = jnp.zeros_like(tokens)
+        else:
+            dm_ref, f_ref = ref_m.hidden_size, ref_m.intermediate_size
+            up = tab["up_proj"][t]
+            bandwidth_ratio = ((ref_d.hbm_bytes_per_s * ref_d.bandwidth_efficiency)
+                               / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
+            emb_ms = jnp.where(tokens > 0, jnp.interp(tokens, grid, tab["emb"][t]), 0.0) * (
+                m.hidden_size * m.weight_dtype_bytes / (dm_ref * ref_m.weight_dtype_bytes) * bandwidth_ratio)
+            logit_rows = d + prefilling
+            lm_ms = jnp.where(logit_rows > 0, gemm_ms(up, logit_rows, m.vocab_size * m.hidden_size
+                                                      / (2 * f_ref * dm_ref)), 0.0)
+            medusa_params = m.num_medusa_heads * (m.medusa_layers * m.hidden_size ** 2 + m.vocab_size * m.hidden_size)
+            medusa_ms = jnp.where(r > 0, gemm_ms(up, r, medusa_params / (2 * f_ref * dm_ref)), 0.0)
+            head_ms = emb_ms + lm_ms + medusa_ms
+        layers = m.num_layers
+        return {"linear_s": linear_ms * (layers * 1e-3), "attention_s": attention_ms * (layers * 1e-3),
+                "head_s": head_ms * 1e-3}
+
+    @staticmethod
+    def _per_param_s(rows: jax.Array, m: ModelSpec, dev: DeviceSpec) -> jax.Array:
+        """Roofline seconds per weight of a GEMM over `rows` tokens: max(2 rows / FLOP/s, weight bytes / bytes/s)
+        (tp cancels in a ratio). The rule by which measured GEMM times move to another model or device."""
+        return jnp.maximum(2.0 * rows / (dev.peak_flops_per_s * dev.compute_efficiency),
+                           m.weight_dtype_bytes / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
 
     def step_time(self, prefill_tokens: jax.Array, decode_tokens: jax.Array, kv_tokens_read: jax.Array,
                   num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> jax.Array:
@@ -516,4 +775,4 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
                       hbm_bytes_per_s=1.0 / s_per_byte if s_per_byte > 0 else math.inf,
                       hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                       link_bytes_per_s=math.inf, allreduce_latency_s=0.0, tp_degree=1,
-                      host_overhead_s=float(overhead), compute_memory_overlap=0.0)
+                      host_overhead_s=float(overhead), compute_memory_overlap=0.0, fitted=True)
