@@ -17,7 +17,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from skvs_jax import policies
-from skvs_jax.sim import DEVICES, MODELS, CostModel, DeviceSpec, ModelSpec, StepSample, cost_model, fit_cpu_device
+from skvs_jax.sim import (
+    DEVICES,
+    MODELS,
+    CostModel,
+    DeviceSpec,
+    ModelSpec,
+    StepSample,
+    fit_cpu_device,
+    kernel_profiles,
+)
 
 KIB = 1024
 WEIGHTS = pathlib.Path(__file__).resolve().parents[1] / "reference_models" / "weights"
@@ -382,8 +391,8 @@ def test_extrapolation_follows_the_roofline_ratio():
 
 
 def test_profile_file_states_its_source():
-    doc = json.loads((cost_model.PROFILE_DIR / cost_model.REFERENCE_PROFILE.file).read_text())
+    doc = json.loads((kernel_profiles.PROFILE_DIR / kernel_profiles.REFERENCE_PROFILE.file).read_text())
     assert "microsoft/vidur" in doc["source"] and "MIT" in doc["source"] and "7d47513" in doc["source"]
-    tables = cost_model.load_profile(cost_model.REFERENCE_PROFILE.file)
+    tables = kernel_profiles.load_profile(kernel_profiles.REFERENCE_PROFILE.file)
     assert sorted(tables["linear"]) == [1, 2, 4, 8]
     assert all(np.all(np.diff(t) >= 0) for t in tables["linear"].values())

@@ -7,7 +7,8 @@ the step's token counts, so it traces, jits and vmaps with the simulator.
 Two ways to price a step (`CostModel.mode`, see `COST_MODES`): **measured** operator times, interpolated in
 Vidur's kernel profiles of Llama-3-8B on an A100 (the default for `llama-3.1-8b` on `a100-80gb`; other models and
 devices scaled from it by the roofline's ratio, labelled extrapolated; the `cpu-measured` device's fit), and the
-**roofline** below (the default elsewhere). The measured mode is described at `CostModel._measured_terms`.
+**roofline** below (the default elsewhere). The measured mode is described at `CostModel._measured_terms`. The
+models and devices it prices are in `specs`, the measured tables in `kernel_profiles`.
 
 Inputs of a step (int32 or float32 scalars, or arrays of one common shape [...]):
   prefill_tokens  P, prompt tokens computed this step (chunked prefill included)
@@ -58,289 +59,24 @@ measured tables from microsoft/vidur (MIT licence, commit 7d47513, data/profilin
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-import json
 import math
-import pathlib
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DTYPE_BYTES = (1, 2, 4)  # fp8/int8, bf16/fp16, fp32
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
-def _check_float(name: str, value: object, low: float, high: float = math.inf, *, open_low: bool = False) -> None:
-    """low <= value <= high (low < value with open_low); +inf is allowed when high is inf."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < low or (open_low and value == low) or value > high:
-        bound = f"({low}, {high}]" if open_low else f"[{low}, {high}]"
-        raise ValueError(f"{name} must lie in {bound}, got {value!r}")
-
-
-# ------------------------------------------------------------------------------------------------------ model
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """A Llama-architecture decoder (GQA attention, SwiGLU MLP, RMSNorm) with optional Medusa-1 heads.
-
-    Attributes:
-      name: label for tables.
-      num_layers: L.  hidden_size: Dm.  num_heads: Hq.  num_kv_heads: Hkv (divides Hq).  head_dim: D.
-      intermediate_size: F, the MLP width.  vocab_size: V.
-      num_medusa_heads: Medusa heads (0: none).  medusa_layers: residual blocks `x + SiLU(W x + b)` per head,
-        each head ending in its own [V, Dm] vocab projection (FasterDecoding/Medusa; `reference_models/medusa.py`).
-      tie_word_embeddings: the LM head is the embedding matrix (counted once in the parameters).
-      weight_dtype_bytes: bytes per weight (and per activation element): 2 for bf16, 4 for fp32.
-      kv_dtype_bytes: bytes per cached K or V element.
-    """
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    num_medusa_heads: int = 0
-    medusa_layers: int = 1
-    tie_word_embeddings: bool = False
-    weight_dtype_bytes: int = 2
-    kv_dtype_bytes: int = 2
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                      "vocab_size"):
-            _check_int(field, getattr(self, field), 1)
-        _check_int("num_medusa_heads", self.num_medusa_heads, 0)
-        _check_int("medusa_layers", self.medusa_layers, 0)
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-        for field in ("weight_dtype_bytes", "kv_dtype_bytes"):
-            if getattr(self, field) not in DTYPE_BYTES or isinstance(getattr(self, field), bool):
-                raise ValueError(f"{field} must be one of {DTYPE_BYTES}, got {getattr(self, field)!r}")
-
-    @classmethod
-    def from_hf_config(cls, name: str, config: dict[str, Any], medusa: dict[str, Any] | None = None, *,
-                       weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2) -> ModelSpec:
-        """From an HF Llama `config.json` dict and, optionally, a Medusa `config.json` dict."""
-        heads = config["num_attention_heads"]
-        return cls(
-            name=name,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            num_medusa_heads=medusa["medusa_num_heads"] if medusa else 0,
-            medusa_layers=medusa["medusa_num_layers"] if medusa else 1,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            weight_dtype_bytes=weight_dtype_bytes,
-            kv_dtype_bytes=kv_dtype_bytes,
-        )
-
-    # Parameters ------------------------------------------------------------------------------------------
-    @property
-    def _layer_matmul_params(self) -> int:
-        """q, k, v, o projections + gate, up, down: the weights a token is multiplied by in one layer."""
-        dm, d = self.hidden_size, self.head_dim
-        return dm * d * (2 * self.num_heads + 2 * self.num_kv_heads) + 3 * dm * self.intermediate_size
-
-    @property
-    def param_count(self) -> int:
-        """Base model parameters: embedding (+ LM head unless tied), L layers (with two norms each), final norm."""
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * (self._layer_matmul_params + 2 * self.hidden_size) + self.hidden_size
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights multiplied per token: all decoder projections and the LM head (the embedding is a gather)."""
-        return self.num_layers * self._layer_matmul_params + self.vocab_size * self.hidden_size
-
-    @property
-    def medusa_param_count(self) -> int:
-        """All Medusa heads: per head, `medusa_layers` blocks of [Dm, Dm] + bias, and a [V, Dm] projection."""
-        dm = self.hidden_size
-        return self.num_medusa_heads * (self.medusa_layers * (dm * dm + dm) + self.vocab_size * dm)
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.param_count * self.weight_dtype_bytes
-
-    @property
-    def medusa_weight_bytes(self) -> int:
-        return self.medusa_param_count * self.weight_dtype_bytes
-
-    # Per-token costs -------------------------------------------------------------------------------------
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token in every layer: 2 * L * Hkv * D * kv_dtype_bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
-
-    @property
-    def attention_flops_per_pair(self) -> int:
-        """FLOPs of one query token against one key token, all layers: 4 * L * Hq * D (QK^T and PV)."""
-        return 4 * self.num_layers * self.num_heads * self.head_dim
-
-    def flops_per_token(self, context_len: int = 0) -> int:
-        """Forward FLOPs of one token attending to `context_len` tokens: 2 * matmul_params + attention."""
-        return 2 * self.matmul_params + self.attention_flops_per_pair * context_len
-
-    @property
-    def medusa_flops_per_row(self) -> int:
-        """FLOPs of all Medusa heads on one hidden state (bias adds ignored); a real cost at 128k vocab."""
-        dm = self.hidden_size
-        return 2 * self.num_medusa_heads * (self.medusa_layers * dm * dm + self.vocab_size * dm)
-
-
-# The article's drafter is Medusa with K = 4 heads (the article's section 2, scenario 1); one residual block per head is
-# the FasterDecoding/Medusa default (medusa_num_layers=1) and what the shipped tiny heads use.
-MEDUSA_HEADS = 4
-MEDUSA_LAYERS = 1
-
-MODELS: dict[str, ModelSpec] = {
-    # huggingface.co/meta-llama/Llama-3.1-8B, config.json: num_hidden_layers 32, hidden_size 4096,
-    # num_attention_heads 32, num_key_value_heads 8, head_dim 128, intermediate_size 14336, vocab_size 128256,
-    # tie_word_embeddings false, torch_dtype bfloat16. 8,030,261,248 parameters.
-    "llama-3.1-8b": ModelSpec("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                              head_dim=128, intermediate_size=14336, vocab_size=128256,
-                              num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
-    # huggingface.co/meta-llama/Meta-Llama-3-70B, config.json: num_hidden_layers 80, hidden_size 8192,
-    # num_attention_heads 64, num_key_value_heads 8, (head_dim 8192 / 64 = 128), intermediate_size 28672,
-    # vocab_size 128256, tie_word_embeddings false, torch_dtype bfloat16. 70,553,706,496 parameters.
-    "llama-3-70b": ModelSpec("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-                             head_dim=128, intermediate_size=28672, vocab_size=128256,
-                             num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
-    # The shipped model: reference_models/weights/tiny_llama/config.json (4 layers, 128 wide, 4 heads, 2 KV heads,
-    # head_dim 32, intermediate 352, vocab 256, tied, float32) and tiny_llama_medusa/config.json (4 heads of 1
-    # block). The engine keeps weights and KV in float32.
-    "tiny": ModelSpec("tiny", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                      intermediate_size=352, vocab_size=256, num_medusa_heads=4, medusa_layers=1,
-                      tie_word_embeddings=True, weight_dtype_bytes=4, kv_dtype_bytes=4),
-}
-
-
-# ----------------------------------------------------------------------------------------------------- device
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator (and its link to its tensor-parallel peers).
-
-    Attributes:
-      name: label for tables.
-      peak_flops_per_s: dense (not 2:4-sparse) peak of the matmul dtype, FLOP/s.
-      hbm_bytes_per_s: peak memory bandwidth, bytes/s.
-      hbm_capacity_bytes: memory per device, bytes (for `CostModel.max_kv_tokens`).
-      compute_efficiency: achieved / peak FLOP/s on the step's matmuls, in (0, 1].
-      bandwidth_efficiency: achieved / peak bytes/s on the step's weight and KV reads, in (0, 1].
-      link_bytes_per_s: per-direction bandwidth of the link a ring all-reduce uses (NVLink), bytes/s.
-      allreduce_latency_s: fixed time of one small all-reduce call, seconds.
-      tp_degree: default tensor-parallel degree (a `CostModel` may override it).
-      host_overhead_s: fixed time per step spent outside the forward pass (scheduling, launch, sync), seconds.
-      compute_memory_overlap: in [0, 1]; 1 = the roofline max(compute, memory) (GPU: loads overlap math), 0 = their
-        sum (what `fit_cpu_device` fits: the CPU engine's time is additive in its terms).
-      fitted: the constants are fitted to measured step times (`fit_cpu_device`), not datasheet peaks times
-        assumed efficiencies: a `CostModel` on it is in the "measured" mode (see `COST_MODES`).
-    """
-
-    name: str
-    peak_flops_per_s: float
-    hbm_bytes_per_s: float
-    hbm_capacity_bytes: float
-    compute_efficiency: float
-    bandwidth_efficiency: float
-    link_bytes_per_s: float
-    allreduce_latency_s: float
-    tp_degree: int = 1
-    host_overhead_s: float = 0.0
-    compute_memory_overlap: float = 1.0
-    fitted: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
-        for field in ("peak_flops_per_s", "hbm_bytes_per_s", "hbm_capacity_bytes", "link_bytes_per_s"):
-            _check_float(field, getattr(self, field), 0.0, open_low=True)
-        for field in ("compute_efficiency", "bandwidth_efficiency"):
-            _check_float(field, getattr(self, field), 0.0, 1.0, open_low=True)
-        _check_float("allreduce_latency_s", self.allreduce_latency_s, 0.0, 1.0)
-        _check_float("host_overhead_s", self.host_overhead_s, 0.0, 1e3)
-        _check_float("compute_memory_overlap", self.compute_memory_overlap, 0.0, 1.0)
-        _check_int("tp_degree", self.tp_degree, 1)
-        if not isinstance(self.fitted, bool):
-            raise ValueError(f"fitted must be a bool, got {self.fitted!r}")
-
-
-# Efficiency assumptions shared by the GPU presets (none of them measured here; GPU runs should refine them).
-# BANDWIDTH_EFFICIENCY: the issue's check, a Llama-3.1-8B batch-1 decode on A100 takes ~10 ms against a 7.9 ms
-# roofline (16.06 GB / 2.039 TB/s), i.e. ~78% of peak bandwidth end to end. The same figure is used for H100/H200
-# for want of a measurement. It is an end-to-end figure (kernel gaps included), hence host_overhead_s = 0 below.
-BANDWIDTH_EFFICIENCY = 0.78
-# COMPUTE_EFFICIENCY: large bf16 GEMMs at a forward pass's shapes (T x 4096 x 14336, T >= 256) reach roughly
-# 70-80% of dense peak in cuBLAS on A100/H100; whole-model training utilisation is lower (Megatron-LM: 52% of A100
-# peak, Narayanan et al., SC'21) because it includes attention, norms and communication, which this model charges
-# separately or ignores. We take 0.7. Prefill time and the compute knee scale with it.
-COMPUTE_EFFICIENCY = 0.7
-# ALLREDUCE_LATENCY_S: sgl-project/sglang PR #2904 measured vLLM's custom all-reduce on H100 at tp = 2 at
-# 8.7-9.5 us for 512 B - 32 KB messages (NCCL is no faster for small messages). Assumed equal on A100.
-ALLREDUCE_LATENCY_S = 9e-6
-# HOST_OVERHEAD_S: 0 for the GPU presets because BANDWIDTH_EFFICIENCY is fitted end to end (a CUDA-graph engine's
-# per-step host time is inside the 10 ms). Set it to model an engine whose CPU-side scheduling is not hidden.
-HOST_OVERHEAD_S = 0.0
-# Memory capacities: `memory.total` as nvidia-smi reports it (A100-SXM4-80GB 81920 MiB, H100 80GB HBM3 81559 MiB,
-# H200 143771 MiB); the datasheets' "80GB" and "141GB" are these, rounded.
-MIB = 2**20
-
-DEVICES: dict[str, DeviceSpec] = {
-    # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 312 TFLOPS BF16 dense (624 with sparsity), 2,039 GB/s HBM2e,
-    # 80GB, NVLink 600 GB/s (total of both directions: 300 GB/s each way, what a ring all-reduce can use).
-    "a100-80gb": DeviceSpec("a100-80gb", peak_flops_per_s=312e12, hbm_bytes_per_s=2.039e12,
-                            hbm_capacity_bytes=81920 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
-                            bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=300e9,
-                            allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
-    # NVIDIA H100 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16 dense (1,979 with sparsity), 3.35 TB/s HBM3,
-    # 80GB, NVLink 900 GB/s (450 GB/s each way).
-    "h100-sxm": DeviceSpec("h100-sxm", peak_flops_per_s=989e12, hbm_bytes_per_s=3.35e12,
-                           hbm_capacity_bytes=81559 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
-                           bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
-                           allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
-    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141GB,
-    # NVLink 900 GB/s (450 GB/s each way).
-    "h200": DeviceSpec("h200", peak_flops_per_s=989e12, hbm_bytes_per_s=4.8e12,
-                       hbm_capacity_bytes=143771 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
-                       bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
-                       allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
-    # This machine's CPU running the real engine on the shipped tiny model (2 cores, jax 0.10.2, XLA defaults),
-    # fitted 2026-11-30 by `python -m skvs_jax.sim.calibrate --repeats 3` on a quiet machine: 309 steps of
-    # vllm_default, naive_spec and skvs, three runs each (each engine warmed up first): 2.2 ms per step (the host
-    # loop, dispatch and the scheduler) + 20.9 GFLOP/s + 0.89 GB/s. Only meaningful with MODELS["tiny"]; re-run
-    # the command on another machine to re-calibrate.
-    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=2.095e10, hbm_bytes_per_s=8.949e8,
-                               hbm_capacity_bytes=math.inf, compute_efficiency=1.0, bandwidth_efficiency=1.0,
-                               link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=2.206e-3,
-                               compute_memory_overlap=0.0, fitted=True),
-}
-
-
-# ------------------------------------------------------------------------------------------ measured profiles
+from skvs_jax.sim.kernel_profiles import (
+    DECODE_BATCHING_OVERHEAD,
+    PROFILES,
+    REFERENCE_PROFILE,
+    TOKEN_ROUNDING,
+    VIDUR_KV_GRANULARITY,
+    load_profile,
+    nnls,
+)
+from skvs_jax.sim.specs import DEVICES, MODELS, DeviceSpec, ModelSpec, check_float, check_int
 
 # How a `CostModel` prices a step (its `mode`):
 #   "roofline": the formula of the module docstring, from datasheet peaks and assumed efficiencies.
@@ -355,81 +91,6 @@ DEVICES: dict[str, DeviceSpec] = {
 #   "auto" (the default): "measured" where a measurement exists (a profiled preset pair, exactly; a fitted
 #     device), else "roofline".
 COST_MODES = ("auto", "roofline", "measured", "measured-vidur")
-PROFILE_DIR = pathlib.Path(__file__).resolve().parent / "profiles"
-# Vidur's predictor prices a step's GEMMs at its token count rounded up to 8 (its profile's grid up to 1024
-# tokens), which is also where GEMM tiling steps: 129 tokens cost what 136 do.
-TOKEN_ROUNDING = 8
-# Vidur's `attention_decode_batching_overhead_fraction` (0.1, its default): a batch of decodes of unequal
-# contexts runs 10% slower than the profiled batch of equal ones. Charged when more than one row decodes.
-DECODE_BATCHING_OVERHEAD = 0.1
-VIDUR_KV_GRANULARITY = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelProfile:
-    """Measured per-layer operator times of one model on one device: a JSON file in `skvs_jax/sim/profiles/`
-    (its "source" and "derivation" keys say where every number comes from).
-
-    Attributes:
-      file: the file's name.  model, device: the `MODELS` / `DEVICES` keys it was measured on.
-    """
-
-    file: str
-    model: str
-    device: str
-
-
-# Vidur (microsoft/vidur, MIT licence, commit 7d47513, data/profiling/compute/a100/meta-llama/Meta-Llama-3-8B):
-# Meta-Llama-3-8B has Llama-3.1-8B's shapes (32 layers, 4096 wide, 32 / 8 heads, 14336, 128256 vocab).
-PROFILES: dict[tuple[str, str], KernelProfile] = {
-    ("llama-3.1-8b", "a100-80gb"): KernelProfile("llama-3-8b_a100.json", "llama-3.1-8b", "a100-80gb"),
-}
-REFERENCE_PROFILE = PROFILES[("llama-3.1-8b", "a100-80gb")]  # what extrapolated costs are scaled from
-
-
-def _weighted_nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares in relative error (rows weighted 1 / y): short and long kernels count alike."""
-    w = 1.0 / y
-    scale = np.linalg.norm(a * w[:, None], axis=0)
-    return _nnls(a * w[:, None] / scale, y * w) / scale
-
-
-@functools.cache
-def load_profile(file: str) -> dict[str, Any]:
-    """The tables of a profile file, as `CostModel` uses them (numpy float32, milliseconds per layer).
-
-    Keys: tokens [n] (the linear operators' grid); per tensor-parallel degree t, linear[t] / up_proj[t] / emb[t]
-    [n] (the layer's non-attention operators, the MLP up-projection alone, the embedding gather), each made
-    non-decreasing in tokens (a running maximum: a dip of a few microseconds between neighbouring counts is
-    noise, and a larger step never costs less); kv_save_tokens, kv_save [m]; decode = (a, b, c, floor): decode
-    attention a + b B + c B ctx ms for B rows of mean context ctx, at least floor (the batch-1 time), fitted by
-    non-negative least squares in relative error to the measured rows; prefill = (a, b, c, d, floor):
-    a + b chunk ctx + c chunk^2 + d chunk ms, fitted the same way.
-    """
-    doc = json.loads((PROFILE_DIR / file).read_text())
-    out: dict[str, Any] = {"linear": {}, "up_proj": {}, "emb": {}}
-    grid = None
-    for tp, table in doc["linear_per_tp"].items():
-        tokens = np.asarray(table["num_tokens"], np.float32)
-        if grid is None:
-            grid = tokens
-        elif not np.array_equal(grid, tokens):
-            raise ValueError(f"{file}: every tensor-parallel degree must share one token grid")
-        for key, col in (("linear", "layer_ms"), ("up_proj", "up_proj_ms"), ("emb", "emb_ms")):
-            out[key][int(tp)] = np.maximum.accumulate(np.asarray(table[col], np.float32))
-    out["tokens"] = grid
-    save = np.asarray(doc["kv_save_tokens_ms"], np.float64)
-    out["kv_save_tokens"] = save[:, 0].astype(np.float32)
-    out["kv_save"] = np.maximum.accumulate(save[:, 1]).astype(np.float32)
-    kv, batch, ms = np.asarray(doc["decode_kv_batch_ms"], np.float64).T
-    coef = _weighted_nnls(np.stack([np.ones_like(batch), batch, batch * kv], axis=1), ms)
-    out["decode"] = (*map(float, coef), float(np.median(ms[batch == 1])))
-    chunk, ctx, ms = np.asarray(doc["prefill_chunk_kv_ms"], np.float64).T
-    coef = _weighted_nnls(np.stack([np.ones_like(chunk), chunk * ctx, chunk * chunk, chunk], axis=1), ms)
-    out["prefill"] = (*map(float, coef), float(ms.min()))
-    return out
-
-
 def _base_shape(m: ModelSpec) -> tuple:
     """What the base model's costs depend on (Medusa heads are priced separately)."""
     return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size,
@@ -461,7 +122,7 @@ class CostModel:
             object.__setattr__(self, "tp", self.device.tp_degree)
         if isinstance(self.tp, np.integer):  # a static field: a plain int hashes and prints like the presets
             object.__setattr__(self, "tp", int(self.tp))
-        _check_int("tp", self.tp, 1)
+        check_int("tp", self.tp, 1)
         m, t = self.model, self.tp
         if m.num_heads % t or m.intermediate_size % t:
             raise ValueError(f"tp ({t}) must divide num_heads ({m.num_heads}) and intermediate_size "
@@ -691,7 +352,7 @@ class CostModel:
         """KV tokens that fit beside the weights (Medusa's included) in `memory_utilization` of each device's
         memory (vLLM's default `gpu_memory_utilization` is 0.9); 0 when the weights alone do not fit.
         Activation memory is ignored."""
-        _check_float("memory_utilization", memory_utilization, 0.0, 1.0, open_low=True)
+        check_float("memory_utilization", memory_utilization, 0.0, 1.0, open_low=True)
         weights = (self.model.weight_bytes + self.model.medusa_weight_bytes) / self.tp
         free = self.device.hbm_capacity_bytes * memory_utilization - weights
         if free <= 0:
@@ -713,22 +374,6 @@ class StepSample(NamedTuple):
     seconds: float
     num_seqs: int = 1
     medusa_rows: int = 0
-
-
-def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares for a few columns, exactly: the best least-squares fit over every support set
-    whose solution is non-negative (the optimum's support is one of them)."""
-    best, best_residual = np.zeros(a.shape[1]), float(np.sum(y * y))
-    for k in range(1, a.shape[1] + 1):
-        for support in itertools.combinations(range(a.shape[1]), k):
-            cols = list(support)
-            coef = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
-            if np.all(coef >= 0):
-                residual = float(np.sum((a[:, cols] @ coef - y) ** 2))
-                if residual < best_residual:
-                    best, best_residual = np.zeros(a.shape[1]), residual
-                    best[cols] = coef
-    return best
 
 
 def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS["tiny"], *,
@@ -770,7 +415,7 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
     if not np.all(np.isfinite(y)) or np.any(y < 0):
         raise ValueError("samples' seconds must be finite and >= 0")
     scale = np.linalg.norm(a, axis=0)  # equilibrate columns (1, ~1e9 FLOPs, ~1e6 bytes) before solving
-    overhead, s_per_flop, s_per_byte = _nnls(a / scale, y) / scale
+    overhead, s_per_flop, s_per_byte = nnls(a / scale, y) / scale
     return DeviceSpec(name, peak_flops_per_s=1.0 / s_per_flop if s_per_flop > 0 else math.inf,
                       hbm_bytes_per_s=1.0 / s_per_byte if s_per_byte > 0 else math.inf,
                       hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
