@@ -9,6 +9,7 @@ with ordinary loops, the way a vLLM-style scheduler is written. Read `scheduler.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,6 +93,99 @@ class OracleBatch:
     oom: bool
     num_tokens: int
     alloc_ok: bool
+
+
+# The state each phase of `schedule` hands to the next, per slot (lists indexed by slot) unless said otherwise.
+
+
+@dataclasses.dataclass
+class StepStart:
+    """Each slot once the finished ones are gone (phase 0), as the later phases read it."""
+
+    order: list  # the slots in priority order
+    committed: list  # committed tokens (the allocator's num_committed)
+    held: list  # block-table entries in use
+    num_tokens: list  # the request's tokens so far (0 for an EMPTY slot)
+    running: list
+    remaining: list  # tokens left to compute (0 unless running)
+    chunk: list  # min(remaining, prefill chunk): what the row asks of the token budget
+
+
+@dataclasses.dataclass
+class DraftPlan:
+    """Phase 1: how many draft slots each row would like."""
+
+    max_draft_len: int  # knobs.draft_len clamped to [0, K]
+    reserve: int  # draft slots a prefilling row reserves (spec_in_prefill), else 0
+    wanted: list  # decode rows: drafts; prefilling rows: reserved slots
+
+
+@dataclasses.dataclass
+class Grant:
+    """Tokens granted this step and the new blocks they need; phases 3, 4 and 5b revise it."""
+
+    num_query: list  # tokens computed: a prefill chunk or the decode token
+    num_drafts: list  # draft (or reserved) slots after them
+    need_query: list  # new blocks for the query tokens (+1 for a copy-on-write)
+    need_drafts: list  # further new blocks for the draft slots
+
+
+@dataclasses.dataclass
+class Preemption:
+    """Phase 3: the victims, and which of them are swapped out (the others are recomputed)."""
+
+    victim: list
+    swap: list
+    swap_out_blocks: list  # a swapped victim's committed blocks, to copy to the host tier
+
+    @property
+    def oom(self) -> bool:
+        return any(self.victim)
+
+
+@dataclasses.dataclass
+class Demand:
+    """What the batch claims (phases 3-6) against the blocks available once the victims' blocks are back."""
+
+    available: int  # free + speculative-pool + evictable blocks after preemption
+    blocks: int  # new blocks the batch needs so far
+    rows: int  # RUNNING rows of the batch so far
+
+
+@dataclasses.dataclass
+class SwapIn:
+    """Phase 5a: the swapped rows that come back, and the committed tokens each restores."""
+
+    swap_in: list
+    restore: list
+
+
+class AdmissionPlan(NamedTuple):
+    """Phase 5b: one admitted candidate's share of the step."""
+
+    slot: int
+    hit_tokens: int  # prompt tokens shared from the prefix cache (whole blocks)
+    shared_ids: list  # their blocks
+    num_query: int
+    num_drafts: int  # reserved draft slots
+    need: int  # new blocks
+
+
+@dataclasses.dataclass
+class Admission:
+    """Phase 5b: the admitted rows, and the prompt tokens each shares from the prefix cache."""
+
+    admitted: list
+    hit_tokens: list
+
+
+@dataclasses.dataclass
+class Allocation:
+    """Phase 6: whether every allocation was granted, and the copy-on-writes to do first."""
+
+    ok: bool
+    cow_src: list
+    cow_dst: list
 
 
 class OracleScheduler:
@@ -189,219 +283,281 @@ class OracleScheduler:
             self.status[b], self.request_id[b], self.swapped_len[b] = EMPTY, -1, 0
 
     def schedule(self, knobs: Knobs) -> OracleBatch:
-        cfg, pol, a = self.cfg, self.pol, self.alloc
-        s, bsz, big_l = cfg.cache.block_size, cfg.cache.max_seqs, cfg.max_len
-        slots = range(bsz)
+        """`scheduler.schedule_unchecked`, phase by phase (the numbers are the steps of its module docstring)."""
+        start = self.release_finished()  # 0
+        drafts = self.plan_drafts(start, knobs)  # 1
+        grant = self.budget_tokens(start, drafts)  # 2
+        pre, demand = self.preempt(start, grant)  # 3
+        self.grant_opportunistic_drafts(start, grant, demand, knobs)  # 4
+        back = self.swap_in(start, pre, demand)  # 5a
+        adm = self.admit(start, drafts, grant, demand, knobs, oom=pre.oom)  # 5b
+        alloc = self.evict_and_allocate(start, grant, back, demand)  # 6
+        return self.make_batch(start, grant, pre, back, adm, alloc)
 
-        # 0. Finished requests release their blocks.
+    # ------------------------------------------------------------------------------------ schedule phases
+
+    def release_finished(self) -> StepStart:
+        """0. FINISHED slots free their blocks and become EMPTY; returns every slot as the step starts."""
+        a, slots = self.alloc, range(self.cfg.cache.max_seqs)
         done = [self.status[b] == FINISHED for b in slots]
         a.free(done)
         for b in slots:
             if done[b]:
                 self.status[b], self.request_id[b] = EMPTY, -1
-        order = self._order()
-        rank = {b: r for r, b in enumerate(order)}
-        c = list(a.committed)
-        held = [len(a.tables[b]) for b in slots]
-        n = [len(self.tokens[b]) if self.status[b] != EMPTY else 0 for b in slots]
+        committed = list(a.committed)
+        num_tokens = [len(self.tokens[b]) if self.status[b] != EMPTY else 0 for b in slots]
         running = [self.status[b] == RUNNING for b in slots]
-        remaining = [n[b] - c[b] if running[b] else 0 for b in slots]
-        chunk = [min(remaining[b], cfg.chunk) for b in slots]
+        remaining = [num_tokens[b] - committed[b] if running[b] else 0 for b in slots]
+        return StepStart(order=self._order(), committed=committed, held=[len(a.tables[b]) for b in slots],
+                         num_tokens=num_tokens, running=running, remaining=remaining,
+                         chunk=[min(x, self.cfg.chunk) for x in remaining])
 
-        # 1. Draft lengths.
+    def plan_drafts(self, start: StepStart, knobs: Knobs) -> DraftPlan:
+        """1. Decode rows (one sampled token left) want drafts, bounded by their output room, the table and the
+        verify budget; prefilling rows reserve draft slots when spec_in_prefill."""
+        pol, max_len, slots = self.pol, self.cfg.max_len, range(self.cfg.cache.max_seqs)
         k_max = min(max(int(knobs.draft_len), 0), pol.draft_len)
         reserve = k_max if (pol.speculation and pol.spec_in_prefill) else 0
-        k_want = [0] * bsz
+        num_tokens, committed = start.num_tokens, start.committed
+        wanted = [0] * len(slots)
         # Decode rows: one token left, and the model sampled it (a row's last prompt token drafts nothing).
-        decoding = [running[b] and remaining[b] == 1 and n[b] > self.prompt_len[b] for b in slots]
+        decoding = [start.running[b] and start.remaining[b] == 1 and num_tokens[b] > self.prompt_len[b] for b in slots]
         for b in slots:
             if decoding[b]:
-                out_room = self.max_new[b] - (n[b] - self.prompt_len[b]) - 1
-                k_want[b] = max(0, min(self._draft_len(b, knobs), out_room, big_l - n[b]))
-            elif running[b] and remaining[b] > 1:
-                k_want[b] = max(0, min(reserve, big_l - c[b] - chunk[b]))
-        rows = sum(decoding)
-        k_cap = max(int(knobs.verify_budget) // max(rows, 1) - 1, 0)  # compute-aware drafting
+                out_room = self.max_new[b] - (num_tokens[b] - self.prompt_len[b]) - 1
+                wanted[b] = max(0, min(self._draft_len(b, knobs), out_room, max_len - num_tokens[b]))
+            elif start.running[b] and start.remaining[b] > 1:
+                wanted[b] = max(0, min(reserve, max_len - committed[b] - start.chunk[b]))
+        k_cap = max(int(knobs.verify_budget) // max(sum(decoding), 1) - 1, 0)  # compute-aware drafting
         for b in slots:
             if decoding[b]:
-                k_want[b] = min(k_want[b], k_cap)
+                wanted[b] = min(wanted[b], k_cap)
+        return DraftPlan(max_draft_len=k_max, reserve=reserve, wanted=wanted)
 
-        # 2. Token budget in priority order.
-        q, d = [0] * bsz, [0] * bsz
+    def budget_tokens(self, start: StepStart, drafts: DraftPlan) -> Grant:
+        """2. The token budget in priority order: each running row's chunk first, then its draft slots; and the
+        new blocks each row needs for them (a copy-on-write of a shared partial block counts one)."""
+        a, s, bsz = self.alloc, self.cfg.cache.block_size, self.cfg.cache.max_seqs
+        committed, held, chunk, wanted = start.committed, start.held, start.chunk, drafts.wanted
+        q, k = [0] * bsz, [0] * bsz
         used = 0
-        for b in order:
-            left = cfg.token_budget - used
-            used += chunk[b] + k_want[b]
+        for b in start.order:
+            left = self.cfg.token_budget - used
+            used += chunk[b] + wanted[b]
             q[b] = min(max(left, 0), chunk[b])
             if q[b] == chunk[b] and q[b] > 0:
-                d[b] = min(max(left - q[b], 0), k_want[b])
-
-        need_q, need_d, cow = [0] * bsz, [0] * bsz, [False] * bsz
-        for b in slots:
+                k[b] = min(max(left - q[b], 0), wanted[b])
+        need_q, need_k = [0] * bsz, [0] * bsz
+        for b in range(bsz):
             if q[b] > 0:
-                part = a.tables[b][c[b] // s] if c[b] // s < held[b] else NULL_BLOCK
-                cow[b] = running[b] and c[b] % s != 0 and a.ref[part] > 1
-                need_q[b] = max(cdiv(c[b] + q[b], s) - held[b], 0) + cow[b]
-                need_d[b] = max(cdiv(c[b] + q[b] + d[b], s) - held[b], 0) + cow[b] - need_q[b]
-        need_a = [need_q[b] + (need_d[b] if pol.drafts_preempt else 0) for b in slots]
+                part = a.tables[b][committed[b] // s] if committed[b] // s < held[b] else NULL_BLOCK
+                cow = start.running[b] and committed[b] % s != 0 and a.ref[part] > 1
+                need_q[b] = max(cdiv(committed[b] + q[b], s) - held[b], 0) + cow
+                need_k[b] = max(cdiv(committed[b] + q[b] + k[b], s) - held[b], 0) + cow - need_q[b]
+        return Grant(num_query=q, num_drafts=k, need_query=need_q, need_drafts=need_k)
 
-        # 3. Preemption: the fewest victims in victim-rule order.
-        avail = self._free_now() + self._evictable()
-        freed = [sum(1 for blk in a.tables[b] if a.ref[blk] == 1) for b in slots]
-        import jax.numpy as jnp  # the rule is a jnp function of int32 arrays; evaluate it once
-
-        key = np.asarray(cfg.victim_rule(jnp.asarray([rank[b] for b in slots], jnp.int32),
-                                         jnp.asarray(c, jnp.int32), jnp.asarray(held, jnp.int32))).tolist()
-        vorder = sorted(slots, key=lambda b: (not running[b], key[b], -rank[b]))
-        total, victims = sum(need_a), []
-        if total > avail:
-            dn = fr = 0
-            for b in vorder:
-                if not running[b]:
-                    break
-                victims.append(b)
-                dn, fr = dn + need_a[b], fr + freed[b]
-                if total - dn <= avail + fr:
-                    break
-        oom = bool(victims)
+    def preempt(self, start: StepStart, grant: Grant) -> tuple[Preemption, Demand]:
+        """3. If the mandatory blocks (drafts' too when drafts_preempt) exceed free + pool + evictable, preempt
+        the fewest running rows in victim-rule order that make them fit: swap a victim out while the host tier
+        has room (policy "swap"), else recompute it. Victims free their blocks and lose their grant.
+        Returns the victims and the demand left: the kept rows' query blocks against what is now available."""
+        a, s, slots = self.alloc, self.cfg.cache.block_size, range(self.cfg.cache.max_seqs)
+        committed = start.committed
+        mandatory = [grant.need_query[b] + (grant.need_drafts[b] if self.pol.drafts_preempt else 0) for b in slots]
+        victims = self._victims(start, mandatory)
         victim = [b in victims for b in slots]
-        swap = [False] * bsz
-        if pol.preemption == "swap" and cfg.swap_blocks > 0:
-            room, cum = cfg.swap_blocks - self.swap_used, 0
-            for b in victims:
-                cum += cdiv(c[b], s)
-                swap[b] = c[b] > 0 and cum <= room
-        swap_out_blocks = [list(a.tables[b][: cdiv(c[b], s)]) if swap[b] else [] for b in slots]
-        swap_need = sum(cdiv(c[b], s) for b in slots if swap[b])
+        swap = self._swapped(victims, committed)
+        swap_out_blocks = [list(a.tables[b][: cdiv(committed[b], s)]) if swap[b] else [] for b in slots]
         a.free(victim)
         for b in victims:
             self.status[b] = SWAPPED if swap[b] else WAITING
             self.num_preemptions[b] += 1
             if swap[b]:
-                self.swapped_len[b] = c[b]
-            q[b] = d[b] = need_q[b] = need_d[b] = 0
-            cow[b] = False
-        keep = [running[b] and not victim[b] for b in slots]
+                self.swapped_len[b] = committed[b]
+            grant.num_query[b] = grant.num_drafts[b] = grant.need_query[b] = grant.need_drafts[b] = 0
+        self.swap_used += sum(cdiv(committed[b], s) for b in slots if swap[b])
+        ct = self.counters
+        ct["oom_steps"] += bool(victims)
+        ct["preempt_recompute"] += sum(victim[b] and not swap[b] for b in slots)
+        ct["preempt_swap"] += sum(swap)
+        kept = [start.running[b] and not victim[b] for b in slots]
+        demand = Demand(available=self._free_now() + self._evictable(), blocks=sum(grant.need_query), rows=sum(kept))
+        return Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks), demand
 
-        free_now = self._free_now()
-        avail = free_now + self._evictable()
-        need_total = sum(need_q)
+    def _victims(self, start: StepStart, mandatory: list) -> list[int]:
+        """The fewest running rows, in victim-rule order, whose preemption makes the mandatory blocks fit."""
+        a, cfg, slots = self.alloc, self.cfg, range(self.cfg.cache.max_seqs)
+        rank = {b: r for r, b in enumerate(start.order)}
+        running, committed, held = start.running, start.committed, start.held
+        avail = self._free_now() + self._evictable()
+        freed = [sum(1 for blk in a.tables[b] if a.ref[blk] == 1) for b in slots]  # blocks a victim gives back
+        import jax.numpy as jnp  # the rule is a jnp function of int32 arrays; evaluate it once
 
-        # 4. Opportunistic drafts within max_spec_ratio of the free blocks left.
-        if not pol.drafts_preempt:
-            cap = int(np.floor(np.float32(knobs.max_spec_ratio) * np.float32(max(free_now - need_total, 0))))
+        key = np.asarray(cfg.victim_rule(jnp.asarray([rank[b] for b in slots], jnp.int32),
+                                         jnp.asarray(committed, jnp.int32), jnp.asarray(held, jnp.int32))).tolist()
+        vorder = sorted(slots, key=lambda b: (not running[b], key[b], -rank[b]))
+        total, victims = sum(mandatory), []
+        if total > avail:
+            dropped = returned = 0
+            for b in vorder:
+                if not running[b]:
+                    break
+                victims.append(b)
+                dropped, returned = dropped + mandatory[b], returned + freed[b]
+                if total - dropped <= avail + returned:
+                    break
+        return victims
+
+    def _swapped(self, victims: list, committed: list) -> list[bool]:
+        """Per slot: a victim swapped out (policy "swap", in victim order while the host tier has room)."""
+        cfg, s = self.cfg, self.cfg.cache.block_size
+        swap = [False] * cfg.cache.max_seqs
+        if self.pol.preemption == "swap" and cfg.swap_blocks > 0:
+            room, cum = cfg.swap_blocks - self.swap_used, 0
+            for b in victims:
+                cum += cdiv(committed[b], s)
+                swap[b] = committed[b] > 0 and cum <= room
+        return swap
+
+    def grant_opportunistic_drafts(self, start: StepStart, grant: Grant, demand: Demand, knobs: Knobs) -> None:
+        """4. When not drafts_preempt, drafts keep their slots in priority order while their new blocks fit in
+        floor(max_spec_ratio * free blocks left); the others lose them. The drafts' blocks join the demand."""
+        if not self.pol.drafts_preempt:
+            free_left = max(self._free_now() - demand.blocks, 0)
+            cap = int(np.floor(np.float32(knobs.max_spec_ratio) * np.float32(free_left)))
             cum = 0
-            for b in order:
-                cum += need_d[b]
-                if need_d[b] != 0 and cum > cap:
-                    d[b] = need_d[b] = 0
-        need_total += sum(need_d)
-        num_running = sum(keep)
+            for b in start.order:
+                cum += grant.need_drafts[b]
+                if grant.need_drafts[b] != 0 and cum > cap:
+                    grant.num_drafts[b] = grant.need_drafts[b] = 0
+        demand.blocks += sum(grant.need_drafts)
 
-        # 5a. Swap-in.
+    def swap_in(self, start: StepStart, pre: Preemption, demand: Demand) -> SwapIn:
+        """5a. When nobody was preempted, SWAPPED rows come back (RUNNING) in priority order while their blocks
+        and batch rows fit, stopping at the first that does not; their blocks join the demand."""
+        s, cfg, bsz = self.cfg.cache.block_size, self.cfg, self.cfg.cache.max_seqs
         swap_in, restore = [False] * bsz, [0] * bsz
-        if not oom:
+        if not pre.oom:
             blocks_cum = count = 0
-            for b in order:
-                if self.status[b] != SWAPPED or swap[b]:
+            for b in start.order:
+                if self.status[b] != SWAPPED or pre.swap[b]:
                     continue
                 blocks_cum += cdiv(self.swapped_len[b], s)
                 count += 1
-                if blocks_cum > avail - need_total or count > cfg.max_running - num_running:
+                if blocks_cum > demand.available - demand.blocks or count > cfg.max_running - demand.rows:
                     break
                 swap_in[b], restore[b] = True, self.swapped_len[b]
-        need_total += sum(cdiv(restore[b], s) for b in slots)
-        num_running += sum(swap_in)
-        still_swapped = any(self.status[b] == SWAPPED and not swap_in[b] for b in slots)
+        demand.blocks += sum(cdiv(x, s) for x in restore)
+        demand.rows += sum(swap_in)
+        for b in range(bsz):
+            if swap_in[b]:
+                self.status[b], self.swapped_len[b] = RUNNING, 0
+        self.swap_used -= sum(cdiv(x, s) for x in restore)
+        self.counters["swap_ins"] += sum(swap_in)
+        return SwapIn(swap_in=swap_in, restore=restore)
 
-        # 5b. Admission.
+    def admit(self, start: StepStart, drafts: DraftPlan, grant: Grant, demand: Demand, knobs: Knobs, *,
+              oom: bool) -> Admission:
+        """5b. When nobody was preempted and none is left swapped: the first A WAITING rows in priority order,
+        each with its prefix-cache hit shared by reference and a chunk (and reserve) of the token budget left,
+        are admitted (RUNNING) until the first whose blocks or batch row do not fit."""
+        cfg, bsz = self.cfg, self.cfg.cache.max_seqs
         admitted, hit_tokens = [False] * bsz, [0] * bsz
-        cands = [b for b in order if self.status[b] == WAITING][: cfg.window]
-        evictable_now = [a.cached[i] and a.ref[i] == 0 for i in range(cfg.cache.num_blocks)]
+        still_swapped = any(x == SWAPPED for x in self.status)
         if not oom and not still_swapped:
-            budget_left = cfg.token_budget - sum(q[b] + d[b] for b in slots)
-            tok_cum = blk_cum = 0
-            plans = []
-            for count, b in enumerate(cands, start=1):
-                row = self.tokens[b]
-                shared, ids = 0, []
-                if pol.prefix_cache:
-                    window = k_max if (pol.prefix_barrier and pol.speculation) else 0
-                    shared, ids = self.index.lookup(row, n[b], window, float(knobs.max_spec_ratio))
-                h = shared * s
-                a_chunk = min(n[b] - h, cfg.chunk)
-                a_res = (reserve if n[b] - h > 1 else 0) if pol.spec_in_prefill else 0
-                a_res = max(0, min(a_res, big_l - h - a_chunk))
-                left = budget_left - tok_cum
-                tok_cum += a_chunk + a_res
-                a_q = min(max(left, 0), a_chunk)
-                a_d = min(max(left - a_q, 0), a_res) if a_q == a_chunk else 0
-                a_need = cdiv(h + a_q + a_d, s) - shared
-                blk_cum += a_need + sum(1 for i in ids if evictable_now[i])
-                if a_q <= 0 or blk_cum > avail - need_total or count > cfg.max_running - num_running:
-                    break
-                plans.append((b, h, ids, a_q, a_d, a_need))
-            share_ids = [[NULL_BLOCK] * cfg.cache.max_blocks_per_seq for _ in slots]
-            share_tokens = [0] * bsz
-            for b, h, ids, a_q, a_d, a_need in plans:
-                admitted[b], hit_tokens[b] = True, h
-                share_ids[b][: len(ids)] = ids
-                share_tokens[b] = h
-                q[b], d[b] = a_q, a_d
-                need_total += a_need
-            a.share(share_ids, share_tokens)
-        for b in slots:
-            if admitted[b] or swap_in[b]:
+            plans = self._admission_plans(start, drafts, grant, demand, knobs)
+            share_ids = [[NULL_BLOCK] * cfg.cache.max_blocks_per_seq for _ in range(bsz)]
+            for p in plans:
+                admitted[p.slot], hit_tokens[p.slot] = True, p.hit_tokens
+                share_ids[p.slot][: len(p.shared_ids)] = p.shared_ids
+                grant.num_query[p.slot], grant.num_drafts[p.slot] = p.num_query, p.num_drafts
+                demand.blocks += p.need
+            self.alloc.share(share_ids, hit_tokens)
+        for b in range(bsz):
+            if admitted[b]:
                 self.status[b] = RUNNING
+            self.num_cached[b] += hit_tokens[b]
+        ct = self.counters
+        ct["admitted"] += sum(admitted)
+        ct["prompt_tokens"] += sum(start.num_tokens[b] for b in range(bsz) if admitted[b])
+        ct["cached_tokens"] += sum(hit_tokens)
+        return Admission(admitted=admitted, hit_tokens=hit_tokens)
 
-        # 6. Evict the shortfall, then allocate.
-        shortfall = max(need_total - self._free_now(), 0)
+    def _admission_plans(self, start: StepStart, drafts: DraftPlan, grant: Grant, demand: Demand,
+                         knobs: Knobs) -> list[AdmissionPlan]:
+        """The admitted candidates in priority order: the leading ones whose tokens get a chunk of the budget
+        left and whose new blocks (and hits that stop being evictable) and batch rows fit."""
+        cfg, pol, a, s = self.cfg, self.pol, self.alloc, self.cfg.cache.block_size
+        num_tokens = start.num_tokens
+        cands = [b for b in start.order if self.status[b] == WAITING][: cfg.window]
+        evictable_now = [a.cached[i] and a.ref[i] == 0 for i in range(cfg.cache.num_blocks)]
+        budget_left = cfg.token_budget - sum(grant.num_query) - sum(grant.num_drafts)
+        tok_cum = blk_cum = 0
+        plans = []
+        for count, b in enumerate(cands, start=1):
+            shared, ids = 0, []
+            if pol.prefix_cache:
+                window = drafts.max_draft_len if (pol.prefix_barrier and pol.speculation) else 0
+                shared, ids = self.index.lookup(self.tokens[b], num_tokens[b], window, float(knobs.max_spec_ratio))
+            hit = shared * s
+            chunk = min(num_tokens[b] - hit, cfg.chunk)
+            reserve = (drafts.reserve if num_tokens[b] - hit > 1 else 0) if pol.spec_in_prefill else 0
+            reserve = max(0, min(reserve, cfg.max_len - hit - chunk))
+            left = budget_left - tok_cum
+            tok_cum += chunk + reserve
+            query = min(max(left, 0), chunk)
+            reserved = min(max(left - query, 0), reserve) if query == chunk else 0
+            need = cdiv(hit + query + reserved, s) - shared
+            blk_cum += need + sum(1 for i in ids if evictable_now[i])
+            if query <= 0 or blk_cum > demand.available - demand.blocks or count > cfg.max_running - demand.rows:
+                break
+            plans.append(AdmissionPlan(b, hit, ids, query, reserved, need))
+        return plans
+
+    def evict_and_allocate(self, start: StepStart, grant: Grant, back: SwapIn, demand: Demand) -> Allocation:
+        """6. Evict the shortfall from the LRU cached blocks and drop their index entries (unpinning the
+        entries' descendants); then allocate query + restored tokens, then draft slots, in priority order."""
+        a, cfg = self.alloc, self.cfg
+        shortfall = max(demand.blocks - self._free_now(), 0)
         if shortfall > 0:
             evicted = a.evict_lru(shortfall, cfg.cache.usable_blocks)
             self._unpin(self.index.remove(evicted))
-        ok, cow_pairs = self._allocate_two_pass([q[b] + restore[b] for b in slots], order, False)
-        spec_ok = [True] * bsz
-        if pol.speculation:
-            spec_ok, _ = self._allocate_two_pass(d, order, True)
+        tokens = [q + r for q, r in zip(grant.num_query, back.restore)]
+        ok, cow_pairs = self._allocate_two_pass(tokens, start.order, False)
+        spec_ok = [True] * cfg.cache.max_seqs
+        if self.pol.speculation:
+            spec_ok, _ = self._allocate_two_pass(grant.num_drafts, start.order, True)
+        return Allocation(ok=all(ok) and all(spec_ok), cow_src=[p[0] for p in cow_pairs],
+                          cow_dst=[p[1] for p in cow_pairs])
 
-        for b in slots:
-            if swap[b]:
-                self.swapped_len[b] = c[b]
-            elif swap_in[b]:
-                self.swapped_len[b] = 0
-            self.num_cached[b] += hit_tokens[b]
-        ct = self.counters
-        ct["oom_steps"] += oom
-        ct["preempt_recompute"] += sum(victim[b] and not swap[b] for b in slots)
-        ct["preempt_swap"] += sum(swap)
-        ct["swap_ins"] += sum(swap_in)
-        ct["admitted"] += sum(admitted)
-        ct["prompt_tokens"] += sum(n[b] for b in slots if admitted[b])
-        ct["cached_tokens"] += sum(hit_tokens)
-        self.swap_used += swap_need - sum(cdiv(restore[b], s) for b in slots)
-
-        c_now = list(a.committed)
-        decode = [self.status[b] == RUNNING and n[b] - c_now[b] == 1 for b in slots]
+    def make_batch(self, start: StepStart, grant: Grant, pre: Preemption, back: SwapIn, adm: Admission,
+                   alloc: Allocation) -> OracleBatch:
+        """The step's batch; a RUNNING row with one token left to compute is decoding, its slots are drafts."""
+        q, k, num_tokens, slots = grant.num_query, grant.num_drafts, start.num_tokens, range(self.cfg.cache.max_seqs)
+        c_now = list(self.alloc.committed)
+        decode = [self.status[b] == RUNNING and num_tokens[b] - c_now[b] == 1 for b in slots]
         return OracleBatch(
             scheduled=[q[b] > 0 for b in slots],
             start=c_now,
             num_query=q,
-            num_drafts=[d[b] if decode[b] else 0 for b in slots],
-            num_reserved=[0 if decode[b] else d[b] for b in slots],
-            samples=[q[b] > 0 and c_now[b] + q[b] == n[b] for b in slots],
-            swap_out=swap,
-            swap_out_blocks=swap_out_blocks,
-            swap_in=swap_in,
-            restore=restore,
-            preempted=[victim[b] and not swap[b] for b in slots],
-            admitted=admitted,
-            hit_tokens=hit_tokens,
-            cow_src=[p[0] for p in cow_pairs],
-            cow_dst=[p[1] for p in cow_pairs],
-            oom=oom,
-            num_tokens=sum(q) + sum(d),
-            alloc_ok=all(ok) and all(spec_ok),
+            num_drafts=[k[b] if decode[b] else 0 for b in slots],
+            num_reserved=[0 if decode[b] else k[b] for b in slots],
+            samples=[q[b] > 0 and c_now[b] + q[b] == num_tokens[b] for b in slots],
+            swap_out=pre.swap,
+            swap_out_blocks=pre.swap_out_blocks,
+            swap_in=back.swap_in,
+            restore=back.restore,
+            preempted=[pre.victim[b] and not pre.swap[b] for b in slots],
+            admitted=adm.admitted,
+            hit_tokens=adm.hit_tokens,
+            cow_src=alloc.cow_src,
+            cow_dst=alloc.cow_dst,
+            oom=pre.oom,
+            num_tokens=sum(q) + sum(k),
+            alloc_ok=alloc.ok,
         )
+
+    # ----------------------------------------------------------------------------------- allocator helpers
 
     def _window(self) -> int:
         s = self.cfg.cache.block_size
@@ -424,78 +580,118 @@ class OracleScheduler:
         self.alloc.set_cached(ids, [False] * len(ids))
 
     def update(self, batch: OracleBatch, accepted, next_tokens, draft_tokens, stop, knobs: Knobs) -> list[int]:
-        """Returns the number of tokens appended per slot."""
-        cfg, pol, a = self.cfg, self.pol, self.alloc
-        s, big_l = cfg.cache.block_size, cfg.max_len
-        slots = range(cfg.cache.max_seqs)
-        # A row aborted since schedule is dropped: it computes, commits and indexes nothing.
-        live = [self.status[b] == RUNNING for b in slots]
-        batch = dataclasses.replace(
+        """`scheduler.update_unchecked`, phase by phase. Returns the number of tokens appended per slot."""
+        batch = self.drop_aborted(batch)
+        acc = [min(max(int(accepted[b]), 0), batch.num_drafts[b]) if batch.samples[b] else 0
+               for b in range(self.cfg.cache.max_seqs)]  # accepted drafts per slot
+        rows, filled_to = self.select_filled_rows(batch, acc)
+        on_fill = self.index_on_fill(batch, rows, filled_to, draft_tokens)
+        self.commit(batch, acc)
+        new = self.append_tokens(batch, acc, next_tokens, draft_tokens)
+        finished = self.finish(batch, new, stop)
+        self.index_filled_blocks(rows, on_fill)
+        self.reclaim(knobs)
+        self.count(batch, acc, new, finished)
+        return new
+
+    # -------------------------------------------------------------------------------------- update phases
+
+    def drop_aborted(self, batch: OracleBatch) -> OracleBatch:
+        """A row aborted since schedule (no longer RUNNING) is dropped: it computes, commits and indexes nothing."""
+        live = [x == RUNNING for x in self.status]
+        return dataclasses.replace(
             batch, scheduled=[x and y for x, y in zip(batch.scheduled, live)],
             samples=[x and y for x, y in zip(batch.samples, live)],
             **{f: [x if y else 0 for x, y in zip(getattr(batch, f), live)]
                for f in ("num_query", "num_drafts", "restore")})
-        acc = [min(max(int(accepted[b]), 0), batch.num_drafts[b]) if batch.samples[b] else 0 for b in slots]
-        n = [len(self.tokens[b]) for b in slots]
 
-        # Rows that filled a block wait to be indexed; the first R of them (slot order) are, this step.
-        on_fill = pol.prefix_cache and pol.insert == "on_fill"
+    def select_filled_rows(self, batch: OracleBatch, acc: list) -> tuple[list[int], list[int]]:
+        """Rows that filled a block (drafts included when indexing on fill) wait to be indexed; returns the first R
+        of them in slot order, indexed this step, and per slot the tokens its table is filled to."""
+        s, on_fill = self.cfg.cache.block_size, self.pol.prefix_cache and self.pol.insert == "on_fill"
         filled_to = []
-        for b in slots:
+        for b in range(self.cfg.cache.max_seqs):
             if batch.scheduled[b]:
                 upto = batch.start[b] + batch.num_query[b] + (batch.num_drafts[b] if on_fill else acc[b])
             else:
                 upto = batch.start[b]
             filled_to.append(upto + batch.restore[b])
             self.pending[b] = self.pending[b] or filled_to[b] // s > batch.start[b] // s
-        rows = [b for b in slots if self.pending[b]][: cfg.rows_indexed]
+        rows = [b for b in range(self.cfg.cache.max_seqs) if self.pending[b]][: self.cfg.rows_indexed]
         for b in rows:
             self.pending[b] = False
-        filled = None
-        if on_fill:
-            views = [list(self.tokens[b]) + [int(t) for t in draft_tokens[b][: batch.num_drafts[b]]] for b in rows]
-            tables = [a.tables[b] + [NULL_BLOCK] * (cfg.cache.max_blocks_per_seq - len(a.tables[b])) for b in rows]
-            filled = self.index.insert([v + [0] * (big_l - len(v)) for v in views], [filled_to[b] for b in rows],
-                                       tables)
+        return rows, filled_to
 
+    def index_on_fill(self, batch: OracleBatch, rows: list, filled_to: list, draft_tokens) -> list | None:
+        """With insert "on_fill" (the naive integration), index the rows' whole blocks before verification, drafts
+        included; returns each row's newly indexed (column, block id) pairs, for the roll back. Else None."""
+        if not (self.pol.prefix_cache and self.pol.insert == "on_fill"):
+            return None
+        a, m, max_len = self.alloc, self.cfg.cache.max_blocks_per_seq, self.cfg.max_len
+        views = [list(self.tokens[b]) + [int(t) for t in draft_tokens[b][: batch.num_drafts[b]]] for b in rows]
+        tables = [a.tables[b] + [NULL_BLOCK] * (m - len(a.tables[b])) for b in rows]
+        return self.index.insert([v + [0] * (max_len - len(v)) for v in views], [filled_to[b] for b in rows], tables)
+
+    def commit(self, batch: OracleBatch, acc: list) -> None:
+        """Commit the computed tokens and the accepted drafts (and restored tokens); roll back the rest. Rows
+        within the window first, then the wider ones, as the jitted two-pass commit."""
+        a, s, w = self.alloc, self.cfg.cache.block_size, self._window()
+        slots = range(self.cfg.cache.max_seqs)
         commit = [(batch.num_query[b] + acc[b] if batch.scheduled[b] else 0) + batch.restore[b] for b in slots]
-        fits = [len(a.tables[b]) - a.committed[b] // s <= self._window() for b in slots]
-        a.commit(commit, window=self._window())
+        fits = [len(a.tables[b]) - a.committed[b] // s <= w for b in slots]
+        a.commit(commit, window=w)
         if not all(fits):
             a.commit([0 if f else x for f, x in zip(fits, commit)])
 
-        new = [acc[b] + 1 if batch.samples[b] else 0 for b in slots]
-        finished = [False] * len(slots)
-        for b in slots:
-            if new[b]:
+    def append_tokens(self, batch: OracleBatch, acc: list, next_tokens, draft_tokens) -> list[int]:
+        """A sampling row appends its accepted drafts, then the target's token; returns the count per slot."""
+        new = [acc[b] + 1 if batch.samples[b] else 0 for b in range(self.cfg.cache.max_seqs)]
+        for b, x in enumerate(new):
+            if x:
                 self.tokens[b] = self.tokens[b] + [int(t) for t in draft_tokens[b][: acc[b]]] + [int(next_tokens[b])]
-            n_new = n[b] + new[b]
-            if self.status[b] == RUNNING and batch.samples[b]:
-                finished[b] = bool(stop[b]) or n_new - self.prompt_len[b] >= self.max_new[b] or n_new >= big_l
+        return new
 
-        if filled is not None:
+    def finish(self, batch: OracleBatch, new: list, stop) -> list[bool]:
+        """A RUNNING row that sampled finishes (FINISHED) on its stop flag, at max_new_tokens or a full table."""
+        max_len, finished = self.cfg.max_len, [False] * self.cfg.cache.max_seqs
+        for b in range(self.cfg.cache.max_seqs):
+            length = len(self.tokens[b])  # includes the new[b] tokens just appended
+            if self.status[b] == RUNNING and batch.samples[b]:
+                finished[b] = bool(stop[b]) or length - self.prompt_len[b] >= self.max_new[b] or length >= max_len
+        for b, x in enumerate(finished):
+            if x:
+                self.status[b] = FINISHED
+        return finished
+
+    def index_filled_blocks(self, rows: list, on_fill: list | None) -> None:
+        """Indexed on fill: drop the entries whose block now holds a rejected draft (and their descendants, which
+        are unpinned) and pin the others. Else index the rows' whole committed blocks and pin them."""
+        a, s, max_len = self.alloc, self.cfg.cache.block_size, self.cfg.max_len
+        if on_fill is not None:
             stale, kept = [], []
-            for b, new_ids in zip(rows, filled):
+            for b, new_ids in zip(rows, on_fill):
                 for j, blk in new_ids:
                     (stale if (j + 1) * s > a.committed[b] else kept).append(blk)
             descendants = self.index.remove(stale)
             a.set_cached(kept, [True] * len(kept))
             self._unpin(descendants)
-        elif pol.prefix_cache:
-            new_ids = self.index.insert([self.tokens[b] + [0] * (big_l - len(self.tokens[b])) for b in rows],
+        elif self.pol.prefix_cache:
+            new_ids = self.index.insert([self.tokens[b] + [0] * (max_len - len(self.tokens[b])) for b in rows],
                                         [a.committed[b] for b in rows], [a.tables[b] for b in rows])
             ids = [blk for row in new_ids for _, blk in row]
             a.set_cached(ids, [True] * len(ids))
 
-        if pol.spec_pool:
-            a.reclaim_expired(self.step, int(knobs.generation_threshold))
+    def reclaim(self, knobs: Knobs) -> None:
+        """With a speculative pool, its blocks older than generation_threshold steps go back to the free stack."""
+        if self.pol.spec_pool:
+            self.alloc.reclaim_expired(self.step, int(knobs.generation_threshold))
 
-        verified = [batch.samples[b] and batch.num_drafts[b] > 0 for b in slots]
-        for b in slots:
-            if verified[b]:
+    def count(self, batch: OracleBatch, acc: list, new: list, finished: list) -> None:
+        """The acceptance histogram of each verified row, the step's counters, and the step number."""
+        verified = [x and k > 0 for x, k in zip(batch.samples, batch.num_drafts)]
+        for b, x in enumerate(verified):
+            if x:
                 self.hist[b][acc[b]] += 1
-            if finished[b]:
-                self.status[b] = FINISHED
         ct = self.counters
         ct["steps"] += 1
         ct["finished"] += sum(finished)
@@ -504,4 +700,3 @@ class OracleScheduler:
         ct["verifications"] += sum(verified)
         ct["output_tokens"] += sum(new)
         self.step += 1
-        return new
