@@ -134,9 +134,9 @@ def test_every_identity_when_false_promise_holds_on_a_sweep(monkeypatch):
 def _promises() -> set[str]:
     """"file:function:line" of every `identity_when_false=True` call in the modules a simulation runs."""
     import ast
+    import pathlib
 
-    from skvs_jax.kv import allocator, manager, prefix_cache
-    from skvs_jax.scheduler import schedule, update
+    import skvs_jax
 
     def visit(node, name, function, sites):
         for child in ast.iter_child_nodes(node):
@@ -150,10 +150,11 @@ def _promises() -> set[str]:
         return sites
 
     sites = set()
-    for module in (schedule, update, manager, allocator, prefix_cache, sim):
-        path = inspect.getsourcefile(module)
-        with open(path) as f:
-            visit(ast.parse(f.read()), os.path.basename(path), "<module>", sites)
+    root = pathlib.Path(inspect.getsourcefile(skvs_jax)).parent
+    paths = [*sorted((root / "kv").rglob("*.py")), *sorted((root / "scheduler").glob("*.py")),
+             root / "sim" / "simulate.py"]
+    for path in paths:
+        visit(ast.parse(path.read_text()), path.name, "<module>", sites)
     return sites
 
 

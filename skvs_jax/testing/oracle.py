@@ -1,4 +1,5 @@
-"""A plain-Python allocator with the exact semantics of `skvs_jax.allocator`, written to be obviously right.
+"""The KV layer's oracles in plain Python, written to be obviously right: `OracleAllocator` (the exact semantics
+of `skvs_jax.kv.allocator`) and `OraclePrefixIndex` (an ideal prefix index, a dict from token prefixes to blocks).
 
 Per-block lists and per-sequence lists, one sequence at a time, one block at a time: no vectorisation to get
 wrong. It is the oracle the property tests compare the JAX allocator against (block ids, stacks, states, ref
@@ -14,6 +15,8 @@ pops, in row-major (slot, column) order.
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
@@ -283,3 +286,54 @@ class OracleAllocator:
         self.clock += 1
         self.counters["evictions"] += len(evicted)
         return evicted
+
+
+class OraclePrefixIndex:
+    """The ideal prefix index: a prefix (a whole number of blocks of tokens) -> block id, prefix-closed.
+
+    Agrees with `prefix_cache` whenever the table refuses nothing (no key collision, no full bucket), which a
+    64-bit key and a table at most half full make the practical case.
+    """
+
+    def __init__(self, block_size: int, max_blocks: int):
+        self.s, self.m = block_size, max_blocks
+        self.index: dict[tuple[int, ...], int] = {}
+
+    def matched(self, row) -> int:
+        j = 0
+        while j < min(len(row) // self.s, self.m) and tuple(row[: (j + 1) * self.s]) in self.index:
+            j += 1
+        return j
+
+    def lookup(self, row, length: int, window: int, ratio: float) -> tuple[int, list[int]]:
+        """(shared blocks after the barrier, their ids)."""
+        s = self.s
+        matched = min(self.matched(row), max(length - 1, 0) // s)
+        buffer = max(1, int(np.floor(np.float32(ratio) * np.float32(window))) // s) if window > 0 else 0
+        shared = max(0, matched - buffer)
+        return shared, [self.index[tuple(row[: (j + 1) * s])] for j in range(shared)]
+
+    def insert(self, rows, num_validated, tables) -> list[list[int]]:
+        """Index every whole validated block not indexed yet; returns each row's newly indexed ids."""
+        new = []
+        for row, nv, table in zip(rows, num_validated, tables):
+            ids = []
+            for j in range(min(nv // self.s, len(row) // self.s, self.m)):
+                prefix = tuple(row[: (j + 1) * self.s])
+                if prefix not in self.index:
+                    self.index[prefix] = int(table[j])
+                    ids.append((j, int(table[j])))
+            new.append(ids)
+        return new
+
+    def remove(self, ids) -> list[int]:
+        """Drop the entries of ids and every entry below them; returns the descendants' ids, sorted."""
+        ids = {int(i) for i in ids if i > 0}
+        gone = {p for p, blk in self.index.items() if blk in ids}
+        for p in sorted(self.index, key=len):
+            if len(p) > self.s and p[: -self.s] in gone:
+                gone.add(p)
+        descendants = sorted(self.index[p] for p in gone if self.index[p] not in ids)
+        for p in gone:
+            del self.index[p]
+        return descendants

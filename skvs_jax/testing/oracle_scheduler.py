@@ -1,9 +1,14 @@
-"""A plain-Python scheduler with exactly the semantics of `scheduler.py`, one sequence at a time.
+"""A plain-Python scheduler with exactly the semantics of `skvs_jax.scheduler`, one sequence at a time.
 
 It is the specification the jitted scheduler is tested against (block id for block id, counter for counter)
 and the baseline of `skvs micro scheduler`. It composes the plain-Python allocator (`oracle.OracleAllocator`)
-with an ideal prefix index (a dict from token prefixes to block ids), and walks sequences in priority order
-with ordinary loops, the way a vLLM-style scheduler is written. Read `scheduler.py`'s docstring for the step.
+with an ideal prefix index (`oracle.OraclePrefixIndex`, a dict from token prefixes to block ids), and walks
+sequences in priority order with ordinary loops, the way a vLLM-style scheduler is written. `schedule` and
+`update` call the phases of `scheduler/schedule.py` and `scheduler/update.py` under the same names, in the same
+order, so the two read side by side.
+
+Why this module is longer than most (~650 lines): it is one class, the whole step's specification; its phase
+records are small dataclasses beside it. Cutting it in two would put half of a phase's contract elsewhere.
 """
 
 from __future__ import annotations
@@ -17,58 +22,7 @@ from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING
-from skvs_jax.testing.oracle import OracleAllocator
-
-
-class OraclePrefixIndex:
-    """The ideal prefix index: a prefix (a whole number of blocks of tokens) -> block id, prefix-closed.
-
-    Agrees with `prefix_cache` whenever the table refuses nothing (no key collision, no full bucket), which a
-    64-bit key and a table at most half full make the practical case.
-    """
-
-    def __init__(self, block_size: int, max_blocks: int):
-        self.s, self.m = block_size, max_blocks
-        self.index: dict[tuple[int, ...], int] = {}
-
-    def matched(self, row) -> int:
-        j = 0
-        while j < min(len(row) // self.s, self.m) and tuple(row[: (j + 1) * self.s]) in self.index:
-            j += 1
-        return j
-
-    def lookup(self, row, length: int, window: int, ratio: float) -> tuple[int, list[int]]:
-        """(shared blocks after the barrier, their ids)."""
-        s = self.s
-        matched = min(self.matched(row), max(length - 1, 0) // s)
-        buffer = max(1, int(np.floor(np.float32(ratio) * np.float32(window))) // s) if window > 0 else 0
-        shared = max(0, matched - buffer)
-        return shared, [self.index[tuple(row[: (j + 1) * s])] for j in range(shared)]
-
-    def insert(self, rows, num_validated, tables) -> list[list[int]]:
-        """Index every whole validated block not indexed yet; returns each row's newly indexed ids."""
-        new = []
-        for row, nv, table in zip(rows, num_validated, tables):
-            ids = []
-            for j in range(min(nv // self.s, len(row) // self.s, self.m)):
-                prefix = tuple(row[: (j + 1) * self.s])
-                if prefix not in self.index:
-                    self.index[prefix] = int(table[j])
-                    ids.append((j, int(table[j])))
-            new.append(ids)
-        return new
-
-    def remove(self, ids) -> list[int]:
-        """Drop the entries of ids and every entry below them; returns the descendants' ids, sorted."""
-        ids = {int(i) for i in ids if i > 0}
-        gone = {p for p, blk in self.index.items() if blk in ids}
-        for p in sorted(self.index, key=len):
-            if len(p) > self.s and p[: -self.s] in gone:
-                gone.add(p)
-        descendants = sorted(self.index[p] for p in gone if self.index[p] not in ids)
-        for p in gone:
-            del self.index[p]
-        return descendants
+from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex
 
 
 @dataclasses.dataclass

@@ -1,0 +1,271 @@
+"""`allocate_unchecked`: extend every sequence's allocation at once, for slots or drafts, as named phases.
+
+    _requested_blocks → _grant_in_order → _pop_blocks → _write_table_and_states → _release_copied → _count_grow
+
+Rows are served in priority order, all-or-nothing each, stopping at the first that does not fit (a prefix sum
+over the free stack and the speculative pool); blocks are popped from the stacks' tops in a [B, W] window.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from skvs_jax import vmap_flow
+from skvs_jax.arrays import cdiv, i32, rank_of
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv.allocator.state import (
+    RESERVED,
+    SPECULATIVE,
+    VALIDATED,
+    AllocatorState,
+    AllocResult,
+    BlockPool,
+    Counters,
+    SeqBlocks,
+    pop_two,
+    release_blocks,
+)
+
+
+class _Request(NamedTuple):
+    """What each row asks of `_grow` (all [B]): the phases after `_requested_blocks` read it."""
+
+    requested: jax.Array  # bool: a non-zero token count
+    bad: jax.Array  # bool: an invalid request, refused
+    cow: jax.Array  # bool: the first token lands in a shared (or pinned) partial block, to be copied
+    need: jax.Array  # int32: new blocks (the copy included); 0 for a refused row
+    partial_col: jax.Array  # int32: the table column of the first new token
+    partial_blk: jax.Array  # int32: the block at that column
+    new_alloc: jax.Array  # int32: num_allocated after the request
+
+
+class _Window(NamedTuple):
+    """The [B, W] view of the table window that `_pop_blocks` fills: column j is logical block partial_col + j."""
+
+    col: jax.Array  # int32[B, W] the logical block of each window column
+    take: jax.Array  # bool[B, W] gets a popped block (a new column or the copy of the partial block)
+    is_cow: jax.Array  # bool[B, W] the copy (column 0 of a copying row)
+    is_held: jax.Array  # bool[B, W] a lazily held block, reused in place
+    new_id: jax.Array  # int32[B, W] the popped block (where take)
+    from_pool: jax.Array  # bool[B, W] taken from the speculative pool (else from the free stack)
+    taken: jax.Array  # int32[] blocks popped
+    taken_pool: jax.Array  # int32[] of those, from the speculative pool
+
+
+def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_tokens: jax.Array, *,
+                      speculative: bool, max_draft_len: int, window: int) -> _Request:
+    """Validity, copy-on-write and new blocks of each row's request to extend num_allocated by num_tokens[B]."""
+    s, m = cfg.block_size, cfg.max_blocks_per_seq
+    b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
+    alloc, held = seqs.num_allocated, seqs.num_blocks
+    new_alloc = alloc + num_tokens  # may wrap for an oversized count: such rows are refused just below
+
+    requested = num_tokens != 0
+    bad = num_tokens < 0
+    bad |= num_tokens > m * s - alloc  # not new_alloc > M * S, which an int32 wrap would pass
+    if speculative:
+        bad |= num_tokens > max_draft_len - seqs.num_drafts
+    else:
+        bad |= seqs.num_drafts > 0  # decode/prefill slots always precede the drafts of a step
+    # Copy-on-write: the first token lands in a partially-filled block that someone else also references, or
+    # that the prefix cache pins (its index entry promises the old content; `share` may end inside it).
+    partial_col = alloc // s
+    partial_blk = seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
+    cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
+    need = jnp.maximum(cdiv(new_alloc, s) - held, 0) + cow.astype(i32)
+    # The window covers logical blocks partial_col .. ceil(new_alloc / S) - 1.
+    bad |= cdiv(new_alloc, s) - partial_col > window
+    need = jnp.where(requested & ~bad, need, 0)
+    return _Request(requested, bad, cow, need, partial_col, partial_blk, new_alloc)
+
+
+def _grant_in_order(blocks: BlockPool, req: _Request, order: jax.Array | None, *,
+                    use_pool: bool) -> tuple[jax.Array, jax.Array]:
+    """Grant the requests whose blocks fit, by a prefix sum of need over the free stack (and the pool) in
+    priority order; a row past the first that does not fit does not fit either. Returns (ok bool[B], offset
+    int32[B]: the combined pop position of each row's first block)."""
+    need, bad = req.need, req.bad
+    if use_pool:
+        available = blocks.free_top + blocks.pool_top
+    else:
+        available = blocks.free_top
+    if order is not None:  # inside a user's jit `order` is data: a non-permutation refuses every request
+        seen = jnp.zeros_like(order).at[order].add(1, mode="drop")
+        need = jnp.where(jnp.all(seen == 1), need, 0)
+        bad |= jnp.any(seen != 1)
+    if order is None:  # slot order: no permutation to apply
+        cum = jnp.cumsum(need, dtype=i32)
+    else:
+        cum = jnp.cumsum(need[order], dtype=i32)[rank_of(order)]  # inclusive prefix sum in priority order
+    ok = req.requested & ~bad & ((need == 0) | (cum <= available))
+    return ok, cum - need
+
+
+def _pop_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Request, ok: jax.Array,
+                offset: jax.Array, *, speculative: bool, use_pool: bool, window: int) -> _Window:
+    """The [B, W] window of each granted row: which columns get a popped block (from which stack: drafts take
+    the speculative pool first, decode/prefill slots the free stack first), which held blocks are reused."""
+    s = cfg.block_size
+    alloc, held, cow = seqs.num_allocated, seqs.num_blocks, req.cow
+    j = jnp.arange(window, dtype=i32)[None, :]
+    col = req.partial_col[:, None] + j
+    in_range = (col < cdiv(req.new_alloc, s)[:, None]) & ok[:, None] & req.requested[:, None]
+    is_cow = in_range & (j == 0) & cow[:, None]
+    is_new = in_range & (col >= held[:, None])
+    is_held = in_range & ~is_new & (col >= cdiv(alloc, s)[:, None])  # lazily held blocks, reused in place
+    take = is_cow | is_new
+    pop_index = offset[:, None] + jnp.where(is_cow, 0, col - held[:, None] + cow[:, None].astype(i32))
+    if speculative and use_pool:
+        new_id, from_first = pop_two(
+            blocks.pool_stack, blocks.pool_top, blocks.free_stack, blocks.free_top, pop_index
+        )
+        from_pool = take & from_first
+    elif use_pool:
+        new_id, from_first = pop_two(
+            blocks.free_stack, blocks.free_top, blocks.pool_stack, blocks.pool_top, pop_index
+        )
+        from_pool = take & ~from_first
+    else:
+        new_id = blocks.free_stack[jnp.clip(blocks.free_top - 1 - pop_index, 0, cfg.num_blocks - 1)]
+        from_pool = jnp.zeros_like(take)
+    taken = jnp.sum(take, dtype=i32)
+    taken_pool = jnp.sum(from_pool, dtype=i32)
+    return _Window(col, take, is_cow, is_held, new_id, from_pool, taken, taken_pool)
+
+
+def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Request, ok: jax.Array,
+                            win: _Window, *, speculative: bool,
+                            generation: jax.Array) -> tuple[BlockPool, jax.Array, jax.Array]:
+    """Write the popped blocks into the table and give every touched block its state (a copy VALIDATED, others
+    RESERVED or SPECULATIVE with the generation), ref count 1, the copied blocks one reference less; pop the
+    stacks. Returns (blocks, block_table int32[B, M], old_cow_blk int32[B]: each copied block, N = none)."""
+    m, n = cfg.max_blocks_per_seq, cfg.num_blocks
+    b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
+    take, new_id = win.take, win.new_id
+    old_cow_blk = jnp.where(req.cow & ok & req.requested, req.partial_blk, n)
+    table_col = jnp.where(take, win.col, m)
+    block_table = seqs.block_table.at[b_idx[:, None], table_col].set(new_id, mode="drop")
+    # Held columns are not written above, so reading the new table avoids keeping the old one alive (a copy).
+    held_id = block_table[b_idx[:, None], jnp.clip(win.col, 0, m - 1)]
+    fresh_state = SPECULATIVE if speculative else RESERVED
+    touched = jnp.where(take, new_id, jnp.where(win.is_held, held_id, n))
+    # A cow copy keeps the content (committed tokens) of its source: VALIDATED.
+    touched_state = jnp.where(win.is_cow, VALIDATED, fresh_state).astype(jnp.int8)
+    state = blocks.state.at[touched].set(touched_state, mode="drop")
+    generation_arr = blocks.generation
+    if speculative:
+        generation_arr = generation_arr.at[jnp.where(win.is_cow, n, touched)].set(generation, mode="drop")
+    ref_count = blocks.ref_count.at[jnp.where(take, new_id, n)].set(1, mode="drop")
+    ref_count = ref_count.at[old_cow_blk].add(-1, mode="drop")
+
+    free_taken = win.taken - win.taken_pool
+    blocks = blocks.replace(
+        state=state,
+        ref_count=ref_count,
+        generation=generation_arr,
+        free_top=blocks.free_top - free_taken,
+        pool_top=blocks.pool_top - win.taken_pool,
+    )
+    return blocks, block_table, old_cow_blk
+
+
+def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool) -> BlockPool:
+    """Route the copied blocks (old_cow_blk int32[B], N = none) whose last reference the copies dropped."""
+    n = blocks.state.shape[0]
+    b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
+
+    def release_copied(blocks: BlockPool) -> BlockPool:
+        # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0.
+        released = (old_cow_blk < n) & (blocks.ref_count[jnp.clip(old_cow_blk, 0, n - 1)] == 0)
+        last_holder = jnp.full((n,), -1, i32).at[old_cow_blk].max(b_idx, mode="drop")
+        released &= last_holder[jnp.clip(old_cow_blk, 0, n - 1)] == b_idx
+        return release_blocks(blocks, old_cow_blk, released, use_pool)[0]
+
+    # Copies are rare; skip the O(N) bookkeeping when there is none.
+    return vmap_flow.when(jnp.any(old_cow_blk < n), release_copied, blocks)
+
+
+def _count_grow(c: Counters, req: _Request, ok: jax.Array, grant: jax.Array, win: _Window, *,
+                speculative: bool) -> Counters:
+    """Refused requests, copies, and (drafts) the blocks given SPECULATIVE state and those from the pool."""
+    c = c.replace(
+        alloc_failures=c.alloc_failures + jnp.sum(req.requested & ~ok, dtype=i32),
+        cow_copies=c.cow_copies + jnp.sum(req.cow & grant, dtype=i32),
+    )
+    if speculative:
+        new_spec = jnp.sum((win.take & ~win.is_cow) | win.is_held, dtype=i32)
+        c = c.replace(
+            spec_blocks_allocated=c.spec_blocks_allocated + new_spec,
+            spec_pool_hits=c.spec_pool_hits + win.taken_pool,
+        )
+    return c
+
+
+def _grow(
+    cfg: CacheConfig,
+    st: AllocatorState,
+    num_tokens: jax.Array,
+    order: jax.Array | None,
+    *,
+    speculative: bool,
+    use_pool: bool,
+    generation: jax.Array,
+    max_draft_len: int,
+    window: int,
+) -> tuple[AllocatorState, AllocResult]:
+    """Shared body of `allocate` and `allocate_speculative`: extend num_allocated by num_tokens[B].
+
+    In phases: what each row asks for, which requests fit in priority order, the blocks each pops into its
+    [B, W] window, the table and block-state writes, the release of the blocks copied away, the counters."""
+    seqs = st.seqs
+    req = _requested_blocks(cfg, seqs, st.blocks, num_tokens, speculative=speculative, max_draft_len=max_draft_len,
+                            window=window)
+    ok, offset = _grant_in_order(st.blocks, req, order, use_pool=use_pool)
+    win = _pop_blocks(cfg, seqs, st.blocks, req, ok, offset, speculative=speculative, use_pool=use_pool,
+                      window=window)
+    blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win,
+                                                               speculative=speculative, generation=generation)
+    blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool)
+
+    grant = ok & req.requested
+    seqs = seqs.replace(
+        block_table=block_table,
+        num_blocks=jnp.where(grant, jnp.maximum(seqs.num_blocks, cdiv(req.new_alloc, cfg.block_size)),
+                             seqs.num_blocks),
+        num_allocated=jnp.where(grant, req.new_alloc, seqs.num_allocated),
+        num_drafts=jnp.where(grant & speculative, seqs.num_drafts + num_tokens, seqs.num_drafts),
+    )
+    counters = _count_grow(st.counters, req, ok, grant, win, speculative=speculative)
+    cow_src = jnp.where(req.cow & grant, req.partial_blk, NULL_BLOCK)
+    cow_dst = jnp.where(req.cow & grant, win.new_id[:, 0], NULL_BLOCK)
+    result = AllocResult(ok=ok | ~req.requested, cow_src=cow_src, cow_dst=cow_dst)
+    return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative"))
+def allocate_unchecked(
+    st: AllocatorState,
+    num_tokens: jax.Array,
+    generation: jax.Array,
+    order: jax.Array | None,
+    *,
+    cfg: CacheConfig,
+    spec: SpecConfig,
+    window: int | None,
+    speculative: bool,
+) -> tuple[AllocatorState, AllocResult]:
+    return _grow(
+        cfg,
+        st,
+        num_tokens.astype(i32),
+        order,
+        speculative=speculative,
+        use_pool=spec.use_spec_pool,
+        generation=jnp.asarray(generation, i32),
+        max_draft_len=spec.draft_len,
+        window=window or cfg.max_blocks_per_seq,
+    )

@@ -1,0 +1,204 @@
+"""The allocator's state pytrees and results, `init`, and the stack operations every transition shares.
+
+Block states (int8) come from `pallas_kernels`, where the block-state kernels read the same definition.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# One definition of the block states, shared with the block-state kernels.
+from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED  # noqa: F401  (re-exported: the block states)
+from skvs_jax.arrays import i32
+from skvs_jax.config import NULL_BLOCK, CacheConfig
+
+STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
+
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+@struct.dataclass
+class Counters:
+    """Cumulative event counts (int32 scalars). Counters are data: a failure shows up here, never raises."""
+
+    alloc_failures: jax.Array  # sequences whose allocate / allocate_speculative request was refused
+    spec_blocks_allocated: jax.Array  # blocks newly given SPECULATIVE state by allocate_speculative
+    spec_pool_hits: jax.Array  # of those, blocks taken from the speculative pool
+    spec_blocks_wasted: jax.Array  # SPECULATIVE blocks that held only rejected drafts at a commit
+    spec_blocks_reclaimed: jax.Array  # pool blocks returned to the free stack by reclaim_expired
+    cow_copies: jax.Array  # shared partially-filled blocks copied before a write
+    evictions: jax.Array  # cached ref-0 blocks evicted by evict_lru
+
+
+@struct.dataclass
+class BlockPool:
+    """Per-block metadata and the two stacks.
+
+    state:       int8[N]   FREE / RESERVED / SPECULATIVE / VALIDATED / STALE (block 0: VALIDATED, never used)
+    ref_count:   int32[N]  block-table references
+    generation:  int32[N]  step that last gave the block SPECULATIVE state
+    cached:      bool[N]   pinned by the prefix cache (kept after ref_count reaches 0, evictable)
+    last_used:   int32[N]  `clock` value when the block last lost its final reference (LRU key)
+    free_stack:  int32[N]  free_stack[:free_top] are free ids; the top is free_stack[free_top - 1]
+    free_top:    int32[]
+    pool_stack:  int32[P]  pool_stack[:pool_top] are speculative-pool ids, most recently released on top
+    pool_top:    int32[]
+    clock:       int32[]   advances on every `free` and `evict_lru`
+    """
+
+    state: jax.Array
+    ref_count: jax.Array
+    generation: jax.Array
+    cached: jax.Array
+    last_used: jax.Array
+    free_stack: jax.Array
+    free_top: jax.Array
+    pool_stack: jax.Array
+    pool_top: jax.Array
+    clock: jax.Array
+
+
+@struct.dataclass
+class SeqBlocks:
+    """Per-sequence block tables and lengths.
+
+    block_table:   int32[B, M]  physical block of each logical block; NULL_BLOCK past num_blocks
+    num_blocks:    int32[B]     table entries in use
+    num_committed: int32[B]     validated tokens (their KV is final)
+    num_allocated: int32[B]     token slots reserved: committed + pending (decode/prefill slots and drafts)
+    num_drafts:    int32[B]     pending draft tokens, <= K
+    """
+
+    block_table: jax.Array
+    num_blocks: jax.Array
+    num_committed: jax.Array
+    num_allocated: jax.Array
+    num_drafts: jax.Array
+
+
+@struct.dataclass
+class AllocatorState:
+    blocks: BlockPool
+    seqs: SeqBlocks
+    counters: Counters
+
+
+@struct.dataclass
+class AllocResult:
+    """What `allocate` / `allocate_speculative` did.
+
+    ok:           bool[B]   request granted (True for slots that requested nothing)
+    cow_src/dst:  int32[B]  copy-on-write: copy block src's KV to dst before writing (NULL_BLOCK, NULL_BLOCK: none)
+    """
+
+    ok: jax.Array
+    cow_src: jax.Array
+    cow_dst: jax.Array
+
+
+@struct.dataclass
+class CommitResult:
+    """ok: bool[B] accepted count was within [0, pending]; released: int32[] blocks given back."""
+
+    ok: jax.Array
+    released: jax.Array
+
+
+# ------------------------------------------------------------------------------------------------ init
+
+
+def init(cfg: CacheConfig) -> AllocatorState:
+    """A pool with every usable block on the free stack (block 1 on top, so allocation order is 1, 2, …)."""
+    n, b, m, p = cfg.num_blocks, cfg.max_seqs, cfg.max_blocks_per_seq, cfg.pool_capacity
+    free_stack = jnp.zeros((n,), i32).at[: n - 1].set(jnp.arange(n - 1, 0, -1, dtype=i32))
+    state = jnp.full((n,), FREE, jnp.int8).at[NULL_BLOCK].set(VALIDATED)
+    zero = jnp.zeros((), i32)
+    blocks = BlockPool(
+        state=state,
+        ref_count=jnp.zeros((n,), i32),
+        generation=jnp.zeros((n,), i32),
+        cached=jnp.zeros((n,), bool),
+        last_used=jnp.zeros((n,), i32),
+        free_stack=free_stack,
+        free_top=jnp.asarray(n - 1, i32),
+        pool_stack=jnp.zeros((p,), i32),
+        pool_top=zero,
+        clock=zero,
+    )
+    seqs = SeqBlocks(
+        block_table=jnp.full((b, m), NULL_BLOCK, i32),
+        num_blocks=jnp.zeros((b,), i32),
+        num_committed=jnp.zeros((b,), i32),
+        num_allocated=jnp.zeros((b,), i32),
+        num_drafts=jnp.zeros((b,), i32),
+    )
+    counters = Counters(*([zero] * len(Counters.__dataclass_fields__)))
+    return AllocatorState(blocks=blocks, seqs=seqs, counters=counters)
+
+
+# ------------------------------------------------------------------------------------ stack helpers
+
+
+def push(stack, top, ids, mask, rank) -> tuple[jax.Array, jax.Array]:
+    """Push ids[mask] (flat [X]) onto a stack in their given order; rank = inclusive count of mask so far.
+
+    The caller computes the ranks, so that several pushes share one cumsum (on CPU each cumsum is several
+    reduce-window ops, the single largest cost of a step).
+    """
+    stack = stack.at[jnp.where(mask, top + rank - 1, stack.shape[0])].set(ids, mode="drop")
+    return stack, top + rank[-1]
+
+
+def prefix_counts(*masks: jax.Array) -> jax.Array:
+    """Inclusive running counts of several [X] masks with one cumsum: int32[len(masks), X]."""
+    return jnp.cumsum(jnp.stack(masks), axis=1, dtype=i32)
+
+
+def pop_two(first, first_top, second, second_top, index):
+    """The block at combined pop position `index` (0 = top of `first`; `second` continues below it)."""
+    from_first = index < first_top
+    a = first[jnp.clip(first_top - 1 - index, 0, first.shape[0] - 1)]
+    b = second[jnp.clip(second_top - 1 - (index - first_top), 0, second.shape[0] - 1)]
+    return jnp.where(from_first, a, b), from_first
+
+
+def release_blocks(
+    blocks: BlockPool, ids: jax.Array, released: jax.Array, use_pool: bool
+) -> tuple[BlockPool, jax.Array]:
+    """Route blocks whose ref count just reached 0 (flat ids[X], distinct where `released`).
+
+    cached → evictable (stays VALIDATED); SPECULATIVE/STALE → speculative pool (if enabled and not full);
+    everything else, and pool overflow → free stack. Returns the new pool and the number routed.
+    """
+    safe = jnp.where(released, ids, NULL_BLOCK)
+    cached = released & blocks.cached[safe]
+    state = blocks.state[safe]
+    drafty = (state == SPECULATIVE) | (state == STALE)
+    uncached = released & ~cached
+    want_pool = uncached & drafty if use_pool else jnp.zeros_like(released)
+    room = blocks.pool_stack.shape[0] - blocks.pool_top
+    # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
+    want_rank, uncached_rank = prefix_counts(want_pool, uncached)
+    to_pool = want_pool & (want_rank <= room)
+    pool_rank = jnp.minimum(want_rank, room)
+    to_free = uncached & ~to_pool
+
+    pool_stack, pool_top = push(blocks.pool_stack, blocks.pool_top, ids, to_pool, pool_rank)
+    free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, to_free, uncached_rank - pool_rank)
+    n = blocks.state.shape[0]
+    new_state = jnp.where(to_pool, STALE, FREE).astype(jnp.int8)
+    state_arr = blocks.state.at[jnp.where(to_pool | to_free, ids, n)].set(new_state, mode="drop")
+    last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(blocks.clock, mode="drop")
+    blocks = blocks.replace(
+        state=state_arr,
+        last_used=last_used,
+        free_stack=free_stack,
+        free_top=free_top,
+        pool_stack=pool_stack,
+        pool_top=pool_top,
+    )
+    return blocks, jnp.sum(released, dtype=i32)

@@ -1,0 +1,246 @@
+"""The allocator's other transitions: commit / roll back, free, share and fork, reclaim, pin, evict."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from skvs_jax import vmap_flow
+from skvs_jax.arrays import cdiv, count_leading, i32
+from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
+from skvs_jax.kv.allocator.state import (
+    FREE,
+    SPECULATIVE,
+    STALE,
+    VALIDATED,
+    AllocatorState,
+    BlockPool,
+    CommitResult,
+    SeqBlocks,
+    push,
+    release_blocks,
+)
+
+# -------------------------------------------------------------------------------------------- commit
+
+
+def accepted_lengths(accept_mask: jax.Array) -> jax.Array:
+    """bool[B, K] per-draft acceptance -> int32[B] length of the accepted prefix (leading Trues)."""
+    return count_leading(accept_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
+def commit_unchecked(
+    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
+) -> tuple[AllocatorState, CommitResult]:
+    # Works on the [B, W] table columns from each sequence's first non-full committed block; a sequence
+    # whose span (num_blocks - num_committed // S) exceeds W is left untouched and flagged. W = M always fits.
+    s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
+    window = min(window or m, m)
+    blocks, seqs = st.blocks, st.seqs
+    b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)[:, None]
+    num_accepted = num_accepted.astype(i32)
+    fits = seqs.num_blocks - seqs.num_committed // s <= window
+    pending = seqs.num_allocated - seqs.num_committed
+    ok = fits & (num_accepted >= 0) & (num_accepted <= pending)
+    committed = jnp.where(fits, seqs.num_committed + jnp.clip(num_accepted, 0, pending), seqs.num_committed)
+    keep = cdiv(committed, s)
+
+    col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
+    in_table = (col < seqs.num_blocks[:, None]) & fits[:, None]
+    ids = jnp.where(in_table, seqs.block_table[b_idx, jnp.clip(col, 0, m - 1)], n)
+    # The masks below are made to depend on the values just gathered (ids, old_state): without that data
+    # dependence XLA cannot order the gathers before the in-place scatters and copies the table and the
+    # state array on every call. For live entries both conditions hold by invariant.
+    old_state = blocks.state[jnp.clip(ids, 0, n - 1)]
+    in_table &= (ids != NULL_BLOCK) & (old_state != FREE)
+    validate = in_table & (col < keep[:, None])
+    rejected = in_table & (col >= keep[:, None])
+    wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
+
+    state = blocks.state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
+    state = state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
+    blocks = blocks.replace(state=state)
+    table = seqs.block_table
+    if spec.release == "immediate":
+        # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0.
+        ref_count = blocks.ref_count.at[jnp.where(rejected, ids, n)].add(-1, mode="drop")
+        blocks = blocks.replace(ref_count=ref_count)
+        blocks, released = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
+        table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
+        num_blocks = jnp.where(fits, jnp.minimum(seqs.num_blocks, keep), seqs.num_blocks)
+    else:
+        released = jnp.zeros((), i32)
+        num_blocks = seqs.num_blocks
+
+    seqs = seqs.replace(
+        block_table=table,
+        num_blocks=num_blocks,
+        num_committed=committed,
+        num_allocated=jnp.where(fits, committed, seqs.num_allocated),
+        num_drafts=jnp.where(fits, 0, seqs.num_drafts),
+    )
+    counters = st.counters.replace(spec_blocks_wasted=st.counters.spec_blocks_wasted + wasted)
+    return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), CommitResult(ok=ok, released=released)
+
+
+# ---------------------------------------------------------------------------------------------- free
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+def free_unchecked(
+    st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
+) -> tuple[AllocatorState, jax.Array]:
+    n, m = cfg.num_blocks, cfg.max_blocks_per_seq
+
+    def release(operand):
+        st, _ = operand
+        blocks, seqs = st.blocks, st.seqs
+        col = jnp.arange(m, dtype=i32)[None, :]
+        drop = seq_mask[:, None] & (col < seqs.num_blocks[:, None])  # [B, M]
+        ids = jnp.where(drop, seqs.block_table, n).reshape(-1)
+        ref_count = blocks.ref_count.at[ids].add(-1, mode="drop")
+        # A block shared by several freed sequences is released once, at its last reference in row-major order.
+        flat = jnp.arange(ids.shape[0], dtype=i32)
+        last = jnp.full((n,), -1, i32).at[ids].max(flat, mode="drop")
+        safe = jnp.clip(ids, 0, n - 1)
+        released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == flat)
+        blocks, num_released = release_blocks(blocks.replace(ref_count=ref_count), ids, released, spec.use_spec_pool)
+        zero = jnp.zeros_like(seqs.num_blocks)
+        seqs = SeqBlocks(
+            block_table=jnp.where(seq_mask[:, None], NULL_BLOCK, seqs.block_table),
+            num_blocks=jnp.where(seq_mask, zero, seqs.num_blocks),
+            num_committed=jnp.where(seq_mask, zero, seqs.num_committed),
+            num_allocated=jnp.where(seq_mask, zero, seqs.num_allocated),
+            num_drafts=jnp.where(seq_mask, zero, seqs.num_drafts),
+        )
+        return st.replace(blocks=blocks, seqs=seqs), num_released
+
+    # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
+    # step: skip the [B, M] and [N] passes then.
+    st, num_released = vmap_flow.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)), identity_when_false=True)
+    return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
+
+
+# --------------------------------------------------------------------------------------- share / fork
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def share_unchecked(
+    st: AllocatorState, block_ids: jax.Array, num_tokens: jax.Array, *, cfg: CacheConfig
+) -> tuple[AllocatorState, jax.Array]:
+    s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
+    blocks, seqs = st.blocks, st.seqs
+    num_tokens = num_tokens.astype(i32)
+    requested = num_tokens != 0
+    nb = cdiv(jnp.maximum(num_tokens, 0), s)
+    col = jnp.arange(m, dtype=i32)[None, :]
+    used = col < nb[:, None]
+    in_range = (block_ids >= 1) & (block_ids < n)
+    safe = jnp.where(in_range, block_ids, NULL_BLOCK)
+    owned = (blocks.ref_count[safe] > 0) | blocks.cached[safe]
+    good_block = in_range & (blocks.state[safe] == VALIDATED) & owned
+    empty = (seqs.num_blocks == 0) & (seqs.num_allocated == 0)
+    ok = (num_tokens > 0) & empty & (num_tokens <= m * s) & jnp.all(good_block | ~used, axis=1)
+    take = used & ok[:, None]
+
+    ref_count = blocks.ref_count.at[jnp.where(take, block_ids, n)].add(1, mode="drop")
+    seqs = seqs.replace(
+        block_table=jnp.where(ok[:, None], jnp.where(take, block_ids, NULL_BLOCK), seqs.block_table),
+        num_blocks=jnp.where(ok, nb, seqs.num_blocks),
+        num_committed=jnp.where(ok, num_tokens, seqs.num_committed),
+        num_allocated=jnp.where(ok, num_tokens, seqs.num_allocated),
+    )
+    return st.replace(blocks=blocks.replace(ref_count=ref_count), seqs=seqs), ok | ~requested
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def fork_unchecked(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -> tuple[AllocatorState, jax.Array]:
+    seqs = st.seqs
+    wants = parent >= 0
+    p = jnp.clip(parent, 0, seqs.num_blocks.shape[0] - 1)
+    settled = seqs.num_allocated[p] == seqs.num_committed[p]
+    valid = wants & (parent < seqs.num_blocks.shape[0]) & settled & (parent != jnp.arange(p.shape[0]))
+    # The child side of a pair whose parent is itself a child in this call would read a half-built row.
+    is_child = jnp.zeros(p.shape, bool).at[jnp.where(wants, jnp.arange(p.shape[0]), p.shape[0])].set(
+        True, mode="drop"
+    )
+    valid &= ~is_child[p] & (seqs.num_committed[p] > 0)
+    num_tokens = jnp.where(valid, seqs.num_committed[p], 0)
+    st, ok = share_unchecked(st, seqs.block_table[p], num_tokens, cfg=cfg)
+    return st, jnp.where(wants, ok & valid, True)
+
+
+# ---------------------------------------------------------------------------------- reclaim / evict
+
+
+@jax.jit
+def reclaim_expired_unchecked(
+    st: AllocatorState, current_generation: jax.Array, threshold: jax.Array
+) -> tuple[AllocatorState, jax.Array]:
+    blocks = st.blocks
+    p = blocks.pool_stack.shape[0]
+    k = jnp.arange(p, dtype=i32)
+    ids = blocks.pool_stack
+    live = k < blocks.pool_top
+    expired = live & (jnp.asarray(current_generation, i32) - blocks.generation[ids] > threshold)
+    count = jnp.sum(expired, dtype=i32)
+
+    def compact(blocks: BlockPool) -> BlockPool:
+        kept = live & ~expired
+        expired_rank = jnp.cumsum(expired, dtype=i32)
+        kept_rank = jnp.minimum(k + 1, blocks.pool_top) - expired_rank
+        pool_stack, pool_top = push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept, kept_rank)
+        free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, expired, expired_rank)
+        n = blocks.state.shape[0]
+        state = blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop")
+        return blocks.replace(
+            state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
+        )
+
+    blocks = vmap_flow.when(count > 0, compact, blocks)
+    counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
+    return st.replace(blocks=blocks, counters=counters), count
+
+
+@jax.jit
+def set_cached_unchecked(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
+    blocks = st.blocks
+    n = blocks.state.shape[0]
+    valid = (block_ids > 0) & (block_ids < n)
+    safe = jnp.where(valid, block_ids, NULL_BLOCK)
+    pin = valid & cached & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
+    unpin = valid & ~cached & blocks.cached[safe]
+    flags = blocks.cached.at[jnp.where(pin, block_ids, n)].set(True, mode="drop")
+    flags = flags.at[jnp.where(unpin, block_ids, n)].set(False, mode="drop")
+    orphan = unpin & (blocks.ref_count[safe] == 0)
+    flat = jnp.arange(block_ids.shape[0], dtype=i32)
+    first = jnp.full((n,), block_ids.shape[0], i32).at[jnp.where(orphan, block_ids, n)].min(flat, mode="drop")
+    orphan &= first[safe] == flat
+    blocks = blocks.replace(cached=flags)
+    blocks, _ = release_blocks(blocks, block_ids, orphan, use_pool=False)
+    return st.replace(blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("max_evict",))
+def evict_lru_unchecked(
+    st: AllocatorState, num_blocks: jax.Array, *, max_evict: int
+) -> tuple[AllocatorState, jax.Array]:
+    blocks = st.blocks
+    n = blocks.state.shape[0]
+    evictable = blocks.cached & (blocks.ref_count == 0)
+    # Eviction is rare (only when the free stack runs dry), so a stable sort over N is affordable here.
+    key = jnp.where(evictable, blocks.last_used, jnp.iinfo(jnp.int32).max)
+    ids = jnp.argsort(key, stable=True)[:max_evict].astype(i32)
+    ids = jnp.pad(ids, (0, max_evict - ids.shape[0]))  # max_evict > N: the null block, never evictable, pads
+    take = (jnp.arange(max_evict) < num_blocks) & evictable[ids]
+    flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
+    free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, take, jnp.cumsum(take, dtype=i32))
+    state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
+    blocks = blocks.replace(
+        cached=flags, state=state, free_stack=free_stack, free_top=free_top, clock=blocks.clock + 1
+    )
+    counters = st.counters.replace(evictions=st.counters.evictions + jnp.sum(take, dtype=i32))
+    return st.replace(blocks=blocks, counters=counters), jnp.where(take, ids, NULL_BLOCK)
