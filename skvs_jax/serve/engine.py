@@ -141,7 +141,7 @@ class _Queries:
     """One step's query batch over the B slots, Q = the step's bucket width (`_assemble_queries` -> `_forward`)."""
 
     tokens: jax.Array  # int32[B, Q] known tokens [start, start + num_query), then draft-tree nodes, then 0
-    positions: jax.Array  # int32[B, Q] RoPE positions (a node's: its parent's + 1); 0 past query_lens
+    positions: jax.Array  # int32[B, Q] RoPE positions (a tree node's: the root's + its depth); 0 past query_lens
     query_lens: jax.Array  # int32[B] num_query + num_drafts on scheduled rows, else 0
     tree_mask: jax.Array | None  # bool[B, Q, Q] a draft tree's attention mask; None: causal (a chain, or K = 0)
     nodes: jax.Array  # int32[B, K] draft-tree node tokens in slot order (a chain: the drafts); int32[B, 1] 0 if K = 0
