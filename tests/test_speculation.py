@@ -11,7 +11,7 @@ from reference_models import greedy_generate
 from reference_models.medusa_tree import SMALL_TREE
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
-from skvs_jax.serve import engine, speculation
+from skvs_jax.serve import engine, engine_step, speculation
 from skvs_jax.serve.model_runner import DraftTree
 
 # Tight enough that preemption and prefix hits happen (as in test_engine).
@@ -221,7 +221,7 @@ def test_bad_speculation_arguments_are_refused(shipped):
 
 
 def _compilations() -> int:
-    return engine._fused_step._cache_size()
+    return engine_step.fused_step._cache_size()
 
 
 def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
