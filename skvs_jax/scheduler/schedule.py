@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32, rank_of
+from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
@@ -377,7 +377,7 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     hit_evictable = jnp.sum(hit_col & room.evictable[hit_ids], axis=1, dtype=i32)
     fit = real & (a_query > 0) & (jnp.cumsum(a_need + hit_evictable, dtype=i32) <= room.avail - room.need) & (
         jnp.cumsum(real.astype(i32), dtype=i32) <= cfg.max_running - room.running)
-    admitted = jnp.cumprod(fit.astype(i32)).astype(bool)  # stop at the first that does not fit
+    admitted = jnp.arange(a, dtype=i32) < count_leading(fit)  # stop at the first that does not fit
     dst = jnp.where(admitted, cand, b)
     rows = jnp.zeros((b,), bool).at[dst].set(True, mode="drop")
     hit_tokens = jnp.zeros((b,), i32).at[dst].set(hit, mode="drop")
