@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--rate", type=float, default=16.0)
     parser.add_argument("--skip-vmap", action="store_true", help="leave out the vectorised sweeps")
+    parser.add_argument("--cost-mode", default="auto", choices=cost_model.COST_MODES,
+                        help="how the cost model prices steps (as `skvs simulate --cost-mode`)")
 
 
 def _setup(args):
@@ -46,7 +48,7 @@ def _setup(args):
                         max_blocks_per_seq=m)
     cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=2048,
                              prefill_chunk=512)
-    cost = cost_model.CostModel(cost_model.MODELS["llama-3.1-8b"], cost_model.DEVICES["a100-80gb"])
+    cost = cost_model.CostModel(cost_model.MODELS["llama-3.1-8b"], cost_model.DEVICES["a100-80gb"], mode=args.cost_mode)
     trace = workloads.make("sharegpt", args.requests, seed=0, rate=args.rate, scale=1.0,
                            max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len)
     sim_trace = simulate.make_trace(trace, cfg, alphas=acceptance_model.alphas("medusa-1", 4), seed=0)
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     lanes, labels = sweep.grid(knobs, cfg=cfg, arrival_scale=rate_scales.tolist(),
                                max_spec_ratio=np.linspace(0.1, 1.0, 8).tolist())
     print(f"skvs micro simulate: {args.requests} ShareGPT requests at {args.rate:g}/s, {args.max_seqs} slots, "
-          f"{cfg.cache.usable_blocks} KV blocks, skvs K=4 (medusa-1 acceptance), Llama-3.1-8B / A100 cost model, "
+          f"{cfg.cache.usable_blocks} KV blocks, skvs K=4 (medusa-1 acceptance), {cost.label}, "
           f"{steps} steps per run; jax {jax.__version__} on {jax.devices()[0].platform} "
           f"({jax.device_count()} device(s))", flush=True)
 
