@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     lanes, labels = sweep.grid(knobs, cfg=cfg, arrival_scale=rate_scales.tolist(),
                                max_spec_ratio=np.linspace(0.1, 1.0, 8).tolist())
     print(f"skvs micro simulate: {args.requests} ShareGPT requests at {args.rate:g}/s, {args.max_seqs} slots, "
-          f"{cfg.cache.usable_blocks} KV blocks, skvs K=4 (medusa-1 acceptance), {cost.label}, "
+          f"{cfg.cache.usable_blocks} KV blocks, skvs K=4 (medusa-1 acceptance), Llama-3.1-8B / A100 cost model "
+          f"({cost.label}), "
           f"{steps} steps per run; jax {jax.__version__} on {jax.devices()[0].platform} "
           f"({jax.device_count()} device(s))", flush=True)
 
