@@ -86,7 +86,7 @@ def check_prompts(model: Llama, prompts: np.ndarray) -> np.ndarray:
     """Validate prompts [B, prompt_len] at the API boundary (shape, vocabulary); returns them as int32."""
     prompts = np.asarray(prompts)
     if prompts.ndim != 2 or prompts.shape[1] < 1:
-        raise ValueError(f"prompts must be [B, prompt_len] with prompt_len >= 1, got shape {prompts.shape}")
+        raise ValueError(f"prompts must be [B, P] (P = prompt_len) with P >= 1, got shape {prompts.shape}")
     check_token_ids(prompts, model.config.vocab_size)
     return prompts.astype(np.int32)
 
