@@ -23,7 +23,7 @@ STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
 
 @struct.dataclass
 class Counters:
-    """Cumulative event counts (int32 scalars). Counters are data: a failure shows up here, never raises."""
+    """Cumulative event counts (int32[] scalars). Counters are data: a failure shows up here, never raises."""
 
     alloc_failures: jax.Array  # sequences whose allocate / allocate_speculative request was refused
     spec_blocks_allocated: jax.Array  # blocks newly given SPECULATIVE state by allocate_speculative
@@ -36,52 +36,35 @@ class Counters:
 
 @struct.dataclass
 class BlockPool:
-    """Per-block metadata and the two stacks.
+    """Per-block metadata and the two stacks."""
 
-    state:       int8[N]   FREE / RESERVED / SPECULATIVE / VALIDATED / STALE (block 0: VALIDATED, never used)
-    ref_count:   int32[N]  block-table references
-    generation:  int32[N]  step that last gave the block SPECULATIVE state
-    cached:      bool[N]   pinned by the prefix cache (kept after ref_count reaches 0, evictable)
-    last_used:   int32[N]  `clock` value when the block last lost its final reference (LRU key)
-    free_stack:  int32[N]  free_stack[:free_top] are free ids; the top is free_stack[free_top - 1]
-    free_top:    int32[]
-    pool_stack:  int32[P]  pool_stack[:pool_top] are speculative-pool ids, most recently released on top
-    pool_top:    int32[]
-    clock:       int32[]   advances on every `free` and `evict_lru`
-    """
-
-    state: jax.Array
-    ref_count: jax.Array
-    generation: jax.Array
-    cached: jax.Array
-    last_used: jax.Array
-    free_stack: jax.Array
-    free_top: jax.Array
-    pool_stack: jax.Array
-    pool_top: jax.Array
-    clock: jax.Array
+    state: jax.Array  # int8[N] FREE / RESERVED / SPECULATIVE / VALIDATED / STALE (block 0: VALIDATED, never used)
+    ref_count: jax.Array  # int32[N] block-table references
+    generation: jax.Array  # int32[N] step that last gave the block SPECULATIVE state
+    cached: jax.Array  # bool[N] pinned by the prefix cache (kept after ref_count reaches 0, evictable)
+    last_used: jax.Array  # int32[N] `clock` value when the block last lost its final reference (LRU key)
+    free_stack: jax.Array  # int32[N] free_stack[:free_top] are free ids; the top is free_stack[free_top - 1]
+    free_top: jax.Array  # int32[]
+    pool_stack: jax.Array  # int32[P] pool_stack[:pool_top] are speculative-pool ids, most recently released on top
+    pool_top: jax.Array  # int32[]
+    clock: jax.Array  # int32[] advances on every `free` and `evict_lru`
 
 
 @struct.dataclass
 class SeqBlocks:
-    """Per-sequence block tables and lengths.
+    """Per-sequence block tables and lengths."""
 
-    block_table:   int32[B, M]  physical block of each logical block; NULL_BLOCK past num_blocks
-    num_blocks:    int32[B]     table entries in use
-    num_committed: int32[B]     validated tokens (their KV is final)
-    num_allocated: int32[B]     token slots reserved: committed + pending (decode/prefill slots and drafts)
-    num_drafts:    int32[B]     pending draft tokens, <= K
-    """
-
-    block_table: jax.Array
-    num_blocks: jax.Array
-    num_committed: jax.Array
-    num_allocated: jax.Array
-    num_drafts: jax.Array
+    block_table: jax.Array  # int32[B, M] physical block of each logical block; NULL_BLOCK past num_blocks
+    num_blocks: jax.Array  # int32[B] table entries in use
+    num_committed: jax.Array  # int32[B] validated tokens (their KV is final)
+    num_allocated: jax.Array  # int32[B] token slots reserved: committed + pending (decode/prefill slots and drafts)
+    num_drafts: jax.Array  # int32[B] pending draft tokens, <= K
 
 
 @struct.dataclass
 class AllocatorState:
+    """The whole allocator: the pool, the tables, the counters."""
+
     blocks: BlockPool
     seqs: SeqBlocks
     counters: Counters
@@ -91,21 +74,19 @@ class AllocatorState:
 class AllocResult:
     """What `allocate` / `allocate_speculative` did.
 
-    ok:           bool[B]   request granted (True for slots that requested nothing)
-    cow_src/dst:  int32[B]  copy-on-write: copy block src's KV to dst before writing (NULL_BLOCK, NULL_BLOCK: none)
-    """
+    cow_src/dst:  int32[B]  copy-on-write: copy block src's KV to dst before writing (NULL_BLOCK, NULL_BLOCK: none)"""
 
-    ok: jax.Array
-    cow_src: jax.Array
-    cow_dst: jax.Array
+    ok: jax.Array  # bool[B] request granted (True for slots that requested nothing)
+    cow_src: jax.Array  # int32[B] copy-on-write: copy block cow_src's KV to cow_dst before writing (NULL_BLOCK: none)
+    cow_dst: jax.Array  # int32[B]
 
 
 @struct.dataclass
 class CommitResult:
-    """ok: bool[B] accepted count was within [0, pending]; released: int32[] blocks given back."""
+    """What `commit` did."""
 
-    ok: jax.Array
-    released: jax.Array
+    ok: jax.Array  # bool[B] the accepted count was within [0, pending]
+    released: jax.Array  # int32[] blocks given back
 
 
 # ------------------------------------------------------------------------------------------------ init
