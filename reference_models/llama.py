@@ -17,6 +17,9 @@ Parameter paths (`layers.0.self_attn.q_proj.weight`, ...) equal HF names without
 
 Dimensions (see `skvs_jax`): B sequences, T tokens (dense), Q query tokens per sequence, N blocks, S block size,
 M blocks per sequence, Hq / Hkv heads, D head dim, L layers, V vocab, Dm model width, F MLP width.
+
+Why this module is ~530 lines: one model with its three forward paths over the same weights and its KV cache;
+splitting the paths would separate what the tests compare.
 """
 
 from __future__ import annotations

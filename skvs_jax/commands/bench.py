@@ -24,6 +24,9 @@ round when it is within THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU.
 version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
 repeat, "stalled": policy -> a flag per repeat}) and with --ablation "ablation" (see `_ablation`). A plain run has
 the version-1 shape.
+
+Why this module is ~530 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
+plot) reads as one command; the engine and the metrics it calls live elsewhere.
 """
 
 from __future__ import annotations

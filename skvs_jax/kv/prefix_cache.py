@@ -36,6 +36,9 @@ overflows with probability about 2e-4 (Poisson(2) >= 9), against 2e-2 at half fu
 A prompt always keeps at least one token to compute: a hit covers at most (length - 1) // S blocks, so a prompt
 that is entirely cached in whole blocks recomputes its last block (vLLM v1 caps the hit at length - 1 tokens the
 same way; sharing S - 1 tokens of the last block would instead need a copy-on-write of a cached block).
+
+Why this module is ~520 lines: one structure, its hash, its three transitions (lookup, insert, remove) and their
+checked forms; the insert's per-position step is the longest part and reads best beside the table it writes.
 """
 
 from __future__ import annotations
