@@ -88,8 +88,8 @@ class Policy:
         which multiple of the knee pays). None: no cap (vLLM's `speculative_disable_by_batch_size` is the
         all-or-nothing form).
       draft_control: how adaptive draft length decides (read only with `adaptive_draft_len`): "histogram", the
-        article's rule (the smallest bucket reaching 1.5x the request's mean accepted count), or "goodput": per step, the
-        drafts that maximise the whole step's expected accepted tokens per second, from per-depth acceptance
+        article's rule (the smallest bucket reaching 1.5x the request's mean accepted count), or "goodput": per
+        step, the drafts that maximise the whole step's expected accepted tokens per second, from per-depth acceptance
         estimates and a step-cost table (`scheduler.draft_control`, docs/speculation.md "Draft control").
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
@@ -256,8 +256,8 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",
-              "drafts_preempt", "max_spec_ratio", "verify_budget")
+_ABLATABLE = ("draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
+              "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 
 def ablations(base: Policy | None = None) -> dict[str, Policy]:

@@ -87,7 +87,7 @@ def add(
                          cfg=cfg)
 
 
-def _check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
+def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
     if not isinstance(cost, StepCost):
         raise TypeError(f"step_cost must be a StepCost, got {type(cost).__name__}")
     checks.array("step_cost.token_us", cost.token_us, (cfg.token_budget + 1,), "i")
@@ -109,7 +109,7 @@ def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig
     knobs = cfg.policy.knobs() if knobs is None else knobs
     _check_knobs(knobs, cfg)
     if step_cost is not None:
-        _check_step_cost(step_cost, cfg)
+        check_step_cost(step_cost, cfg)
     return schedule_unchecked(st, knobs, step_cost, cfg=cfg)
 
 
