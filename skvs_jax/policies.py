@@ -11,9 +11,11 @@ Presets (docs/design.md):
   vllm_default  no speculation, prefix caching, preemption by recompute.
   naive_spec    K drafts every step in ordinary blocks held until the sequence ends (lazy release, no pool),
                 speculation also during prefill, no prefix barrier, blocks indexed as soon as they fill.
-  skvs          speculative block states and pool, immediate release of rejected-only blocks, generation
+  skvs_article  speculative block states and pool, immediate release of rejected-only blocks, generation
                 reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
-                opportunistic drafts bounded by max_spec_ratio, adaptive draft length, draft-length buckets.
+                opportunistic drafts bounded by max_spec_ratio, adaptive draft length (the histogram rule),
+                draft-length buckets: the article's section 5 exactly.
+  skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`).
 
 Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
 engine reads `kv_precision`, and `speculation`, `draft_len`, `draft_buckets` for its compiled widths; the
@@ -35,6 +37,7 @@ from skvs_jax.config import SpecConfig
 
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
+DRAFT_CONTROLS = ("histogram", "goodput")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
 # The article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below.
@@ -84,6 +87,10 @@ class Policy:
         past it, verifying drafts costs more time than the accepted tokens save (docs/simulator.md measures
         which multiple of the knee pays). None: no cap (vLLM's `speculative_disable_by_batch_size` is the
         all-or-nothing form).
+      draft_control: how adaptive draft length decides (read only with `adaptive_draft_len`): "histogram", the
+        article's rule (the smallest bucket reaching 1.5x the request's mean accepted count), or "goodput": per
+        step, the drafts that maximise the whole step's expected accepted tokens per second, from per-depth acceptance
+        estimates and a step-cost table (`scheduler.draft_control`, docs/speculation.md "Draft control").
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
@@ -106,6 +113,7 @@ class Policy:
     preemption: str
     kv_precision: str = "float32"
     verify_budget: int | None = None
+    draft_control: str = "histogram"
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -118,6 +126,8 @@ class Policy:
             raise ValueError(f"insert must be one of {INSERT_MODES}, got {self.insert!r}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.draft_control not in DRAFT_CONTROLS:
+            raise ValueError(f"draft_control must be one of {DRAFT_CONTROLS}, got {self.draft_control!r}")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         vb = self.verify_budget
@@ -141,6 +151,11 @@ class Policy:
                              f"got {self.draft_buckets}")
         if self.prefix_barrier and not self.prefix_cache:
             raise ValueError("prefix_barrier needs prefix_cache")
+
+    @property
+    def goodput_control(self) -> bool:
+        """The goodput draft controller decides the drafts (speculation, adaptive length, draft_control)."""
+        return self.speculation and self.adaptive_draft_len and self.draft_control == "goodput"
 
     def spec_config(self) -> SpecConfig:
         """What the allocator needs to know of this policy."""
@@ -191,21 +206,28 @@ def naive_spec(draft_len: int = 4) -> Policy:
     )
 
 
-def skvs(draft_len: int = 4) -> Policy:
-    """The speculation-aware KV scheduler of the article (section 5), every switch on."""
+def skvs_article(draft_len: int = 4) -> Policy:
+    """The speculation-aware KV scheduler of the article (section 5) exactly, every switch on: the histogram
+    rule for adaptive draft length."""
     return Policy(
-        name="skvs", speculation=True, draft_len=draft_len, adaptive_draft_len=True,
+        name="skvs_article", speculation=True, draft_len=draft_len, adaptive_draft_len=True,
         draft_buckets=tuple(sorted({0, draft_len // 2, draft_len})), release="immediate", spec_pool=True,
         generation_threshold=8, prefix_cache=True, prefix_barrier=True, insert="validated",
         spec_in_prefill=False, drafts_preempt=False, max_spec_ratio=0.3, preemption="recompute",
     )
 
 
-PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs}
+def skvs(draft_len: int = 4) -> Policy:
+    """The best speculation-aware scheduler we have measured: the article's (`skvs_article`) with the goodput
+    draft controller in place of the histogram rule (docs/speculation.md, "Draft control")."""
+    return skvs_article(draft_len).replace(name="skvs", draft_control="goodput")
+
+
+PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}
 
 
 def preset(name: str, draft_len: int = 4) -> Policy:
-    """A preset by name (`vllm_default`, `naive_spec`, `skvs`)."""
+    """A preset by name (`vllm_default`, `naive_spec`, `skvs`, `skvs_article`)."""
     if name not in PRESETS:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name](draft_len)
@@ -234,8 +256,8 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert", "spec_in_prefill",
-              "drafts_preempt", "max_spec_ratio", "verify_budget")
+_ABLATABLE = ("draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
+              "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 
 def ablations(base: Policy | None = None) -> dict[str, Policy]:
@@ -253,5 +275,6 @@ def ablations(base: Policy | None = None) -> dict[str, Policy]:
             changes["generation_threshold"] = naive.generation_threshold
         if field == "adaptive_draft_len":
             changes["draft_buckets"] = naive.draft_buckets
+            changes["draft_control"] = naive.draft_control
         out[changes["name"]] = base.replace(**changes)
     return out

@@ -31,13 +31,27 @@ def test_presets_are_the_designed_switch_settings():
 def test_each_ablation_changes_one_switch_family():
     base = policies.skvs(4)
     abl = policies.ablations(base)
-    assert set(abl) == {f"skvs -{f}" for f in ("adaptive_draft_len", "release", "spec_pool", "prefix_barrier",
-                                              "insert", "spec_in_prefill", "drafts_preempt",
+    assert set(abl) == {f"skvs -{f}" for f in ("draft_control", "adaptive_draft_len", "release", "spec_pool",
+                                              "prefix_barrier", "insert", "spec_in_prefill", "drafts_preempt",
                                               "max_spec_ratio")}
     for name, p in abl.items():
         changed = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(base, f.name)}
         switch = name.split(" -")[1]
-        assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets"}
+        assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets",
+                                                                    "draft_control"}
+    # skvs -draft_control is the article's skvs; the article's own ablations leave draft_control alone.
+    assert abl["skvs -draft_control"].replace(name="skvs_article") == policies.skvs_article(4)
+    assert set(policies.ablations(policies.skvs_article(4))) == {
+        n.replace("skvs", "skvs_article") for n in abl if n != "skvs -draft_control"}
+
+
+def test_skvs_is_the_article_with_the_goodput_controller():
+    a, s = policies.skvs_article(4), policies.skvs(4)
+    assert a.draft_control == "histogram" and not a.goodput_control and s.goodput_control
+    assert s == a.replace(name="skvs", draft_control="goodput")
+    assert policies.preset("skvs_article") == a
+    with pytest.raises(ValueError, match="draft_control"):
+        s.replace(draft_control="magic")
 
 
 @pytest.mark.parametrize(

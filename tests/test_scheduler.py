@@ -52,7 +52,15 @@ CONFIGS = {
     # Compute-aware drafting: 1 decode row drafts K, 2 rows 2 each, 3 rows 1, 4 or more none.
     "skvs-verify-budget-6": _cfg(SKVS.replace(verify_budget=6)),
     "naive-verify-budget-5": _cfg(NAIVE.replace(verify_budget=5)),
+    # The article's histogram rule (skvs is the goodput controller now), and the controller with mandatory drafts
+    # (its attribution counters count the preemptions drafts cause).
+    "skvs_article": _cfg(policies.skvs_article(4)),
+    "skvs-goodput-drafts-preempt": _cfg(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0)),
 }
+# A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
+# 150 us: drafts pay only while the rows' acceptance is high enough.
+GOODPUT_COST = sc.StepCost(token_us=jnp.asarray(400 + 60 * np.arange(17), jnp.int32), row_us=jnp.asarray(3, jnp.int32),
+                           ctx_ns=jnp.asarray(20, jnp.int32), head_us=jnp.asarray(150, jnp.int32))
 
 
 def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float) -> list:
@@ -94,6 +102,28 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
     h = Harness(cfg, vocab=VOCAB)
     h.run(workload(cfg, seed, steps, add_p, abort_p))
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
+
+
+@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt"])
+@settings(max_examples=3)
+@given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
+def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, seed, steps, add_p):
+    h = Harness(CONFIGS[name], vocab=VOCAB, step_cost=GOODPUT_COST)
+    h.run(workload(CONFIGS[name], seed, steps, add_p, 0.05))
+    event(f"drafted: {int(h.st.counters.drafted) > 0}")
+
+
+def test_drafts_preempting_are_attributed():
+    """With mandatory drafts, the steps the drafts made short and their victims are counted; opportunistic drafts
+    never make a step short."""
+    h = Harness(CONFIGS["skvs-goodput-drafts-preempt"], vocab=VOCAB)
+    h.run(workload(CONFIGS["skvs-goodput-drafts-preempt"], 5, 60, 0.8, 0.0))
+    ct = h.st.counters
+    assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and int(ct.preempt_drafts) > 0
+    assert int(ct.draft_blocks) > 0
+    opp = Harness(CONFIGS["skvs"], vocab=VOCAB)
+    opp.run(workload(CONFIGS["skvs"], 5, 60, 0.8, 0.0))
+    assert int(opp.st.counters.oom_steps_drafts) == 0 and int(opp.st.counters.preempt_drafts) == 0
 
 
 @pytest.mark.parametrize("name", ["naive_spec", "skvs-swap-least_progress"])

@@ -115,7 +115,7 @@ def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(
 
 
 def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(shipped, trace, reference):
-    e = _engine(shipped, policies.skvs(15), trace, tree=SMALL_TREE, acceptance="typical")
+    e = _engine(shipped, policies.skvs_article(15), trace, tree=SMALL_TREE, acceptance="typical")
     assert e.run() == reference
     assert e.cfg.sched.reach == (0, 3, 4)  # buckets {0, 7, 15} nodes reach depths {0, 3, 4}
     assert int(e.state.sched.counters.accepted) > 0
@@ -210,7 +210,9 @@ def test_bad_speculation_arguments_are_refused(shipped):
     with pytest.raises(ValueError, match="acceptance"):
         engine.Engine(model, heads, policies.skvs(4), CACHE, acceptance="always")
     with pytest.raises(ValueError, match="sample_drafts needs a chain"):
-        engine.Engine(model, heads, policies.skvs(15), CACHE, tree=SMALL_TREE, sample_drafts=True)
+        engine.Engine(model, heads, policies.skvs_article(15), CACHE, tree=SMALL_TREE, sample_drafts=True)
+    with pytest.raises(ValueError, match="goodput"):  # the controller prices chains; trees use the histogram rule
+        engine.Engine(model, heads, policies.skvs(15), CACHE, tree=SMALL_TREE)
     with pytest.raises(ValueError, match="need a policy that speculates"):
         engine.Engine(model, None, policies.vllm_default(), CACHE, tree=SMALL_TREE)
     with pytest.raises(TypeError, match="tree must be a DraftTree"):
@@ -241,7 +243,7 @@ def test_adaptive_draft_length_compares_the_expected_acceptance_with_each_bucket
     a request that accepts ~1.3 drafts per step wants reach 2 -> 7 nodes, not the 2 nodes a chain would get."""
     from skvs_jax import scheduler as sc
 
-    policy = policies.skvs(15)
+    policy = policies.skvs_article(15)
     cfg = sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96,
                              draft_reach=speculation.reach(SMALL_TREE, policy.draft_buckets))
     seqs = sc.init(cfg).seqs

@@ -215,12 +215,16 @@ def _verify_budget(value: str) -> int | None:
 
 
 def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
-    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations.
-    `--verify-budget` applies to skvs (and so to its ablations), as in `skvs simulate`."""
+    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations
+    ("skvs -draft_control" is the article's skvs, `skvs_article`). `--verify-budget` applies to skvs (and so to
+    its ablations), as in `skvs simulate`. With a draft tree, skvs's goodput controller (which prices chains) gives
+    way to the histogram rule."""
     budget = _verify_budget(args.verify_budget)
 
     def preset(name):
         p = policies.preset(name, args.draft_len)
+        if p.goodput_control and args.tree != "chain":  # the controller prices chains (d drafts reach depth d)
+            p = p.replace(draft_control="histogram")
         return p.replace(verify_budget=budget) if name == "skvs" else p
 
     if args.ablation:

@@ -19,6 +19,7 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from skvs_jax import metrics, policies, workloads
@@ -37,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how steps are priced (cost_model.COST_MODES): auto = measured kernels where profiled "
                              "(llama-3.1-8b on a100-80gb), else the roofline")
     parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
-    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs",
+                        help="comma-separated presets; NAME:K runs the preset with the draft-length knob at K "
+                             "(<= --draft-len: naive_spec:2 is a fixed chain of 2), on the same acceptance draws")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at t = 0)")
     parser.add_argument("--seeds", type=int, default=2, help="traces (seeds 0..N-1), one lane each")
@@ -124,13 +127,28 @@ def _parse_rates(args) -> list[float]:
     return rates
 
 
-def _lanes(args, cfg, rates: list[float]):
+def _policy_spec(text: str, k: int) -> tuple[str, int | None]:
+    """"name" or "name:K" (the preset with its draft-length knob at K <= k) -> (name, K or None)."""
+    name, _, knob = text.partition(":")
+    if name not in policies.PRESETS:
+        raise SystemExit(f"skvs simulate: unknown policy {name!r}; choose from {sorted(policies.PRESETS)}")
+    if not knob:
+        return name, None
+    if not knob.isdigit() or not 0 <= int(knob) <= k:
+        raise SystemExit(f"skvs simulate: {text!r}: the draft length after ':' must be an integer in [0, {k}]")
+    return name, int(knob)
+
+
+def _lanes(args, cfg, rates: list[float], draft_len: int | None = None):
     """(traces, lanes, where): where[i] = (rate, seed) of lane i. A sweep over a Poisson workload scales one
     trace per seed (the same requests at every rate); a think-time workload gets a trace per rate and seed."""
     per_rate = args.sweep and args.workload in _THINK_TIME_WORKLOADS
     trace_rates = rates if per_rate else [args.rate]
     scales = [1.0] if per_rate or not args.sweep else [args.rate / r for r in rates]
-    lanes, labels = sweep.grid(cfg.policy.knobs(), cfg=cfg, arrival_scale=scales,
+    knobs = cfg.policy.knobs()
+    if draft_len is not None:
+        knobs = knobs.replace(draft_len=jnp.asarray(draft_len, jnp.int32))
+    lanes, labels = sweep.grid(knobs, cfg=cfg, arrival_scale=scales,
                                traces=list(range(len(trace_rates) * args.seeds)))
     rate_of_scale = {} if per_rate else dict(zip(scales, rates, strict=True))
     where = []
@@ -157,9 +175,7 @@ def _mean(ms: list[dict]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    for n in names:
-        if n not in policies.PRESETS:
-            raise SystemExit(f"skvs simulate: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
+    specs = {n: _policy_spec(n, args.draft_len) for n in names}
     if not names:
         raise SystemExit(f"skvs simulate: --policies names no policy; choose from {sorted(policies.PRESETS)}")
     for flag in ("requests", "seeds", "max_seqs", "block_size", "chunk", "max_steps", "draft_len", "token_budget",
@@ -197,12 +213,13 @@ def run(args: argparse.Namespace) -> int:
     per_policy: dict[str, list[dict]] = {}
     steps_run = 0
     for name in names:
-        policy = policies.preset(name, args.draft_len)
-        if name == "skvs":
+        preset_name, knob_k = specs[name]
+        policy = policies.preset(preset_name, args.draft_len).replace(name=name)
+        if preset_name == "skvs":
             policy = policy.replace(verify_budget=verify_budget)
         cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=args.token_budget,
                                  prefill_chunk=min(args.prefill_chunk, args.token_budget))
-        trace_rates, lanes, where = _lanes(args, cfg, rates)
+        trace_rates, lanes, where = _lanes(args, cfg, rates, knob_k)
         traces = _traces(args, cfg, alphas, trace_rates)
         t0 = time.perf_counter()
         states, logs = sweep.run(traces, lanes, cfg=cfg, cost=cost, max_steps=args.max_steps, chunk=args.chunk,
@@ -214,8 +231,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {name}: {int(np.sum(done < args.requests))} of {len(done)} lanes did not finish in "
                   f"{args.max_steps} steps (raise --max-steps); their metrics cover what ran")
         ms = sweep.summaries(logs, traces, lanes, cfg)
-        for (rate, seed), m in zip(where, ms, strict=True):
+        ct = states.counters  # attribution: what the drafts cost in memory, per lane
+        for i, ((rate, seed), m) in enumerate(zip(where, ms, strict=True)):
             m["rate"], m["seed"] = rate, seed
+            for key in ("draft_blocks", "oom_steps_drafts", "preempt_drafts", "oom_steps", "preempt_recompute"):
+                m[key] = float(np.asarray(getattr(ct, key))[i])
         per_policy[name] = ms
         steps = int(np.asarray(logs.active).sum())
         steps_run += steps

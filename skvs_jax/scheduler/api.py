@@ -15,7 +15,7 @@ from skvs_jax.arrays import i32
 from skvs_jax.kv import allocator
 from skvs_jax.policies import NO_VERIFY_CAP, Knobs
 from skvs_jax.scheduler.schedule import schedule_unchecked
-from skvs_jax.scheduler.state import RUNNING, Batch, SchedState, SchedulerConfig, StepResult
+from skvs_jax.scheduler.state import RUNNING, Batch, SchedState, SchedulerConfig, StepCost, StepResult
 from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unchecked
 
 
@@ -87,12 +87,30 @@ def add(
                          cfg=cfg)
 
 
-def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig) -> tuple[SchedState, Batch]:
-    """Decide and allocate one step's batch (see the module docstring). knobs default: cfg.policy.knobs()."""
+def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
+    if not isinstance(cost, StepCost):
+        raise TypeError(f"step_cost must be a StepCost, got {type(cost).__name__}")
+    checks.array("step_cost.token_us", cost.token_us, (cfg.token_budget + 1,), "i")
+    checks.scalar_int("step_cost.row_us", cost.row_us)
+    checks.scalar_int("step_cost.ctx_ns", cost.ctx_ns)
+    checks.scalar_int("step_cost.head_us", cost.head_us)
+    checks.in_range("step_cost.head_us", cost.head_us, 0, 2**24)
+    checks.in_range("step_cost.token_us", cost.token_us, 1, 2**31 - 1)
+    checks.in_range("step_cost.row_us", cost.row_us, 0, 2**20)
+    checks.in_range("step_cost.ctx_ns", cost.ctx_ns, 0, 2**12)
+
+
+def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig,
+             step_cost: StepCost | None = None) -> tuple[SchedState, Batch]:
+    """Decide and allocate one step's batch (see the module docstring). knobs default: cfg.policy.knobs().
+    step_cost: the goodput draft controller's price of a step (token_us int32[token_budget + 1]); None: every step
+    costs the same (`flat_step_cost`). Other policies ignore it."""
     _check_state(st, cfg)
     knobs = cfg.policy.knobs() if knobs is None else knobs
     _check_knobs(knobs, cfg)
-    return schedule_unchecked(st, knobs, cfg=cfg)
+    if step_cost is not None:
+        check_step_cost(step_cost, cfg)
+    return schedule_unchecked(st, knobs, step_cost, cfg=cfg)
 
 
 def update(

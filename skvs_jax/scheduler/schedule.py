@@ -1,7 +1,7 @@
 """`schedule`: decide one step's batch and make every allocation for it, as a list of named phases.
 
-    release_finished → plan_drafts → budget_tokens → preempt → grant_opportunistic_drafts → swap_in → admit
-    → evict_and_allocate → make_batch
+    release_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt → grant_opportunistic_drafts
+    → count_draft_blocks → swap_in → admit → evict_and_allocate → make_batch
 
 Each phase is a pure function of the state and what the phases before it decided; jit traces through them into
 one program. Rows are served in priority order (`priority_order`); every prefix sum over rows is taken in that
@@ -22,6 +22,7 @@ from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
+from skvs_jax.scheduler import draft_control
 from skvs_jax.scheduler.state import (
     EMPTY,
     FINISHED,
@@ -32,6 +33,8 @@ from skvs_jax.scheduler.state import (
     SchedState,
     SchedulerConfig,
     SeqTable,
+    StepCost,
+    flat_step_cost,
 )
 
 # ------------------------------------------------------------------------------------------ ordering and drafts
@@ -69,11 +72,12 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     holds one prior observation of full acceptance (so a new request starts at the largest bucket). Drafting
     half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
     slots every step; a request whose drafts keep failing drops to 0 (no speculation).
+    Goodput control (`policy.draft_control`): knobs.draft_len, the cap below which `plan_drafts` decides.
     """
     k_max = jnp.clip(knobs.draft_len, 0, policy.draft_len).astype(i32)
     if not policy.speculation:
         return jnp.zeros(seqs.num_tokens.shape, i32)
-    if not policy.adaptive_draft_len:
+    if not policy.adaptive_draft_len or policy.goodput_control:
         return jnp.broadcast_to(k_max, seqs.num_tokens.shape)
     k = policy.draft_len
     reach = reach or policy.draft_buckets or (k,)
@@ -192,9 +196,11 @@ def release_finished(st: SchedState, cfg: SchedulerConfig) -> SchedState:
     return st.replace(kv=kv, seqs=seqs)
 
 
-def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig) -> DraftPlan:
+def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: StepCost | None = None) -> DraftPlan:
     """1. Draft lengths: decode rows draft up to `draft_lengths`, bounded by the output room (the bonus token
-    comes on top), the table and the verify budget; with `spec_in_prefill`, rows with prompt left reserve K."""
+    comes on top), the table and the verify budget; under goodput control (`draft_control`) the controller then
+    picks, below those caps, the drafts that maximise the step's expected accepted tokens per second
+    (`goodput_plan`); with `spec_in_prefill`, rows with prompt left reserve K."""
     pol, seqs = cfg.policy, st.seqs
     num_tokens, committed = seqs.num_tokens, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
@@ -208,9 +214,28 @@ def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig) -> DraftPlan
     decode = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - num_tokens)
     decoding = decoding_rows(seqs.status, num_tokens, committed, seqs.prompt_len)
     decode = jnp.minimum(jnp.where(decoding, decode, 0), verify_cap(decoding, knobs))
+    if pol.goodput_control:
+        decode = goodput_plan(st, decode, chunk, cfg, step_cost)
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     reserved = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - committed - chunk), 0)
     return DraftPlan(decode=decode, reserved=reserved, reserve=reserve, k_max=k_max, spec_ratio=spec_ratio)
+
+
+def goodput_plan(st: SchedState, cap: jax.Array, chunk: jax.Array, cfg: SchedulerConfig,
+                 step_cost: StepCost | None) -> jax.Array:
+    """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) below cap int32[B], for a step
+    whose other work is the running rows' chunks int32[B] (admissions come later and are not counted): its base
+    tokens (within the token budget), rows, context read and the rows that sample whatever is drafted."""
+    seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
+    running = seqs.status == RUNNING
+    alpha = draft_control.acceptance_estimates(seqs.draft_tried, seqs.draft_passed, st.pop_tried, st.pop_passed)
+    surv = draft_control.survival(alpha)
+    base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
+    rows = jnp.sum(running, dtype=i32)
+    ctx = jnp.sum(jnp.where(running, committed, 0), dtype=i32)
+    sampling = jnp.sum(running & (chunk > 0) & (committed + chunk == seqs.num_tokens), dtype=i32)
+    cost = flat_step_cost(cfg) if step_cost is None else step_cost
+    return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost)
 
 
 def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerConfig) -> Grant:
@@ -274,6 +299,11 @@ def preempt(st: SchedState, grant: Grant, rank: jax.Array, cfg: SchedulerConfig
     committed, table = st.kv.alloc.seqs.num_committed, st.kv.alloc.seqs.block_table
     need = grant.need_query + grant.need_drafts if pol.drafts_preempt else grant.need_query
     victim, victim_order, oom = choose_victims(st, need, rank, cfg)
+    if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
+        avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+        by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
+    else:  # opportunistic drafts take only free blocks left over: they never make a step short
+        by_drafts = jnp.zeros((), bool)
 
     swap_len = jnp.where(victim, committed, 0)
     if pol.preemption == "swap" and cfg.swap_blocks > 0:
@@ -296,6 +326,8 @@ def preempt(st: SchedState, grant: Grant, rank: jax.Array, cfg: SchedulerConfig
         oom_steps=ct.oom_steps + oom.astype(i32),
         preempt_recompute=ct.preempt_recompute + jnp.sum(recompute, dtype=i32),
         preempt_swap=ct.preempt_swap + jnp.sum(swap, dtype=i32),
+        oom_steps_drafts=ct.oom_steps_drafts + by_drafts.astype(i32),
+        preempt_drafts=ct.preempt_drafts + jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0),
     )
     keep = (st.seqs.status == RUNNING) & ~victim
     grant = Grant(*(jnp.where(keep, x, 0) for x in grant[:4]), cow=grant.cow & keep)
@@ -322,6 +354,12 @@ def grant_opportunistic_drafts(grant: Grant, room: Room, plan: DraftPlan, order:
         drafts, need_drafts = jnp.where(granted, drafts, 0), jnp.where(granted, need_drafts, 0)
     grant = grant._replace(drafts=drafts, need_drafts=need_drafts)
     return grant, room._replace(need=room.need + jnp.sum(need_drafts, dtype=i32))
+
+
+def count_draft_blocks(st: SchedState, grant: Grant) -> SchedState:
+    """The running rows' draft slots' new blocks join `SchedCounters.draft_blocks` (attribution)."""
+    ct = st.counters
+    return st.replace(counters=ct.replace(draft_blocks=ct.draft_blocks + jnp.sum(grant.need_drafts, dtype=i32)))
 
 
 def swap_in(st: SchedState, room: Room, preemption: Preemption, order: Order, cfg: SchedulerConfig
@@ -450,16 +488,19 @@ def make_batch(st: SchedState, grant: Grant, preemption: Preemption, restored: S
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def schedule_unchecked(st: SchedState, knobs: Knobs, *, cfg: SchedulerConfig) -> tuple[SchedState, Batch]:
-    """`schedule` without the boundary checks: the phases in order (see the module docstring)."""
+def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None = None, *, cfg: SchedulerConfig
+                       ) -> tuple[SchedState, Batch]:
+    """`schedule` without the boundary checks: the phases in order (see the module docstring). step_cost: what
+    the goodput draft controller prices a step with (None: `flat_step_cost`); other policies ignore it."""
     st = release_finished(st, cfg)
     order = priority_order(st.seqs)
     order = Order(order=order, rank=rank_of(order))
-    plan = plan_drafts(st, knobs, cfg)
+    plan = plan_drafts(st, knobs, cfg, step_cost)
     grant = budget_tokens(st, plan, order, cfg)
     st, grant, preemption = preempt(st, grant, order.rank, cfg)
     room = room_after(st, grant, cfg)
     grant, room = grant_opportunistic_drafts(grant, room, plan, order, cfg)
+    st = count_draft_blocks(st, grant)
     st, room, restored = swap_in(st, room, preemption, order, cfg)
     st, grant, room, admission = admit(st, grant, room, plan, preemption, order, cfg)
     st, res, alloc_ok = evict_and_allocate(st, grant, room, restored, order, cfg)

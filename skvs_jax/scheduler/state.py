@@ -173,6 +173,8 @@ class SeqTable:
     num_preemptions: jax.Array  # int32[B]
     num_cached: jax.Array  # int32[B] prompt tokens served from the prefix cache, summed over admissions
     accept_hist: jax.Array  # int32[B, K+1] verification steps by number of accepted drafts (adaptive draft len)
+    draft_tried: jax.Array  # int32[B, K] verifications that reached draft d (d < min(accepted + 1, offered))
+    draft_passed: jax.Array  # int32[B, K] of those, verifications that accepted draft d (d < accepted)
     index_pending: jax.Array  # bool[B] filled a block that `update` has not offered to the prefix index yet
 
 
@@ -194,6 +196,9 @@ class SchedCounters:
     accepted: jax.Array  # of those, accepted
     verifications: jax.Array  # (sequence, step) pairs that verified >= 1 draft
     output_tokens: jax.Array  # tokens appended by `update` (accepted drafts + the target's token)
+    draft_blocks: jax.Array  # new blocks granted to draft slots (decode drafts and prefill reservations)
+    oom_steps_drafts: jax.Array  # OOM steps whose query tokens alone would have fit: the drafts caused them
+    preempt_drafts: jax.Array  # preemptions (recompute or swap) in those steps: caused by drafts
 
 
 @struct.dataclass
@@ -206,6 +211,25 @@ class SchedState:
     step: jax.Array  # int32[] the generation recorded on speculative blocks (one per `update`)
     next_arrival: jax.Array  # int32[] arrival number of the next added request
     swap_used: jax.Array  # int32[] host-tier blocks held by SWAPPED sequences
+    pop_tried: jax.Array  # int32[K] the population's draft_tried totals (halved together past POP_HALVE_AT)
+    pop_passed: jax.Array  # int32[K] the population's draft_passed totals
+
+
+@struct.dataclass
+class StepCost:
+    """A step's time as data, for the goodput draft controller (`policy.draft_control == "goodput"`).
+
+    time(step) = token_us[min(T, len - 1)] + row_us * rows + ctx_ns * context_tokens // 1000 + [drafts > 0] *
+    head_us, in microseconds, where T is the tokens the step computes (prefill chunks, decode tokens, draft
+    slots), rows the running rows, context_tokens the cached context they read, and head_us the draft heads'
+    time when some row drafts. `sim.cost_model.step_cost(cost, t_max)` builds one from a
+    `CostModel` (so the simulator's controller and its clock agree); `flat_step_cost` is the default: every
+    step costs the same, so drafts are free and only acceptance decides."""
+
+    token_us: jax.Array  # int32[T_max + 1] time of a one-row step computing t tokens, no context (>= 1)
+    row_us: jax.Array  # int32[] time per further running row
+    ctx_ns: jax.Array  # int32[] nanoseconds per context token read
+    head_us: jax.Array  # int32[] the draft heads' time in a step where some row drafts
 
 
 @struct.dataclass
@@ -270,6 +294,12 @@ class StepResult:
     accepted: jax.Array  # int32[B] accepted drafts
 
 
+def flat_step_cost(cfg: SchedulerConfig) -> StepCost:
+    """Every step costs the same (1 us): drafts are free, the controller takes every draft worth >= one level."""
+    return StepCost(token_us=jnp.ones((cfg.token_budget + 1,), i32), row_us=jnp.zeros((), i32),
+                    ctx_ns=jnp.zeros((), i32), head_us=jnp.zeros((), i32))
+
+
 def init(cfg: SchedulerConfig) -> SchedState:
     """Every slot EMPTY, every usable block free, an empty prefix index, counters at 0."""
     b, max_len, k = cfg.cache.max_seqs, cfg.max_len, cfg.policy.draft_len
@@ -279,8 +309,8 @@ def init(cfg: SchedulerConfig) -> SchedState:
         status=jnp.zeros((b,), jnp.int8), tokens=jnp.zeros((b, max_len), i32), num_tokens=zb, prompt_len=zb,
         max_new_tokens=zb, priority=zb, arrival=zb, request_id=jnp.full((b,), -1, i32), swapped_len=zb,
         num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
-        index_pending=jnp.zeros((b,), bool),
+        draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), index_pending=jnp.zeros((b,), bool),
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
     return SchedState(kv=manager.init(cfg.kv), seqs=seqs, counters=counters, step=zero, next_arrival=zero,
-                      swap_used=zero)
+                      swap_used=zero, pop_tried=jnp.zeros((k,), i32), pop_passed=jnp.zeros((k,), i32))

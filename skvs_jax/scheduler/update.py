@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from skvs_jax.arrays import cdiv, count_leading, i32
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
+from skvs_jax.scheduler import draft_control
 from skvs_jax.scheduler.state import (
     EMPTY,
     FINISHED,
@@ -99,10 +100,13 @@ def valid_on_fill(committed: jax.Array, accepted: jax.Array, view_tokens: jax.Ar
 
 def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, finished: jax.Array,
            pending: jax.Array) -> SchedState:
-    """The request's acceptance histogram, the rows still waiting to be indexed, the step's counters."""
+    """The request's acceptance histogram and per-depth counts (and the population's), the rows still waiting
+    to be indexed, the step's counters."""
     b = st.seqs.status.shape[0]
     verified = batch.samples & (batch.num_drafts > 0)
     hist = st.seqs.accept_hist.at[jnp.where(verified, jnp.arange(b, dtype=i32), b), accepted].add(1, mode="drop")
+    tried, passed, pop_tried, pop_passed = draft_control.record_drafts(
+        st.seqs.draft_tried, st.seqs.draft_passed, st.pop_tried, st.pop_passed, verified, batch.num_drafts, accepted)
     ct = st.counters
     counters = ct.replace(
         steps=ct.steps + 1,
@@ -112,8 +116,8 @@ def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, fi
         verifications=ct.verifications + jnp.sum(verified, dtype=i32),
         output_tokens=ct.output_tokens + jnp.sum(new, dtype=i32),
     )
-    seqs = st.seqs.replace(accept_hist=hist, index_pending=pending)
-    return st.replace(seqs=seqs, counters=counters, step=st.step + 1)
+    seqs = st.seqs.replace(accept_hist=hist, draft_tried=tried, draft_passed=passed, index_pending=pending)
+    return st.replace(seqs=seqs, counters=counters, step=st.step + 1, pop_tried=pop_tried, pop_passed=pop_passed)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -191,6 +195,8 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, *, cfg
         num_preemptions=seqs.num_preemptions.at[slot].set(z, mode="drop"),
         num_cached=seqs.num_cached.at[slot].set(z, mode="drop"),
         accept_hist=seqs.accept_hist.at[slot].set(0, mode="drop"),
+        draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
+        draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
         index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
     )
     st = st.replace(seqs=seqs, next_arrival=st.next_arrival + jnp.sum(placed, dtype=i32))

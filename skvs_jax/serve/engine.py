@@ -110,6 +110,9 @@ class Engine:
     swapped requests). Any other model: `Engine.from_runner(runner, params, policy, cache_config, ...)` with a
     `model_runner.ModelRunner`. mesh: a `jax.sharding.Mesh` with a "tp" axis (`distributed.make_mesh`) shards
     the weights and the KV cache over KV heads (tensor parallelism; docs/distributed.md); None: one device.
+    step_cost: a `scheduler.StepCost` the goodput draft controller prices steps with (`draft_control="goodput"`);
+    None: every step costs the same (drafts are free, only acceptance decides), the default on this CPU, where a
+    step costs about the same at any width (docs/speculation.md, "Draft control").
     """
 
     def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, **kwargs):
@@ -131,7 +134,8 @@ class Engine:
                victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
                sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
                posterior_alpha: float = POSTERIOR_ALPHA,
-               clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None) -> None:
+               clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None,
+               step_cost: sc.StepCost | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
@@ -164,6 +168,12 @@ class Engine:
         self.runner, self.params = runner, params
         b = cache_config.max_seqs
         self._seed = seed
+        if step_cost is not None:
+            sc.check_step_cost(step_cost, scfg)
+        if policy.goodput_control and tree is not None and not spec.is_chain(tree):
+            raise ValueError("draft_control='goodput' prices d drafts as reaching depth d (a chain); with a draft "
+                             "tree use draft_control='histogram' (e.g. the skvs_article preset)")
+        self.step_cost = step_cost
         self.state = self._empty_state()
         # Compile buckets: one decode width per draft bucket (1 + drafts), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
@@ -200,7 +210,7 @@ class Engine:
         state = engine_step.EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
             temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, engine_step.MAX_STOP), -1, i32),
-            rng=jax.random.key(self._seed))
+            rng=jax.random.key(self._seed), step_cost=self.step_cost)
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:

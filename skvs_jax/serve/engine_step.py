@@ -53,6 +53,7 @@ class EngineState:
     temperature: jax.Array  # float32[B]
     stop_ids: jax.Array  # int32[B, MAX_STOP], -1 = none
     rng: jax.Array
+    step_cost: sc.StepCost | None = None  # what the goodput draft controller prices a step with (None: flat)
 
 
 @struct.dataclass
@@ -114,7 +115,7 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
                                      view_tokens=view_tokens)
     st = st.replace(sched=sched, cache=cache, hidden=hidden, rng=rng)
-    return st, _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width)
+    return st, _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost)
 
 
 def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
@@ -250,7 +251,8 @@ def _keep_kv_sharding(runner: ModelRunner, cache, kv_shardings: tuple | None):
                                              zip(runner.kv_pages(cache), kv_shardings)))
 
 
-def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig) -> tuple[jax.Array, jax.Array]:
+def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, step_cost=None
+                       ) -> tuple[jax.Array, jax.Array]:
     """What the host needs to pick the next step's width Q without reading state back (`Engine._width`).
 
     Returns (prompt_work bool[]: some row is waiting or has more than its last token to compute, so the next
@@ -258,6 +260,9 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig) ->
     status = sched.seqs.status
     remaining = sched.seqs.num_tokens - sched.kv.alloc.seqs.num_committed
     live = (status == sc.RUNNING) | (status == sc.SWAPPED) | (status == sc.WAITING)
+    if scfg.policy.goodput_control:  # the controller's own choice: a pure function of the state, known now
+        return (jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
+                jnp.max(sc.plan_drafts(sched, knobs, scfg, step_cost).decode))
     want = sc.draft_lengths(sched.seqs, knobs, scfg.policy, scfg.reach)
     # The next schedule caps drafts by its decode rows (`sc.verify_cap` of `sc.decoding_rows`), known now.
     # Between steps only `add` writes, and only to empty rows, so the count cannot change before it is used.
@@ -268,10 +273,10 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig) ->
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,
-              cfg: sc.SchedulerConfig, width: int) -> StepOut:
+              cfg: sc.SchedulerConfig, width: int, step_cost=None) -> StepOut:
     """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result and
     new_tokens int32[B, K + 1]."""
-    prompt_work, next_drafts = _next_width_bounds(sched, knobs, cfg)
+    prompt_work, next_drafts = _next_width_bounds(sched, knobs, cfg, step_cost)
     return StepOut(
         num_new=res.num_new, new_tokens=new_tokens, finished=res.finished, scheduled=batch.scheduled,
         num_drafts=batch.num_drafts,
@@ -286,13 +291,13 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
 def fused_step(runner, params, st, knobs, *, cfg, width):
-    sched, batch = sc.schedule_unchecked(st.sched, knobs, cfg=cfg.sched)
+    sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
     return model_step(runner, params, st.replace(sched=sched), batch, knobs, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
 def schedule_only(st, knobs, *, cfg):
-    sched, batch = sc.schedule_unchecked(st.sched, knobs, cfg=cfg.sched)
+    sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
     return st.replace(sched=sched), batch
 
 

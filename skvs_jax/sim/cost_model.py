@@ -59,6 +59,7 @@ measured tables from microsoft/vidur (MIT licence, commit 7d47513, data/profilin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -421,3 +422,39 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
                       hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                       link_bytes_per_s=math.inf, allreduce_latency_s=0.0, tp_degree=1,
                       host_overhead_s=float(overhead), compute_memory_overlap=0.0, fitted=True)
+
+
+# ------------------------------------------------------------------------------- the scheduler's step cost
+
+STEP_COST_ROWS = 64  # the batch at which the per-row and per-context terms are read off (finite differences)
+STEP_COST_CTX = 512  # context tokens per row there
+
+
+@functools.lru_cache(maxsize=64)
+def _step_cost_tables(cost: CostModel, t_max: int) -> tuple[np.ndarray, int, int, int]:
+    with jax.ensure_compile_time_eval():
+        t = np.arange(t_max + 1, dtype=np.float32)
+        one_row = np.asarray(cost.step_time(np.zeros_like(t), t, np.zeros_like(t), np.ones_like(t), 0.0),
+                             np.float64)
+        r, c = float(STEP_COST_ROWS), float(STEP_COST_ROWS * STEP_COST_CTX)
+        at = lambda kv, rows, heads=0.0: float(cost.step_time(0.0, r, kv, rows, heads))  # noqa: E731
+        row_s = max(at(0.0, r) - at(0.0, 1.0), 0.0) / (r - 1)
+        ctx_s = max(at(c, r) - at(0.0, r), 0.0) / c
+        head_s = max(at(0.0, r, r) - at(0.0, r), 0.0)
+    token_us = np.clip(np.round(one_row * 1e6), 1, 2**31 - 1).astype(np.int32)
+    return (token_us, int(min(round(row_s * 1e6), 2**20)), int(min(round(ctx_s * 1e9), 2**12)),
+            int(min(round(head_s * 1e6), 2**24)))
+
+
+def step_cost(cost: CostModel, t_max: int):
+    """The `scheduler.StepCost` of `cost` for steps of up to t_max tokens: token_us[t] the time of a one-row
+    step computing t tokens (its drafts' GEMMs, KV writes and logits), row_us and ctx_ns the time per further
+    running row and per context token read, and head_us the draft heads' time when some row drafts, from
+    finite differences at 64 rows of 512 tokens. What the goodput
+    draft controller prices a candidate step with; the simulator passes it so its controller and its clock agree
+    (the measured mode's tile steps and knee included in token_us)."""
+    from skvs_jax.scheduler import StepCost  # the scheduler's pytree; sim sits above the scheduler
+
+    token_us, row_us, ctx_ns, head_us = _step_cost_tables(cost, int(t_max))
+    return StepCost(token_us=jnp.asarray(token_us), row_us=jnp.asarray(row_us, jnp.int32),
+                    ctx_ns=jnp.asarray(ctx_ns, jnp.int32), head_us=jnp.asarray(head_us, jnp.int32))

@@ -35,7 +35,7 @@ from skvs_jax import checks, metrics, vmap_flow, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import count_leading
 from skvs_jax.policies import Knobs
-from skvs_jax.sim.cost_model import CostModel
+from skvs_jax.sim.cost_model import CostModel, step_cost
 
 i32, f32 = jnp.int32, jnp.float32
 
@@ -230,6 +230,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
     r_n = trace.prompt_len.shape[0]
     b_idx = jnp.arange(b, dtype=i32)
     withheld = cfg.cache.usable_blocks - carry.kv_blocks
+    # The goodput draft controller prices candidate steps with the cost model the clock uses.
+    controller_cost = step_cost(cost, cfg.token_budget) if cfg.policy.goodput_control else None
 
     def step(c: SimCarry):
         st, clock, err, nxt, req = c.st, c.clock, c.clock_err, c.nxt, c.req
@@ -253,7 +255,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         st = vmap_flow.when(jnp.any(ok), admit, st, identity_when_false=True)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
-        st, batch = sc.schedule_unchecked(st, knobs, cfg=cfg)
+        st, batch = sc.schedule_unchecked(st, knobs, controller_cost, cfg=cfg)
         rid = jnp.clip(st.seqs.request_id, 0, r_n - 1)
         n = st.seqs.num_tokens
         accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))

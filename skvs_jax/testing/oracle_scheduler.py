@@ -22,6 +22,7 @@ from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING
+from skvs_jax.scheduler import draft_control as dc
 from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex
 
 
@@ -162,12 +163,16 @@ class OracleScheduler:
         self.num_preemptions = [0] * b
         self.num_cached = [0] * b
         self.hist = [[0] * (self.pol.draft_len + 1) for _ in range(b)]
+        k = self.pol.draft_len
+        self.draft_tried, self.draft_passed = [[0] * k for _ in range(b)], [[0] * k for _ in range(b)]
+        self.pop_tried, self.pop_passed = [0] * k, [0] * k
         self.pending = [False] * b
         self.step = 0
         self.next_arrival = 0
         self.swap_used = 0
         names = ("steps", "oom_steps", "preempt_recompute", "preempt_swap", "swap_ins", "admitted", "finished",
-                 "aborted", "prompt_tokens", "cached_tokens", "drafted", "accepted", "verifications", "output_tokens")
+                 "aborted", "prompt_tokens", "cached_tokens", "drafted", "accepted", "verifications", "output_tokens",
+                 "draft_blocks", "oom_steps_drafts", "preempt_drafts")
         self.counters = dict.fromkeys(names, 0)
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -180,7 +185,7 @@ class OracleScheduler:
         k_max = min(max(int(knobs.draft_len), 0), pol.draft_len)
         if not pol.speculation:
             return 0
-        if not pol.adaptive_draft_len:
+        if not pol.adaptive_draft_len or pol.goodput_control:
             return k_max
         k = pol.draft_len
         hist = list(self.hist[b])
@@ -219,6 +224,7 @@ class OracleScheduler:
             self.next_arrival += 1
             self.swapped_len[b] = self.num_preemptions[b] = self.num_cached[b] = 0
             self.hist[b] = [0] * (self.pol.draft_len + 1)
+            self.draft_tried[b], self.draft_passed[b] = [0] * self.pol.draft_len, [0] * self.pol.draft_len
             self.pending[b] = False
             slots.append(b)
         return slots
@@ -236,13 +242,15 @@ class OracleScheduler:
                 self.counters["aborted"] += 1
             self.status[b], self.request_id[b], self.swapped_len[b] = EMPTY, -1, 0
 
-    def schedule(self, knobs: Knobs) -> OracleBatch:
-        """`scheduler.schedule_unchecked`, phase by phase (the numbers are the steps of its module docstring)."""
+    def schedule(self, knobs: Knobs, step_cost=None) -> OracleBatch:
+        """`scheduler.schedule_unchecked`, phase by phase (the numbers are the steps of its module docstring).
+        step_cost: a `scheduler.StepCost` (None: every step costs the same), read by the goodput controller."""
         start = self.release_finished()  # 0
-        drafts = self.plan_drafts(start, knobs)  # 1
+        drafts = self.plan_drafts(start, knobs, step_cost)  # 1
         grant = self.budget_tokens(start, drafts)  # 2
         pre, demand = self.preempt(start, grant)  # 3
         self.grant_opportunistic_drafts(start, grant, demand, knobs)  # 4
+        self.counters["draft_blocks"] += sum(grant.need_drafts)
         back = self.swap_in(start, pre, demand)  # 5a
         adm = self.admit(start, drafts, grant, demand, knobs, oom=pre.oom)  # 5b
         alloc = self.evict_and_allocate(start, grant, back, demand)  # 6
@@ -266,7 +274,7 @@ class OracleScheduler:
                          num_tokens=num_tokens, running=running, remaining=remaining,
                          chunk=[min(x, self.cfg.chunk) for x in remaining])
 
-    def plan_drafts(self, start: StepStart, knobs: Knobs) -> DraftPlan:
+    def plan_drafts(self, start: StepStart, knobs: Knobs, step_cost=None) -> DraftPlan:
         """1. Decode rows (one sampled token left) want drafts, bounded by their output room, the table and the
         verify budget; prefilling rows reserve draft slots when spec_in_prefill."""
         pol, max_len, slots = self.pol, self.cfg.max_len, range(self.cfg.cache.max_seqs)
@@ -286,7 +294,53 @@ class OracleScheduler:
         for b in slots:
             if decoding[b]:
                 wanted[b] = min(wanted[b], k_cap)
+        if pol.goodput_control:
+            chosen = self.goodput_plan(start, [wanted[b] if decoding[b] else 0 for b in slots], step_cost)
+            wanted = [chosen[b] if decoding[b] else wanted[b] for b in slots]
         return DraftPlan(max_draft_len=k_max, reserve=reserve, wanted=wanted)
+
+    def goodput_plan(self, start: StepStart, cap: list, step_cost) -> list[int]:
+        """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
+        per-depth estimates with the population's prior, survival, and the threshold of the grid that maximises
+        (sampling rows * ONE + sum of the selected survivals) / step time, first maximum."""
+        slots, k, one = range(self.cfg.cache.max_seqs), self.pol.draft_len, dc.ONE
+        pop = [(p * one + dc.POP_PRIOR_W * dc.POP_PRIOR) // (t + dc.POP_PRIOR_W)
+               for t, p in zip(self.pop_tried, self.pop_passed)]
+        surv = []
+        for b in slots:
+            s_b, row = one, []
+            for d in range(k):
+                alpha = (self.draft_passed[b][d] * one + dc.REQ_PRIOR_W * pop[d]) // (self.draft_tried[b][d]
+                                                                                     + dc.REQ_PRIOR_W)
+                s_b = s_b * alpha // one
+                row.append(s_b)
+            surv.append(row)
+        running = start.running
+        base = min(sum(start.chunk), self.cfg.token_budget)
+        rows = sum(running)
+        ctx = sum(start.committed[b] for b in slots if running[b])
+        sampling = sum(1 for b in slots if running[b] and start.chunk[b] > 0
+                       and start.committed[b] + start.chunk[b] == start.num_tokens[b])
+        if step_cost is None:
+            token_us, row_us, ctx_ns, head_us = [1] * (self.cfg.token_budget + 1), 0, 0, 0
+        else:
+            token_us = np.asarray(step_cost.token_us).tolist()
+            row_us, ctx_ns, head_us = int(step_cost.row_us), int(step_cost.ctx_ns), int(step_cost.head_us)
+        thresholds = [one + 1] + [one * j // dc.LEVELS for j in range(dc.LEVELS, 0, -1)]
+        best, best_rate = 0, None
+        for i, thr in enumerate(thresholds):
+            n = gain = 0
+            for b in slots:
+                for d in range(min(cap[b], k)):
+                    if surv[b][d] >= thr:
+                        n, gain = n + 1, gain + surv[b][d]
+            t = (token_us[min(max(base + n, 0), len(token_us) - 1)] + row_us * rows + ctx_ns * ctx // 1000
+                 + (head_us if n > 0 else 0))
+            rate = np.float32(sampling * one + gain) / np.float32(max(t, 1))
+            if best_rate is None or rate > best_rate:
+                best, best_rate = i, rate
+        thr = thresholds[best]
+        return [sum(1 for d in range(min(cap[b], k)) if surv[b][d] >= thr) for b in slots]
 
     def budget_tokens(self, start: StepStart, drafts: DraftPlan) -> Grant:
         """2. The token budget in priority order: each running row's chunk first, then its draft slots; and the
@@ -318,7 +372,9 @@ class OracleScheduler:
         a, s, slots = self.alloc, self.cfg.cache.block_size, range(self.cfg.cache.max_seqs)
         committed = start.committed
         mandatory = [grant.need_query[b] + (grant.need_drafts[b] if self.pol.drafts_preempt else 0) for b in slots]
+        avail = self._free_now() + self._evictable()  # before the victims give their blocks back
         victims = self._victims(start, mandatory)
+        by_drafts = self.pol.drafts_preempt and bool(victims) and sum(grant.need_query) <= avail
         victim = [b in victims for b in slots]
         swap = self._swapped(victims, committed)
         swap_out_blocks = [list(a.tables[b][: cdiv(committed[b], s)]) if swap[b] else [] for b in slots]
@@ -334,6 +390,8 @@ class OracleScheduler:
         ct["oom_steps"] += bool(victims)
         ct["preempt_recompute"] += sum(victim[b] and not swap[b] for b in slots)
         ct["preempt_swap"] += sum(swap)
+        ct["oom_steps_drafts"] += by_drafts
+        ct["preempt_drafts"] += len(victims) if by_drafts else 0
         kept = [start.running[b] and not victim[b] for b in slots]
         demand = Demand(available=self._free_now() + self._evictable(), blocks=sum(grant.need_query), rows=sum(kept))
         return Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks), demand
@@ -646,6 +704,16 @@ class OracleScheduler:
         for b, x in enumerate(verified):
             if x:
                 self.hist[b][acc[b]] += 1
+                for d in range(min(acc[b] + 1, batch.num_drafts[b])):
+                    self.draft_tried[b][d] += 1
+                    self.pop_tried[d] += 1
+                for d in range(acc[b]):
+                    self.draft_passed[b][d] += 1
+                    self.pop_passed[d] += 1
+        for d in range(self.pol.draft_len):
+            if self.pop_tried[d] >= dc.POP_HALVE_AT:
+                self.pop_tried[d] //= 2
+                self.pop_passed[d] //= 2
         ct = self.counters
         ct["steps"] += 1
         ct["finished"] += sum(finished)

@@ -38,8 +38,8 @@ UNWRITTEN = -1  # shadow value of a slot nothing has written
 class Harness:
     """The jitted scheduler, the oracle and a shadow KV cache in lockstep (see the module docstring)."""
 
-    def __init__(self, cfg: sc.SchedulerConfig, vocab: int = 3, knobs=None):
-        self.cfg, self.vocab = cfg, vocab
+    def __init__(self, cfg: sc.SchedulerConfig, vocab: int = 3, knobs=None, step_cost=None):
+        self.cfg, self.vocab, self.step_cost = cfg, vocab, step_cost
         self.knobs = cfg.policy.knobs() if knobs is None else knobs
         self.st, self.oracle = sc.init(cfg), OracleScheduler(cfg)
         n, s = cfg.cache.num_blocks, cfg.cache.block_size
@@ -83,8 +83,8 @@ class Harness:
         abort_mid: abort a random ~30% of the slots after the model ran, before update (which drops them)."""
         cfg, s = self.cfg, self.cfg.cache.block_size
         b_seqs, k = cfg.cache.max_seqs, max(cfg.policy.draft_len, 1)
-        self.st, batch = sc.schedule(self.st, self.knobs, cfg=cfg)
-        ob = self.oracle.schedule(self.knobs)
+        self.st, batch = sc.schedule(self.st, self.knobs, cfg=cfg, step_cost=self.step_cost)
+        ob = self.oracle.schedule(self.knobs, self.step_cost)
         self._compare_batch(batch, ob)
         assert bool(batch.alloc_ok), "the scheduler granted more than the allocator could give"
 
@@ -176,12 +176,15 @@ class Harness:
         for b in np.flatnonzero(live):
             assert tokens[b, : num_tokens[b]].tolist() == o.tokens[b], f"tokens of slot {b}"
         for name, want in (("swapped_len", o.swapped_len), ("num_preemptions", o.num_preemptions),
-                           ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending)):
+                           ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending),
+                           ("draft_tried", o.draft_tried), ("draft_passed", o.draft_passed)):
             got = np.asarray(getattr(st.seqs, name))
             np.testing.assert_array_equal(got[live], np.asarray(want)[live], err_msg=name)
         got = {k: int(v) for k, v in dataclasses.asdict(st.counters).items()}
         assert got == o.counters, f"counters differ: jax {got} vs oracle {o.counters}"
         assert int(st.swap_used) == o.swap_used, "swap_used"
+        assert np.asarray(st.pop_tried).tolist() == o.pop_tried, "pop_tried"
+        assert np.asarray(st.pop_passed).tolist() == o.pop_passed, "pop_passed"
         assert int(st.step) == o.step and int(st.next_arrival) == o.next_arrival
 
         # Ground truth: tables hold the sequences' tokens; the index holds validated content only.

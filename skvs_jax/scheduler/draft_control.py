@@ -1,0 +1,103 @@
+"""The goodput draft controller: each step, drafts go where the expected accepted tokens per second of the whole
+step rise (`Policy.draft_control == "goodput"`).
+
+    estimates (`acceptance_estimates`) → survival (`survival`) → the threshold that maximises goodput
+    (`goodput_drafts`); `update` feeds the counts back (`record_drafts`).
+
+Estimates. Per request and draft depth d, `SeqTable.draft_tried[b, d]` counts verifications that reached draft d
+(d < min(accepted + 1, offered)) and `draft_passed[b, d]` those that accepted it (d < accepted); the state keeps
+the population's totals per depth (`SchedState.pop_tried / pop_passed`). In fixed point (ONE = 4096):
+
+    pop[d]      = (pop_passed[d] * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried[d] + POP_PRIOR_W)
+    alpha[b, d] = (draft_passed[b, d] * ONE + REQ_PRIOR_W * pop[d]) // (draft_tried[b, d] + REQ_PRIOR_W)
+    S[b, d]     = S[b, d - 1] * alpha[b, d] // ONE,  S[b, -1] = ONE     (the chance draft d is accepted)
+
+so a new request starts from what the population shows, and the population from an optimistic prior (0.75:
+a controller that starts pessimistic never drafts, and so never learns otherwise).
+
+Decision. Survival falls with depth, so "every (b, d) with S >= threshold and d < the row's cap" gives each row a
+prefix of its drafts. Over a fixed grid of thresholds (none, ONE, ..., ONE / LEVELS; no sort), the step's goodput
+is (sampling rows * ONE + sum of the selected S) / time(base tokens + selected drafts) from a `StepCost`; the
+first maximum wins (ties: fewer drafts). Sums are over integers and the one division is float32, so the jitted
+controller and the plain-Python oracle agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from skvs_jax.arrays import i32
+from skvs_jax.scheduler.state import StepCost
+
+ONE = 4096  # fixed-point 1.0 of acceptance and survival probabilities
+LEVELS = 64  # survival thresholds ONE * j / LEVELS, j = LEVELS .. 1, after "none"
+REQ_PRIOR_W = 4  # a request's estimate weighs the population's rate as this many verifications
+POP_PRIOR_W = 4  # the population's rate weighs its prior as this many verifications
+POP_PRIOR = 3 * ONE // 4  # the population's prior conditional acceptance (optimistic: see the module docstring)
+POP_HALVE_AT = 2**17  # population totals at a depth halve once its tried count reaches this (int32-safe, recency)
+
+
+def thresholds() -> jax.Array:
+    """int32[LEVELS + 1] the grid, largest first: ONE + 1 (no drafts), then ONE * j // LEVELS for j = LEVELS..1."""
+    j = jnp.arange(LEVELS, 0, -1, dtype=i32)
+    return jnp.concatenate([jnp.full((1,), ONE + 1, i32), ONE * j // LEVELS])
+
+
+def acceptance_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array,
+                         pop_passed: jax.Array) -> jax.Array:
+    """int32[B, K] conditional acceptance per request and depth, in fixed point (see the module docstring)."""
+    pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
+    return (draft_passed * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W)
+
+
+def survival(alpha: jax.Array) -> jax.Array:
+    """int32[B, K] S[b, d] = prod_{j <= d} alpha[b, j], in fixed point, rounded down at every depth."""
+    s, out = jnp.full(alpha.shape[:1], ONE, i32), []
+    for d in range(alpha.shape[1]):  # K is static and small
+        s = s * alpha[:, d] // ONE
+        out.append(s)
+    return jnp.stack(out, axis=1) if out else jnp.zeros(alpha.shape, i32)
+
+
+def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Array, drafts: jax.Array) -> jax.Array:
+    """int32[...] `StepCost`'s time of a step computing `tokens` (of which `drafts` draft slots) over `rows`
+    running rows reading `ctx` context tokens."""
+    t = jnp.clip(tokens, 0, cost.token_us.shape[0] - 1)
+    return cost.token_us[t] + cost.row_us * rows + cost.ctx_ns * ctx // 1000 + jnp.where(drafts > 0, cost.head_us, 0)
+
+
+def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows: jax.Array, ctx: jax.Array,
+                   sampling: jax.Array, cost: StepCost) -> jax.Array:
+    """int32[B] drafts per row: the threshold of `thresholds()` that maximises the step's expected accepted tokens
+    per second, every (b, d) with surv[b, d] >= it and d < cap[b].
+
+    surv int32[B, K]; cap int32[B] the row's most drafts (0 for a row that does not decode); base_tokens int32[]
+    the step's tokens without drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[]
+    rows that emit a token this step whatever is drafted."""
+    k = surv.shape[1]
+    thr = thresholds()
+    allowed = jnp.arange(k, dtype=i32)[None, :] < cap[:, None]  # [B, K]
+    take = allowed[:, :, None] & (surv[:, :, None] >= thr[None, None, :])  # [B, K, L + 1]
+    n = jnp.sum(take, axis=(0, 1), dtype=i32)  # [L + 1] drafts per level
+    gain = jnp.sum(jnp.where(take, surv[:, :, None], 0), axis=(0, 1), dtype=i32)  # [L + 1] expected accepted * ONE
+    time = jnp.maximum(step_time_us(cost, base_tokens + n, rows, ctx, n), 1)
+    rate = (sampling * ONE + gain).astype(jnp.float32) / time.astype(jnp.float32)
+    best = jnp.argmax(rate)
+    return jnp.sum(take[:, :, best], axis=1, dtype=i32)
+
+
+def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array, pop_passed: jax.Array,
+                  verified: jax.Array, offered: jax.Array, accepted: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The counts after one step: a verified row (bool[B]) offered `offered` drafts and accepted `accepted`
+    (int32[B]) reached depths d < min(accepted + 1, offered) and passed d < accepted. Population totals at a
+    depth halve (both, rounding down) once its tried count reaches POP_HALVE_AT."""
+    d = jnp.arange(draft_tried.shape[1], dtype=i32)[None, :]
+    tried = verified[:, None] & (d < jnp.minimum(accepted + 1, offered)[:, None])
+    passed = verified[:, None] & (d < accepted[:, None])
+    pop_t = pop_tried + jnp.sum(tried, axis=0, dtype=i32)
+    pop_p = pop_passed + jnp.sum(passed, axis=0, dtype=i32)
+    halve = pop_t >= POP_HALVE_AT
+    return (draft_tried + tried.astype(i32), draft_passed + passed.astype(i32),
+            jnp.where(halve, pop_t // 2, pop_t), jnp.where(halve, pop_p // 2, pop_p))

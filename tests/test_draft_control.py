@@ -1,0 +1,140 @@
+"""The goodput draft controller (`scheduler.draft_control`): its decision against a brute-force search, its
+properties, the estimates' arithmetic, and the sim's step cost against the cost model it is built from."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from skvs_jax import policies
+from skvs_jax import scheduler as sc
+from skvs_jax.scheduler import draft_control as dc
+from skvs_jax.sim import cost_model as cm
+
+T_MAX = 24
+
+
+def _cost(base_us: int, slope_us: int, head_us: int = 0) -> sc.StepCost:
+    return sc.StepCost(token_us=jnp.asarray(base_us + slope_us * np.arange(T_MAX + 1), jnp.int32),
+                       row_us=jnp.asarray(3, jnp.int32), ctx_ns=jnp.asarray(20, jnp.int32),
+                       head_us=jnp.asarray(head_us, jnp.int32))
+
+
+def _decide(surv, cap, base, cost, rows=2, ctx=100, sampling=2):
+    return np.asarray(dc.goodput_drafts(jnp.asarray(surv, jnp.int32), jnp.asarray(cap, jnp.int32),
+                                        jnp.asarray(base, jnp.int32), jnp.asarray(rows, jnp.int32),
+                                        jnp.asarray(ctx, jnp.int32), jnp.asarray(sampling, jnp.int32), cost))
+
+
+def _rate(surv, drafts, base, cost, rows, ctx, sampling):
+    n = int(sum(drafts))
+    gain = sum(int(surv[b][d]) for b in range(len(drafts)) for d in range(drafts[b]))
+    t = int(np.asarray(dc.step_time_us(cost, jnp.asarray(base + n), rows, ctx, jnp.asarray(n))))
+    return (sampling * dc.ONE + gain) / max(t, 1)
+
+
+def _surv(alphas):
+    return np.asarray(dc.survival(jnp.asarray(alphas, jnp.int32)))
+
+
+alpha_rows = hs.lists(hs.integers(0, dc.ONE), min_size=3, max_size=3)
+
+
+@settings(max_examples=60)
+@given(alphas=hs.lists(alpha_rows, min_size=1, max_size=3), caps=hs.lists(hs.integers(0, 3), min_size=3, max_size=3),
+       base=hs.integers(0, 12), slope=hs.integers(0, 400), head=hs.integers(0, 2000))
+def test_the_decision_is_the_best_of_every_prefix_choice_to_grid_precision(alphas, caps, base, slope, head):
+    """Brute force over every per-row prefix choice within the caps: the controller's goodput is within one grid
+    level's worth of the best; and its choice is itself a prefix choice within the caps."""
+    surv = _surv(alphas)
+    cap = caps[: len(alphas)]
+    cost = _cost(1000, slope, head)
+    got = _decide(surv, cap, base, cost)
+    assert all(0 <= g <= c for g, c in zip(got, cap))
+    best = max(_rate(surv, list(ch), base, cost, 2, 100, 2)
+               for ch in itertools.product(*[range(c + 1) for c in cap]))
+    mine = _rate(surv, got.tolist(), base, cost, 2, 100, 2)
+    # A threshold grid cannot split survivals within one level (ONE / LEVELS) of each other.
+    slack = sum(cap) * (dc.ONE / dc.LEVELS) / 1000
+    assert mine >= best - slack - 1e-9
+
+
+def test_brute_force_exact_when_survivals_sit_on_the_grid():
+    """Survivals on grid levels: the controller finds exactly the best threshold choice."""
+    step = dc.ONE // dc.LEVELS
+    surv = np.asarray([[60 * step, 40 * step, 10 * step], [50 * step, 30 * step, 5 * step]])
+    for slope in (0, 5, 50, 200, 2000):
+        cost = _cost(1000, slope)
+        got = _decide(surv, [3, 3], 2, cost)
+        rates = {}
+        for thr in dc.thresholds().tolist():
+            ch = [int(np.sum(surv[b] >= thr)) for b in range(2)]
+            rates.setdefault(tuple(ch), _rate(surv, ch, 2, cost, 2, 100, 2))
+        best = max(rates.values())
+        assert _rate(surv, got.tolist(), 2, cost, 2, 100, 2) == pytest.approx(best, rel=1e-6), slope
+
+
+@settings(max_examples=40)
+@given(alphas=hs.lists(alpha_rows, min_size=1, max_size=4), caps=hs.lists(hs.integers(0, 3), min_size=4, max_size=4),
+       base=hs.integers(0, 20))
+def test_never_exceeds_the_caps_and_zero_acceptance_drafts_nothing(alphas, caps, base):
+    cap = caps[: len(alphas)]
+    got = _decide(_surv(alphas), cap, base, _cost(500, 10))
+    assert np.all(got <= np.asarray(cap)) and np.all(got >= 0)
+    zero = _decide(_surv(np.zeros((len(alphas), 3), int)), cap, base, _cost(500, 0))
+    assert np.all(zero == 0)
+
+
+@settings(max_examples=40)
+@given(alphas=hs.lists(alpha_rows, min_size=1, max_size=4), base=hs.integers(0, 20),
+       slopes=hs.lists(hs.integers(0, 3000), min_size=2, max_size=5))
+def test_monotone_in_cost(alphas, base, slopes):
+    """A steeper per-token cost never buys more drafts."""
+    surv = _surv(alphas)
+    totals = [int(_decide(surv, [3] * len(alphas), base, _cost(1000, s)).sum()) for s in sorted(slopes)]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_free_drafts_take_every_draft_worth_a_level():
+    surv = _surv([[dc.ONE * 3 // 4] * 3, [dc.ONE // 100] * 3])
+    got = _decide(surv, [3, 3], 4, sc.flat_step_cost(_cfg_budget(T_MAX)))
+    assert got.tolist() == [3, 0]  # 0.75, 0.56, 0.42 vs 0.0098 < ONE / LEVELS
+
+
+def _cfg_budget(t):
+    from skvs_jax.config import CacheConfig
+    return sc.SchedulerConfig(cache=CacheConfig(num_blocks=8, block_size=4, max_seqs=2, max_blocks_per_seq=4),
+                              policy=policies.skvs(3), max_running=2, token_budget=t)
+
+
+def test_estimates_prior_and_counts():
+    """A new request reads the population's rate; counts pull it to its own; totals halve past the cap."""
+    pop_t, pop_p = jnp.asarray([100, 0], jnp.int32), jnp.asarray([20, 0], jnp.int32)
+    tried, passed = jnp.asarray([[0, 0], [40, 10]], jnp.int32), jnp.asarray([[0, 0], [40, 10]], jnp.int32)
+    a = np.asarray(dc.acceptance_estimates(tried, passed, pop_t, pop_p))
+    pop0 = (20 * dc.ONE + dc.POP_PRIOR_W * dc.POP_PRIOR) // (100 + dc.POP_PRIOR_W)
+    assert a[0, 0] == pop0 and a[0, 1] == dc.POP_PRIOR  # no data: the population's rate, then its prior
+    assert a[1, 0] == (40 * dc.ONE + dc.REQ_PRIOR_W * pop0) // (40 + dc.REQ_PRIOR_W)
+    t, p, pt, pp = dc.record_drafts(tried, passed, jnp.asarray([dc.POP_HALVE_AT - 1, 3], jnp.int32),
+                                    jnp.asarray([5, 1], jnp.int32), jnp.asarray([True, False]),
+                                    jnp.asarray([2, 2], jnp.int32), jnp.asarray([0, 2], jnp.int32))
+    assert np.asarray(t).tolist() == [[1, 0], [40, 10]] and np.asarray(p).tolist() == [[0, 0], [40, 10]]
+    assert np.asarray(pt).tolist() == [dc.POP_HALVE_AT // 2, 3] and np.asarray(pp).tolist() == [2, 1]
+
+
+@pytest.mark.parametrize("model,device", [("llama-3.1-8b", "a100-80gb"), ("llama-3-70b", "h100-sxm")])
+def test_sim_step_cost_tracks_the_cost_model(model, device):
+    """The StepCost the simulator hands the controller prices decode and verification steps within 6% of the
+    clock's own cost model in the measured mode (additive, as the table is) and 10% in the roofline mode (70B on
+    H100: a max of compute and memory time, which a sum of terms only approximates)."""
+    tp = 2 if model == "llama-3-70b" else 1
+    cost = cm.CostModel(cm.MODELS[model], cm.DEVICES[device], tp=tp)
+    table = cm.step_cost(cost, 2048)
+    for rows, tokens, ctx, heads in [(1, 1, 512, 0), (1, 5, 512, 1), (32, 160, 32 * 512, 32),
+                                     (64, 320, 64 * 512, 64), (64, 64, 64 * 512, 0), (128, 256, 128 * 512, 64)]:
+        clock = float(cost.step_time(0.0, float(tokens), float(ctx), float(rows), float(heads))) * 1e6
+        mine = int(np.asarray(dc.step_time_us(table, jnp.asarray(tokens), rows, ctx, jnp.asarray(heads))))
+        assert mine == pytest.approx(clock, rel=0.06 if cost.resolved_mode == "measured" else 0.1), (rows, tokens)
