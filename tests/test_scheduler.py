@@ -228,6 +228,35 @@ def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
     assert int(c.preempt_recompute) > 0 and int(c.oom_steps) > 0, "the trace is meant to run out of blocks"
 
 
+
+# ------------------------------------------------------------------- prefix cache: what a vLLM / SGLang user expects
+
+
+def _serve(h: Harness, prompts: list[list[int]], max_steps: int = 8) -> list[sc.Batch]:
+    """Add the prompts (one output token each) and step until nothing waits or runs; returns the batches."""
+    h.add(prompts, [1] * len(prompts))
+    batches = []
+    for i in range(max_steps):
+        batches.append(h.step(np.random.default_rng(i)))
+        if not np.isin(np.asarray(h.st.seqs.status), (sc.WAITING, sc.RUNNING)).any():
+            break
+    return batches
+
+
+def test_admission_charges_a_shared_idle_cached_prefix_once():
+    """Issue 23, defect 2: after one request leaves 12 tokens (3 blocks) cached and idle, two requests sharing
+    them need 1 new block each: 3 shared + 2 new blocks fit in the 6 usable, so vLLM admits both. Charging the
+    shared blocks once per candidate (3 + 1 + 3 + 1 = 8 > 6) admitted only the first."""
+    cfg = sc.SchedulerConfig(cache=CacheConfig(num_blocks=7, block_size=4, max_seqs=4, max_blocks_per_seq=6),
+                             policy=VLLM, max_running=4, token_budget=64)
+    h = Harness(cfg, vocab=100)
+    _serve(h, [list(range(12)) + [90]])
+    h.add([list(range(12)) + [91], list(range(12)) + [92]], [1, 1])
+    batch = h.step(np.random.default_rng(0))
+    assert int(np.asarray(batch.admitted).sum()) == 2
+    assert sorted(np.asarray(batch.hit_tokens).tolist()) == [0, 0, 12, 12]
+
+
 # --------------------------------------------------------------------------------------- the switches
 
 

@@ -440,13 +440,15 @@ class OracleScheduler:
     def _admission_plans(self, start: StepStart, drafts: DraftPlan, grant: Grant, demand: Demand,
                          knobs: Knobs) -> list[AdmissionPlan]:
         """The admitted candidates in priority order: the leading ones whose tokens get a chunk of the budget
-        left and whose new blocks (and hits that stop being evictable) and batch rows fit."""
+        left and whose new blocks (and the idle cached blocks their hits stop being evictable, each counted at
+        the first candidate that shares it) and batch rows fit."""
         cfg, pol, a, s = self.cfg, self.pol, self.alloc, self.cfg.cache.block_size
         num_tokens = start.num_tokens
         cands = [b for b in start.order if self.status[b] == WAITING][: cfg.window]
         evictable_now = [a.cached[i] and a.ref[i] == 0 for i in range(cfg.cache.num_blocks)]
         budget_left = cfg.token_budget - sum(grant.num_query) - sum(grant.num_drafts)
         tok_cum = blk_cum = 0
+        held = set()  # idle cached blocks an earlier candidate's hit already takes: charged once
         plans = []
         for count, b in enumerate(cands, start=1):
             shared, ids = 0, []
@@ -462,7 +464,8 @@ class OracleScheduler:
             query = min(max(left, 0), chunk)
             reserved = min(max(left - query, 0), reserve) if query == chunk else 0
             need = cdiv(hit + query + reserved, s) - shared
-            blk_cum += need + sum(1 for i in ids if evictable_now[i])
+            blk_cum += need + sum(1 for i in ids if evictable_now[i] and i not in held)
+            held.update(ids)
             if query <= 0 or blk_cum > demand.available - demand.blocks or count > cfg.max_running - demand.rows:
                 break
             plans.append(AdmissionPlan(b, hit, ids, query, reserved, need))
