@@ -7,8 +7,9 @@ longest cached block-aligned prefix of each prompt, shrunk by the article's **sp
 `spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio * spec_window / S))` blocks are given up, and
 `spec_boundary` (the token index where speculation may start, beyond which nothing is shared) is returned with the
 hit. The module is an index, not an owner: hits feed `allocator.share`, newly indexed blocks must be pinned with
-`allocator.set_cached`, cached ref-0 blocks are evicted by `allocator.evict_lru`, and the ids it returns go to
-`remove`. The scheduler never pairs these by hand: `kv.manager` does.
+`allocator.set_cached`, cached ref-0 blocks are evicted leaves of the forest first (`kv.manager.evict`, in the
+order `kv.manager.eviction_order` reads off `subtree_max`), and the evicted ids go to `remove`. The scheduler
+never pairs these by hand: `kv.manager` does.
 
 Keys. Block j of a sequence has the chain hash h_j = A * h_{j-1} + digest(tokens of block j) (mod 2^32, h_{-1} = 0),
 in two independent 32-bit lanes (64 bits). `digest` sums a murmur3 finaliser of (token, position) over the
@@ -420,6 +421,30 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
         counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
     )
     return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
+
+
+# ------------------------------------------------------------------------------------------ the forest
+
+
+def subtree_max(cache: PrefixCache, value: jax.Array, cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """For value int32[N] per block: (int32[N] the max of value over each indexed block's subtree, itself and its
+    indexed descendants; int32[N] its height, 0 for a leaf). A block that is not indexed keeps its value and has
+    height 0. One scatter-max over the C slots per level, until nothing changes: at most M + 1 rounds (a chain
+    is at most M blocks deep). Traceable; for `kv.manager.eviction_order`, which evicts leaves first."""
+    n = cfg.num_blocks
+    live = cache.block > 0
+    child = jnp.where(live, cache.block, NULL_BLOCK)
+    up = jnp.where(live & (cache.parent != ROOT), cache.parent, n)  # n: roots and empty slots are dropped
+
+    def level(state):
+        val, height, _ = state
+        new_val = val.at[up].max(val[child], mode="drop")
+        new_height = height.at[up].max(height[child] + 1, mode="drop")
+        return new_val, new_height, jnp.any(new_val != val) | jnp.any(new_height != height)
+
+    init = (value.astype(i32), jnp.zeros((n,), i32), jnp.ones((), bool))
+    val, height, _ = jax.lax.while_loop(lambda state: state[2], level, init)
+    return val, height
 
 
 # ------------------------------------------------------------------- public API (validated at the boundary)

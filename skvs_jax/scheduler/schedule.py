@@ -411,7 +411,8 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
 
 def evict_and_allocate(st: SchedState, grant: Grant, room: Room, restored: SwapIn, order: Order,
                        cfg: SchedulerConfig) -> tuple[SchedState, manager.AllocResult, jax.Array]:
-    """6. The shortfall, if any, is evicted from the LRU cached blocks (with their index entries); stale
+    """6. The shortfall, if any, is evicted from the idle cached blocks, leaves first and least recently used
+    first (`manager.eviction_order`), with their index entries; stale
     speculative-pool blocks are spent before that (the allocator takes them after the free stack), so a
     validated prefix is never evicted while a stale draft block is kept. Then one allocation of every row's
     tokens (prefill chunks, decode tokens, restored blocks) and one of the draft slots, for the whole batch.

@@ -22,7 +22,7 @@ from skvs_jax.arrays import cdiv
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING
-from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex
+from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex, leaves_first
 
 
 @dataclasses.dataclass
@@ -472,12 +472,13 @@ class OracleScheduler:
         return plans
 
     def evict_and_allocate(self, start: StepStart, grant: Grant, back: SwapIn, demand: Demand) -> Allocation:
-        """6. Evict the shortfall from the LRU cached blocks and drop their index entries (unpinning the
-        entries' descendants); then allocate query + restored tokens, then draft slots, in priority order."""
+        """6. Evict the shortfall from the cached blocks, leaves first and least recently used first, and drop
+        their index entries (unpinning any entries' descendants); then allocate query + restored tokens, then
+        draft slots, in priority order."""
         a, cfg = self.alloc, self.cfg
         shortfall = max(demand.blocks - self._free_now(), 0)
         if shortfall > 0:
-            evicted = a.evict_lru(shortfall, cfg.cache.usable_blocks)
+            evicted = a.evict(leaves_first(a, self.index)[:shortfall])
             self._unpin(self.index.remove(evicted))
         tokens = [q + r for q, r in zip(grant.num_query, back.restore)]
         ok, cow_pairs = self._allocate_two_pass(tokens, start.order, False)
