@@ -429,21 +429,20 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
 def subtree_max(cache: PrefixCache, value: jax.Array, cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array]:
     """For value int32[N] per block: (int32[N] the max of value over each indexed block's subtree, itself and its
     indexed descendants; int32[N] its height, 0 for a leaf). A block that is not indexed keeps its value and has
-    height 0. One scatter-max over the C slots per level, until nothing changes: at most M + 1 rounds (a chain
-    is at most M blocks deep). Traceable; for `kv.manager.eviction_order`, which evicts leaves first."""
+    height 0. Traceable; for `kv.manager.eviction_order`, which evicts leaves first.
+
+    By pointer doubling over blocks: after round r, a block holds the max over its descendants less than 2^r
+    below it, and `up` points 2^r blocks up; a chain is at most M blocks deep, so ceil(log2 M) rounds of one
+    [N] scatter-max and one [N] gather each (not one round per level)."""
     n = cfg.num_blocks
     live = cache.block > 0
-    child = jnp.where(live, cache.block, NULL_BLOCK)
-    up = jnp.where(live & (cache.parent != ROOT), cache.parent, n)  # n: roots and empty slots are dropped
-
-    def level(state):
-        val, height, _ = state
-        new_val = val.at[up].max(val[child], mode="drop")
-        new_height = height.at[up].max(height[child] + 1, mode="drop")
-        return new_val, new_height, jnp.any(new_val != val) | jnp.any(new_height != height)
-
-    init = (value.astype(i32), jnp.zeros((n,), i32), jnp.ones((), bool))
-    val, height, _ = jax.lax.while_loop(lambda state: state[2], level, init)
+    up = jnp.zeros((n,), i32).at[jnp.where(live, cache.block, n)].set(cache.parent, mode="drop")  # ROOT: none
+    val, height = value.astype(i32), jnp.zeros((n,), i32)
+    for r in range((cfg.max_blocks_per_seq - 1).bit_length()):
+        dst = jnp.where(up != ROOT, up, n)  # n: dropped
+        val = val.at[dst].max(val, mode="drop")
+        height = height.at[dst].max(height + (1 << r), mode="drop")
+        up = up[up]  # up[ROOT] = ROOT: block 0 is never indexed
     return val, height
 
 
