@@ -9,7 +9,7 @@ from hypothesis import strategies as hs
 
 from skvs_jax import testing
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
-from skvs_jax.kv import allocator
+from skvs_jax.kv import allocator, manager
 from skvs_jax.kv import prefix_cache as pc
 
 i32 = jnp.int32
@@ -283,9 +283,17 @@ def test_prefix_cache_with_the_allocator():
     assert int(res.num_inserted[1]) == 0  # B's third block is not full yet
     check_index(st, cache)
 
-    # Both finish: the cached blocks stay, evictable; evicting the system prompt's first block removes the
-    # whole chain, whose descendants are unpinned (and so freed).
+    # Both finish: the cached blocks stay, evictable. The KV manager evicts leaves first: one block costs one
+    # entry, A's third block (the chain's tail), and the system prompt stays cached.
     st, _ = allocator.free(st, jnp.asarray([True, True]), cfg=ccfg, spec=spec)
+    kcfg = manager.KVConfig(cache=ccfg, spec=spec, prefix=pcfg, rows_indexed=2)
+    kv = manager.evict(manager.KVState(alloc=st, prefix=cache), jnp.asarray(1, i32), kcfg)
+    assert int(kv.prefix.counters.removed) - int(cache.counters.removed) == 1
+    assert testing.prefix_index_as_dict(kv.prefix, pcfg) == {
+        k: v for k, v in testing.prefix_index_as_dict(cache, pcfg).items() if len(k) <= 8}
+    testing.check_invariants(kv.alloc, ccfg, spec)
+    # The allocator alone knows nothing of chains: its LRU takes the chain's head (the lowest id of one release),
+    # and removing it from the index removes the whole chain, whose descendants are unpinned (and so freed).
     st, evicted = allocator.evict_lru(st, 1, max_evict=1)
     assert int(evicted[0]) == shared[0]
     cache, removed = pc.remove(cache, evicted, cfg=pcfg)

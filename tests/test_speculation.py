@@ -3,9 +3,12 @@
 import collections
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
 
 from reference_models import greedy_generate
 from reference_models.medusa_tree import SMALL_TREE
@@ -97,6 +100,89 @@ def _cache_holds_exactly(e: engine.Engine) -> int:
             want = np.asarray(want_pages)[fresh_table[r]].reshape(width, -1)[:c]
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
     return len(rows)
+
+
+
+# ------------------------------------------------------------------------------------------ choosing the path
+
+
+def _verify_root(tree, root_logits, nodes, num_drafts, temperature, rule="typical", node_logits=None):
+    """verify() for rows whose query is the root alone (qn = 1): root_logits float32[B, V] score the first-level
+    nodes; node_logits float32[B, K, V] (default: uniform) score each node's children."""
+    b, v = root_logits.shape
+    k = tree.num_slots - 1
+    if node_logits is None:
+        node_logits = np.zeros((b, k, v), np.float32)
+    logits = jnp.asarray(np.concatenate([root_logits[:, None], node_logits], axis=1))  # [B, 1 + K, V]
+    return speculation.verify(tree, logits, jnp.asarray(nodes, jnp.int32), jnp.ones((b,), jnp.int32),
+                              jnp.asarray(num_drafts, jnp.int32), jax.random.key(0),
+                              jnp.asarray(temperature, jnp.float32), rule=rule)
+
+
+def test_typical_acceptance_on_a_tree_keeps_the_likeliest_of_the_longest_runs():
+    """Issue 23, defect 3: two siblings pass the typical test at the root; Medusa's `evaluate_posterior` keeps,
+    among the paths with the longest accepted run, the one of highest likelihood, so the 0.6 token is emitted,
+    not the first path's 0.35 one."""
+    tree = DraftTree(((0,), (1,)))
+    p = np.array([[0.35, 0.6, 0.05]], np.float32)
+    v = _verify_root(tree, np.log(p), [[0, 1]], [2], [1.0])
+    assert int(v.accepted[0]) == 1
+    assert int(v.path_tokens[0, 0]) == 1, "the likelier path (p = 0.6) must win the tie in accepted length"
+    assert v.path_nodes[0].tolist() == [0, 2]
+    # Where the siblings stand does not matter: with the likelier token first, the first path wins.
+    v = _verify_root(tree, np.log(p), [[1, 0]], [2], [1.0])
+    assert int(v.path_tokens[0, 0]) == 1 and v.path_nodes[0].tolist() == [0, 1]
+    # Lossless is unchanged: one token per parent can be accepted (here the sampled one), never a choice.
+    v = _verify_root(tree, np.log(p), [[0, 1]], [2], [0.0], rule="lossless")
+    assert int(v.accepted[0]) == 1 and int(v.path_tokens[0, 0]) == 1
+
+
+def _medusa_evaluate_posterior(tree, logits, nodes, num_drafts, temperature, threshold=0.09, alpha=0.3):
+    """FasterDecoding/Medusa `evaluate_posterior` (typical branch) for one row, in numpy: candidates are the
+    tree's root-to-leaf paths; accept_length = leading nodes with p(x) > min(threshold, alpha exp(-H(p))); the
+    best candidate is path 0 when nothing is accepted, else the first path of highest sum of log p over the
+    accepted nodes among those with the longest run. Returns (accept_length, the accepted tokens)."""
+    slots, valid = tree.paths
+    par = speculation.parents(tree)
+    z = logits.astype(np.float64) / temperature
+    prob = np.exp(z - z.max(-1, keepdims=True))
+    prob /= prob.sum(-1, keepdims=True)
+    entropy = -np.sum(prob * np.log(prob + 1e-30), -1)
+    lengths, likelihood = [], []
+    for path, ok in zip(slots, valid):
+        run, ll = 0, 0.0
+        for u in path[1:][ok[1:]]:
+            pu = prob[par[u], nodes[u - 1]]
+            if u > num_drafts or not pu > min(threshold, alpha * np.exp(-entropy[par[u]])):
+                break
+            run, ll = run + 1, ll + np.log(pu)
+        lengths.append(run)
+        likelihood.append(ll)
+    best_len = max(lengths)
+    best = 0 if best_len == 0 else max((p for p in range(len(lengths)) if lengths[p] == best_len),
+                                       key=lambda p: (likelihood[p], -p))
+    return best_len, [int(nodes[u - 1]) for u in slots[best][1: best_len + 1]]
+
+
+@settings(max_examples=40)
+@given(seed=hs.integers(0, 2**31 - 1), sharp=hs.floats(0.2, 3.0))
+def test_typical_tree_verification_matches_medusas_evaluate_posterior(seed, sharp):
+    """On SMALL_TREE with random logits (per node: its own distribution, so siblings often both pass), the
+    accepted count and tokens are those of Medusa's candidate selection."""
+    tree, rng, v = SMALL_TREE, np.random.default_rng(seed), 5
+    k, rows = tree.num_slots - 1, 8
+    logits = (rng.normal(size=(rows, 1 + k, v)) * sharp).astype(np.float32)
+    # Node u's token is rank(u) of a random permutation drawn per (row, parent): siblings are distinct tokens.
+    par, (_, rank) = speculation.parents(tree), tree.head_and_rank
+    perms = np.stack([[rng.permutation(v) for _ in range(1 + k)] for _ in range(rows)])  # [rows, 1 + K, V]
+    nodes = perms[:, par[1:], rank].astype(np.int32)  # [rows, K]
+    num_drafts = rng.integers(0, k + 1, rows)
+    temperature = rng.choice([0.5, 1.0, 2.0], rows).astype(np.float32)
+    got = _verify_root(tree, logits[:, 0], nodes, num_drafts, temperature, node_logits=logits[:, 1:])
+    for r in range(rows):
+        want_len, want_tokens = _medusa_evaluate_posterior(tree, logits[r], nodes[r], num_drafts[r], temperature[r])
+        assert int(got.accepted[r]) == want_len
+        assert np.asarray(got.path_tokens[r, :want_len]).tolist() == want_tokens
 
 
 def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(shipped, trace, reference):

@@ -140,11 +140,34 @@ def share(kv: KVState, block_ids: jax.Array, num_tokens: jax.Array, cfg: KVConfi
     return kv.replace(alloc=alloc)
 
 
+IN_USE = jnp.iinfo(jnp.int32).max  # the recency of a block some sequence holds: it is being used now
+
+
+def eviction_order(kv: KVState, cfg: KVConfig) -> jax.Array:
+    """int32[N] block ids in the order `evict` takes the evictable ones: leaves of the prefix forest first, least
+    recently used first (SGLang's radix-cache eviction; vLLM frees a request's blocks tail first).
+
+    A cached prefix is in use whenever a longer one is, so a block's recency is the most recent over its indexed
+    subtree (itself and its descendants: the time each was released, IN_USE for one a sequence holds), and
+    blocks go by (recency, height, id), the height being 0 for a leaf. A block's descendants have a recency no
+    later and a smaller height, so they all go before it: evicting k blocks removes exactly k index entries, and
+    loses k blocks of hits, unless the only evictable blocks left lie above a block in use (they go last, and
+    removing them takes the held descendants' entries along). A chain released at once (one clock) goes tail
+    first; a prefix shared by a later request outlives the tails of the requests before it."""
+    blocks = kv.alloc.blocks
+    recency = jnp.where(evictable(kv), blocks.last_used, IN_USE)
+    recency, height = pc.subtree_max(kv.prefix, recency, cfg.prefix)
+    ids = jnp.arange(recency.shape[0], dtype=i32)
+    return jnp.lexsort((ids, height, recency)).astype(i32)
+
+
 def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
-    """Free num_blocks int32[] of the least recently used evictable blocks, drop their index entries, and unpin
-    the blocks of the entries that went with them (their descendants). Skipped when num_blocks is 0."""
+    """Free num_blocks int32[] evictable blocks in `eviction_order` (leaves first, least recently used first),
+    drop their index entries, and unpin the blocks of any entries that went with them (descendants, which leaves
+    first leaves none of unless only blocks above a held one were left). Skipped when num_blocks is 0."""
     def run(kv):
-        alloc, ids = allocator.evict_lru_unchecked(kv.alloc, num_blocks, max_evict=cfg.cache.usable_blocks)
+        alloc, ids = allocator.evict_unchecked(kv.alloc, eviction_order(kv, cfg), num_blocks,
+                                               max_evict=cfg.cache.usable_blocks)
         prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix)
         return KVState(alloc=unpin(alloc, removed.descendants), prefix=prefix)
 

@@ -7,8 +7,9 @@ longest cached block-aligned prefix of each prompt, shrunk by the article's **sp
 `spec_window > 0`, `buffer_blocks = max(1, int(max_spec_ratio * spec_window / S))` blocks are given up, and
 `spec_boundary` (the token index where speculation may start, beyond which nothing is shared) is returned with the
 hit. The module is an index, not an owner: hits feed `allocator.share`, newly indexed blocks must be pinned with
-`allocator.set_cached`, cached ref-0 blocks are evicted by `allocator.evict_lru`, and the ids it returns go to
-`remove`. The scheduler never pairs these by hand: `kv.manager` does.
+`allocator.set_cached`, cached ref-0 blocks are evicted leaves of the forest first (`kv.manager.evict`, in the
+order `kv.manager.eviction_order` reads off `subtree_max`), and the evicted ids go to `remove`. The scheduler
+never pairs these by hand: `kv.manager` does.
 
 Keys. Block j of a sequence has the chain hash h_j = A * h_{j-1} + digest(tokens of block j) (mod 2^32, h_{-1} = 0),
 in two independent 32-bit lanes (64 bits). `digest` sums a murmur3 finaliser of (token, position) over the
@@ -423,6 +424,29 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
         counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
     )
     return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
+
+
+# ------------------------------------------------------------------------------------------ the forest
+
+
+def subtree_max(cache: PrefixCache, value: jax.Array, cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array]:
+    """For value int32[N] per block: (int32[N] the max of value over each indexed block's subtree, itself and its
+    indexed descendants; int32[N] its height, 0 for a leaf). A block that is not indexed keeps its value and has
+    height 0. Traceable; for `kv.manager.eviction_order`, which evicts leaves first.
+
+    By pointer doubling over blocks: after round r, a block holds the max over its descendants less than 2^r
+    below it, and `up` points 2^r blocks up; a chain is at most M blocks deep, so ceil(log2 M) rounds of one
+    [N] scatter-max and one [N] gather each (not one round per level)."""
+    n = cfg.num_blocks
+    live = cache.block > 0
+    up = jnp.zeros((n,), i32).at[jnp.where(live, cache.block, n)].set(cache.parent, mode="drop")  # ROOT: none
+    val, height = value.astype(i32), jnp.zeros((n,), i32)
+    for r in range((cfg.max_blocks_per_seq - 1).bit_length()):
+        dst = jnp.where(up != ROOT, up, n)  # n: dropped
+        val = val.at[dst].max(val, mode="drop")
+        height = height.at[dst].max(height + (1 << r), mode="drop")
+        up = up[up]  # up[ROOT] = ROOT: block 0 is never indexed
+    return val, height
 
 
 # ------------------------------------------------------------------- public API (validated at the boundary)

@@ -19,8 +19,10 @@ One engine step is `schedule → (model or cost model) → update`:
     5. When nobody was preempted: SWAPPED sequences come back first (blocks for their committed tokens, in
        priority order, while they fit); then, if none is left swapped, up to `admit_window` WAITING sequences
        are admitted in priority order with their prefix-cache hits shared by reference (hits cost no blocks
-       and no tokens), each with a chunk of the remaining token budget, stopping at the first that does not fit.
-    6. Blocks: the shortfall, if any, is evicted from the LRU cached blocks; stale speculative-pool blocks are
+       and no tokens; an idle cached block they take out of the evictable set is counted once, however many
+       share it), each with a chunk of the remaining token budget, stopping at the first that does not fit.
+    6. Blocks: the shortfall, if any, is evicted from the idle cached blocks, leaves of the prefix forest
+       first, least recently used first (k blocks cost k blocks of hits); stale speculative-pool blocks are
        spent before that (the allocator takes them after the free stack), so a validated prefix is never
        evicted while a stale draft block is kept. Then one `allocate` (prefill chunks, decode tokens,
        restored blocks) and one `allocate_speculative` (draft slots) for the whole batch.

@@ -382,12 +382,24 @@ def swap_in(st: SchedState, room: Room, preemption: Preemption, order: Order, cf
     return st, room, SwapIn(rows=rows, tokens=tokens)
 
 
+def newly_held(hit_ids: jax.Array, hit_col: jax.Array, evictable: jax.Array) -> jax.Array:
+    """int32[A]: the idle cached blocks each admission candidate's hit (hit_ids int32[A, M] where hit_col
+    bool[A, M]) takes out of the evictable set (bool[N]), each charged once, to the first candidate that shares
+    it: candidates with a common cached prefix share its blocks, and admitting them all holds each block once."""
+    a, m = hit_ids.shape
+    n = evictable.shape[0]
+    cand = jnp.broadcast_to(jnp.arange(a, dtype=i32)[:, None], (a, m))
+    first = jnp.full((n,), a, i32).at[jnp.where(hit_col, hit_ids, n)].min(cand, mode="drop")  # [N] first sharer
+    return jnp.sum(hit_col & evictable[hit_ids] & (first[hit_ids] == cand), axis=1, dtype=i32)
+
+
 def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption, order: Order,
           cfg: SchedulerConfig) -> tuple[SchedState, Grant, Room, Admission]:
     """5b. When nobody was preempted and none is left swapped: up to A = `admit_window` WAITING rows in priority
     order are admitted, with their prefix-cache hits shared by reference (hits cost no blocks and no tokens;
-    idle cached blocks a hit shares stop being evictable), each with a chunk of the remaining token budget,
-    stopping at the first that does not fit."""
+    idle cached blocks a hit shares stop being evictable, and are counted once however many candidates share
+    them: `newly_held`), each with a chunk of the remaining token budget, stopping at the first that does not
+    fit."""
     s, m, b, a = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs, cfg.window
     pol, seqs = cfg.policy, st.seqs
     still_swapped = jnp.any(seqs.status == SWAPPED)
@@ -412,7 +424,8 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     a_drafts = jnp.where(a_query == a_chunk, jnp.clip(a_left - a_query, 0, a_res), 0)
     a_need = cdiv(hit + a_query + a_drafts, s) - hit_blocks
     hit_col = jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None]
-    hit_evictable = jnp.sum(hit_col & room.evictable[hit_ids], axis=1, dtype=i32)
+    hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0), lambda _: newly_held(hit_ids, hit_col, room.evictable),
+                                   lambda _: jnp.zeros((a,), i32), None)
     fit = real & (a_query > 0) & (jnp.cumsum(a_need + hit_evictable, dtype=i32) <= room.avail - room.need) & (
         jnp.cumsum(real.astype(i32), dtype=i32) <= cfg.max_running - room.running)
     admitted = jnp.arange(a, dtype=i32) < count_leading(fit)  # stop at the first that does not fit
@@ -436,7 +449,8 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
 
 def evict_and_allocate(st: SchedState, grant: Grant, room: Room, restored: SwapIn, order: Order,
                        cfg: SchedulerConfig) -> tuple[SchedState, manager.AllocResult, jax.Array]:
-    """6. The shortfall, if any, is evicted from the LRU cached blocks (with their index entries); stale
+    """6. The shortfall, if any, is evicted from the idle cached blocks, leaves first and least recently used
+    first (`manager.eviction_order`), with their index entries; stale
     speculative-pool blocks are spent before that (the allocator takes them after the free stack), so a
     validated prefix is never evicted while a stale draft block is kept. Then one allocation of every row's
     tokens (prefill chunks, decode tokens, restored blocks) and one of the draft slots, for the whole batch.

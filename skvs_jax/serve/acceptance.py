@@ -154,13 +154,22 @@ def typical_ok(logits, tokens, temperature, *, posterior_threshold: float = POST
     the typical test accepts exactly the argmax, and this way no row divides by 0. For alpha < 1 the argmax always
     passes (p_max >= exp(-H) > alpha * exp(-H)), so typical accepts at least what greedy accepts.
     """
+    return typical_scores(logits, tokens, temperature, posterior_threshold=posterior_threshold,
+                          posterior_alpha=posterior_alpha)[0]
+
+
+def typical_scores(logits, tokens, temperature, *, posterior_threshold: float = POSTERIOR_THRESHOLD,
+                   posterior_alpha: float = POSTERIOR_ALPHA):
+    """(`typical_ok`'s bool[...], log p(token) float32[...]): the test and the token's log-likelihood under the
+    same p = softmax(logits / T) (logits / 1 where T <= 0), which a tree needs to choose between equally long
+    accepted runs (`speculation.verify`)."""
     t = temperature.astype(f32)[..., None]
     logp = jax.nn.log_softmax(logits.astype(f32) / jnp.where(t > 0, t, 1.0), axis=-1)
     p = jnp.exp(logp)
     entropy = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # 0 * log 0 = 0, not NaN
-    p_token = jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
-    passes = p_token > jnp.minimum(posterior_threshold, posterior_alpha * jnp.exp(-entropy))
-    return jnp.where(temperature > 0, passes, tokens == jnp.argmax(logits, axis=-1))
+    logp_token = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    passes = jnp.exp(logp_token) > jnp.minimum(posterior_threshold, posterior_alpha * jnp.exp(-entropy))
+    return jnp.where(temperature > 0, passes, tokens == jnp.argmax(logits, axis=-1)), logp_token
 
 
 def typical(target_logits, drafts, num_drafts, key, temperature, *, posterior_threshold: float = POSTERIOR_THRESHOLD,

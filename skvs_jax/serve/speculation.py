@@ -12,14 +12,17 @@ token: the root) followed by its d nodes:
          sees every known token and its own ancestors;   cache position start + qn - 1 + u.
 
 Verification gives each node a verdict against its parent's distribution and accepts the longest run of accepted
-nodes along some root-to-leaf path; a node is accepted when
+nodes along some root-to-leaf path (which path, when several tie, is each rule's); a node is accepted when
   * "lossless": it equals the target's token at its parent, sampled from p (argmax at temperature 0). The drafts
     are deterministic (q a point mass), and siblings are distinct tokens, so walking the tree along sampled tokens
     emits, position by position, tokens distributed exactly as p (Leviathan et al. 2023's rule for a point-mass q;
     SpecInfer's multi-candidate walk for a tree). With `sample_drafts` (chains only) drafts are sampled from the
     heads' q and `acceptance.lossless` applies the general min(1, p/q) rule with its residual resampling.
   * "typical": Medusa's typical acceptance (`acceptance.typical_ok`): p(node) > min(threshold, alpha * exp(-H(p))).
-    Not lossless; at temperature 0 it is greedy.
+    Not lossless; at temperature 0 it is greedy. Siblings may both pass, so paths can accept equally long runs of
+    different tokens: as in Medusa's `evaluate_posterior`, the one whose accepted nodes have the highest sum of
+    log p wins (the first path on exact ties, and path 0 when nothing is accepted).
+Under "lossless" (and greedy) one token per parent is accepted, so paths that tie share their accepted run.
 After acceptance, node u at depth i of the accepted path holds its K/V at cache position start + qn - 1 + u; it
 belongs at start + qn - 1 + i. `move_accepted` copies every accepted node there (sources read before any write),
 so the cache holds exactly the validated tokens; what lies past the committed length is overwritten later.
@@ -144,14 +147,23 @@ def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, 
     if rule == "lossless":
         ok = nodes == target[b_idx, parent_slot]
     else:
-        ok = acceptance.typical_ok(logits[b_idx, parent_slot], nodes, jnp.broadcast_to(temp[:, None], nodes.shape),
-                                   posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+        ok, logp = acceptance.typical_scores(logits[b_idx, parent_slot], nodes,
+                                             jnp.broadcast_to(temp[:, None], nodes.shape),
+                                             posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
     ok = ok & (u <= num_drafts[:, None])
     slots, valid = (jnp.asarray(x) for x in tree.paths)  # [paths, depth + 1]
-    along = ok[:, jnp.clip(slots[:, 1:] - 1, 0, k - 1)] & valid[None, :, 1:]  # [B, paths, depth]
+    path_node = jnp.clip(slots[:, 1:] - 1, 0, k - 1)  # [paths, depth]
+    along = ok[:, path_node] & valid[None, :, 1:]  # [B, paths, depth]
     per_path = count_leading(along, axis=2)  # [B, paths]
-    best = jnp.argmax(per_path, axis=1)
-    accepted = per_path[jnp.arange(b), best]
+    accepted = jnp.max(per_path, axis=1)
+    if rule == "lossless":
+        best = jnp.argmax(per_path, axis=1)
+    else:
+        # Medusa's `evaluate_posterior`: among the paths with the longest accepted run, the one whose accepted
+        # nodes have the highest sum of log p (the first on ties, so path 0 when nothing is accepted).
+        depth_col = jnp.arange(path_node.shape[1], dtype=i32)[None, None, :]
+        likelihood = jnp.sum(jnp.where(depth_col < accepted[:, None, None], logp[:, path_node], 0.0), axis=2)
+        best = jnp.argmax(jnp.where(per_path == accepted[:, None], likelihood, -jnp.inf), axis=1)
     path = slots[best]  # [B, depth + 1]
     d = path.shape[1] - 1
     path_tokens = jnp.pad(jnp.take_along_axis(nodes, jnp.clip(path[:, 1:] - 1, 0, k - 1), axis=1),

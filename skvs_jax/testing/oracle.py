@@ -15,6 +15,7 @@ pops, in row-major (slot, column) order.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -278,7 +279,10 @@ class OracleAllocator:
     def evict_lru(self, num_blocks, max_evict):
         evictable = [i for i in range(self.cfg.num_blocks) if self.cached[i] and self.ref[i] == 0]
         evictable.sort(key=lambda i: (self.last_used[i], i))
-        evicted = evictable[: min(int(num_blocks), max_evict)]
+        return self.evict(evictable[: min(int(num_blocks), max_evict)])
+
+    def evict(self, evicted):
+        """Evict these evictable blocks, in this order (pushed to the free stack in it)."""
         for i in evicted:
             self.cached[i] = False
             self.state[i] = FREE
@@ -337,3 +341,20 @@ class OraclePrefixIndex:
         for p in gone:
             del self.index[p]
         return descendants
+
+
+def leaves_first(alloc: OracleAllocator, index: OraclePrefixIndex) -> list[int]:
+    """The evictable blocks in the order the KV manager evicts them (`kv.manager.eviction_order`), read off the
+    prefixes: an entry's subtree is every entry whose prefix extends its own; its recency is the latest over the
+    subtree (the release time, or infinity for a block a sequence holds), its height the most blocks by which
+    a prefix in the subtree is longer; blocks go by (recency, height, id)."""
+    def recency(blk: int) -> float:
+        return alloc.last_used[blk] if alloc.ref[blk] == 0 else math.inf
+
+    entries = list(index.index.items())
+    keys = []
+    for p, blk in entries:
+        if alloc.cached[blk] and alloc.ref[blk] == 0:
+            below = [(q, c) for q, c in entries if q[: len(p)] == p]  # itself and its descendants
+            keys.append((max(recency(c) for _, c in below), max(len(q) - len(p) for q, _ in below) // index.s, blk))
+    return [blk for *_, blk in sorted(keys)]

@@ -23,7 +23,7 @@ from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import EMPTY, FINISHED, RUNNING, SWAPPED, WAITING
 from skvs_jax.scheduler import draft_control as dc
-from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex
+from skvs_jax.testing.oracle import OracleAllocator, OraclePrefixIndex, leaves_first
 
 
 @dataclasses.dataclass
@@ -498,13 +498,15 @@ class OracleScheduler:
     def _admission_plans(self, start: StepStart, drafts: DraftPlan, grant: Grant, demand: Demand,
                          knobs: Knobs) -> list[AdmissionPlan]:
         """The admitted candidates in priority order: the leading ones whose tokens get a chunk of the budget
-        left and whose new blocks (and hits that stop being evictable) and batch rows fit."""
+        left and whose new blocks (and the idle cached blocks their hits stop being evictable, each counted at
+        the first candidate that shares it) and batch rows fit."""
         cfg, pol, a, s = self.cfg, self.pol, self.alloc, self.cfg.cache.block_size
         num_tokens = start.num_tokens
         cands = [b for b in start.order if self.status[b] == WAITING][: cfg.window]
         evictable_now = [a.cached[i] and a.ref[i] == 0 for i in range(cfg.cache.num_blocks)]
         budget_left = cfg.token_budget - sum(grant.num_query) - sum(grant.num_drafts)
         tok_cum = blk_cum = 0
+        held = set()  # idle cached blocks an earlier candidate's hit already takes: charged once
         plans = []
         for count, b in enumerate(cands, start=1):
             shared, ids = 0, []
@@ -520,19 +522,21 @@ class OracleScheduler:
             query = min(max(left, 0), chunk)
             reserved = min(max(left - query, 0), reserve) if query == chunk else 0
             need = cdiv(hit + query + reserved, s) - shared
-            blk_cum += need + sum(1 for i in ids if evictable_now[i])
+            blk_cum += need + sum(1 for i in ids if evictable_now[i] and i not in held)
+            held.update(ids)
             if query <= 0 or blk_cum > demand.available - demand.blocks or count > cfg.max_running - demand.rows:
                 break
             plans.append(AdmissionPlan(b, hit, ids, query, reserved, need))
         return plans
 
     def evict_and_allocate(self, start: StepStart, grant: Grant, back: SwapIn, demand: Demand) -> Allocation:
-        """6. Evict the shortfall from the LRU cached blocks and drop their index entries (unpinning the
-        entries' descendants); then allocate query + restored tokens, then draft slots, in priority order."""
+        """6. Evict the shortfall from the cached blocks, leaves first and least recently used first, and drop
+        their index entries (unpinning any entries' descendants); then allocate query + restored tokens, then
+        draft slots, in priority order."""
         a, cfg = self.alloc, self.cfg
         shortfall = max(demand.blocks - self._free_now(), 0)
         if shortfall > 0:
-            evicted = a.evict_lru(shortfall, cfg.cache.usable_blocks)
+            evicted = a.evict(leaves_first(a, self.index)[:shortfall])
             self._unpin(self.index.remove(evicted))
         tokens = [q + r for q, r in zip(grant.num_query, back.restore)]
         ok, cow_pairs = self._allocate_two_pass(tokens, start.order, False)

@@ -6,7 +6,7 @@ owned by exactly one of
 
   * the free stack            (state FREE, ref_count 0),
   * the speculative pool      (state STALE, ref_count 0; blocks of rejected drafts, reused first by drafts),
-  * the evictable set         (state VALIDATED, ref_count 0, cached: pinned by the prefix cache, see `evict_lru`),
+  * the evictable set         (state VALIDATED, ref_count 0, cached: pinned by the prefix cache, see `evict`),
   * one or more sequences     (ref_count = number of block-table references; state RESERVED, SPECULATIVE,
                                VALIDATED, or STALE for blocks a lazily-releasing sequence still holds).
 
@@ -65,8 +65,10 @@ from skvs_jax.kv.allocator.transitions import (
     accepted_lengths,
     commit_unchecked,
     evict_lru_unchecked,
+    evict_unchecked,
     fork_unchecked,
     free_unchecked,
+    lru_order,
     reclaim_expired_unchecked,
     set_cached_unchecked,
     share_unchecked,
@@ -77,6 +79,6 @@ __all__ = [
     "AllocatorState", "AllocResult", "BlockPool", "CommitResult", "Counters", "SeqBlocks", "init",
     "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
     "set_cached", "share", "accepted_lengths",
-    "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "fork_unchecked", "free_unchecked",
-    "reclaim_expired_unchecked", "set_cached_unchecked", "share_unchecked",
+    "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked", "fork_unchecked",
+    "free_unchecked", "lru_order", "reclaim_expired_unchecked", "set_cached_unchecked", "share_unchecked",
 ]

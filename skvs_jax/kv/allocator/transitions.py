@@ -225,22 +225,43 @@ def set_cached_unchecked(st: AllocatorState, block_ids: jax.Array, cached: jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("max_evict",))
-def evict_lru_unchecked(
-    st: AllocatorState, num_blocks: jax.Array, *, max_evict: int
+def evict_unchecked(
+    st: AllocatorState, order: jax.Array, num_blocks: jax.Array, *, max_evict: int
 ) -> tuple[AllocatorState, jax.Array]:
+    """Evict the first num_blocks int32[] (<= max_evict, static) cached ref-0 blocks of order int32[N] (block ids
+    in the caller's eviction order: `lru_order`, or the KV manager's leaves-first `eviction_order`). They are
+    unpinned and pushed to the free stack in that order; returns the state and their ids, int32[max_evict]
+    padded with NULL_BLOCK."""
     blocks = st.blocks
     n = blocks.state.shape[0]
     evictable = blocks.cached & (blocks.ref_count == 0)
-    # Eviction is rare (only when the free stack runs dry), so a stable sort over N is affordable here.
-    key = jnp.where(evictable, blocks.last_used, jnp.iinfo(jnp.int32).max)
-    ids = jnp.argsort(key, stable=True)[:max_evict].astype(i32)
-    ids = jnp.pad(ids, (0, max_evict - ids.shape[0]))  # max_evict > N: the null block, never evictable, pads
-    take = (jnp.arange(max_evict) < num_blocks) & evictable[ids]
+    # The first num_blocks evictable blocks of `order`, wherever the others stand in it (one prefix sum over N;
+    # eviction is rare, only when the free stack runs dry).
+    ev = evictable[order]
+    chosen = ev & (jnp.cumsum(ev, dtype=i32) <= num_blocks)
+    count = jnp.sum(chosen, dtype=i32)
+    pos = jnp.nonzero(chosen, size=max_evict, fill_value=0)[0]
+    take = jnp.arange(max_evict) < count  # max_evict > N: the tail is padding
+    ids = jnp.where(take, order[pos], NULL_BLOCK).astype(i32)
     flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
     free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, take, jnp.cumsum(take, dtype=i32))
     state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
     blocks = blocks.replace(
         cached=flags, state=state, free_stack=free_stack, free_top=free_top, clock=blocks.clock + 1
     )
-    counters = st.counters.replace(evictions=st.counters.evictions + jnp.sum(take, dtype=i32))
-    return st.replace(blocks=blocks, counters=counters), jnp.where(take, ids, NULL_BLOCK)
+    counters = st.counters.replace(evictions=st.counters.evictions + count)
+    return st.replace(blocks=blocks, counters=counters), ids
+
+
+def lru_order(blocks: BlockPool) -> jax.Array:
+    """int32[N] block ids, the evictable ones first, least recently released first (ties by id)."""
+    evictable = blocks.cached & (blocks.ref_count == 0)
+    key = jnp.where(evictable, blocks.last_used, jnp.iinfo(jnp.int32).max)
+    return jnp.argsort(key, stable=True).astype(i32)
+
+
+@functools.partial(jax.jit, static_argnames=("max_evict",))
+def evict_lru_unchecked(
+    st: AllocatorState, num_blocks: jax.Array, *, max_evict: int
+) -> tuple[AllocatorState, jax.Array]:
+    return evict_unchecked(st, lru_order(st.blocks), num_blocks, max_evict=max_evict)
