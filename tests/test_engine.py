@@ -10,6 +10,7 @@ import pytest
 
 from reference_models import greedy_generate
 from skvs_jax import policies, workloads
+from skvs_jax import scheduler as sc
 from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine
@@ -221,7 +222,8 @@ def _cpu_cost(e: engine.Engine) -> cm.CostModel:
 def test_replaying_a_real_run_reproduces_its_schedule_exactly(served, trace):
     e, out, runs = served
     st_trace = sim.make_trace(trace, e.cfg.sched, outputs=out, accept_runs=runs)
-    st, log = sim.simulate(st_trace, e.knobs, cfg=e.cfg.sched, cost=_cpu_cost(e), max_steps=200)
+    st, log = sim.simulate(st_trace, e.knobs, cfg=e.cfg.sched, cost=_cpu_cost(e), max_steps=200,
+                           controller_cost=_engine_controller_cost(e))
     real, simulated = jax.device_get(e.state.sched.counters), jax.device_get(st.counters)
     for field in real.__dataclass_fields__:  # preemptions, prefix hits, drafts, acceptance, steps: all equal
         assert int(getattr(real, field)) == int(getattr(simulated, field)), field
@@ -237,12 +239,19 @@ def test_replaying_a_real_run_reproduces_its_schedule_exactly(served, trace):
     assert m["output_tokens"] == sum(len(v) for v in out.values())
 
 
+def _engine_controller_cost(e):
+    """The step cost the engine's draft controller planned with: a replay that plans with the same costs makes the
+    same decisions, whatever cost model prices its clock."""
+    return e.state.step_cost if e.state.step_cost is not None else sc.flat_step_cost(e.cfg.sched)
+
+
 def test_the_cost_model_prices_the_schedule_a_large_model_would_run(served, trace):
     """The same schedule on Llama-3.1-8B / A100: memory-bound steps of ~10 ms; nothing about the schedule moves."""
     e, out, runs = served
     st_trace = sim.make_trace(trace, e.cfg.sched, outputs=out, accept_runs=runs)
     cost = cm.CostModel(cm.MODELS["llama-3.1-8b"], cm.DEVICES["a100-80gb"])
-    st, log = sim.simulate(st_trace, e.knobs, cfg=e.cfg.sched, cost=cost, max_steps=200)
+    st, log = sim.simulate(st_trace, e.knobs, cfg=e.cfg.sched, cost=cost, max_steps=200,
+                           controller_cost=_engine_controller_cost(e))
     dur = np.asarray(log.duration)[np.asarray(log.active)]
     assert len(dur) == len(e.step_log) and np.all(dur > 0.009) and np.all(dur < 0.2)
     assert int(st.counters.steps) == int(e.state.sched.counters.steps)

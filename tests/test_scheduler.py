@@ -32,6 +32,7 @@ def _cfg(policy, num_blocks=14, block_size=4, max_seqs=6, max_blocks=8, **kw):
 
 
 SKVS, NAIVE, VLLM = policies.skvs(4), policies.naive_spec(4), policies.vllm_default()
+ARTICLE = policies.skvs_article(4)  # the article's skvs: the histogram draft rule
 # Every switch and every victim rule appears in at least one config; memory is tight so preemption happens.
 CONFIGS = {
     "vllm_default": _cfg(VLLM),
@@ -428,9 +429,10 @@ def test_verify_budget_shares_drafts_evenly_and_stops_them_past_the_budget():
 
 
 def test_adaptive_draft_length_follows_acceptance():
-    """Rejecting every draft pulls the adaptive length down to the smallest bucket; the fixed one stays at K."""
+    """Rejecting every draft pulls the adaptive length down to the smallest bucket; the fixed one stays at K.
+    (The article's histogram rule, `skvs_article`; the goodput controller's own tests are in test_draft_control.)"""
     for adaptive, want in ((True, 0), (False, 4)):
-        pol = SKVS if adaptive else SKVS.replace(adaptive_draft_len=False, draft_buckets=(4,))
+        pol = ARTICLE if adaptive else ARTICLE.replace(adaptive_draft_len=False, draft_buckets=(4,))
         h = Harness(_cfg(pol), vocab=VOCAB)
         h.add([[1, 2, 1]], [28])
         rng = np.random.default_rng(0)
@@ -491,8 +493,9 @@ def test_swap_and_recompute_preemption():
 
 
 def test_generation_reclaim_knob():
-    zero = Harness(_cfg(SKVS), vocab=VOCAB,
-                   knobs=SKVS.knobs().replace(generation_threshold=jnp.asarray(0, jnp.int32)))
+    """With the article's rule drafts stop once they keep failing, so the pool's blocks age and are reclaimed."""
+    zero = Harness(_cfg(ARTICLE), vocab=VOCAB,
+                   knobs=ARTICLE.knobs().replace(generation_threshold=jnp.asarray(0, jnp.int32)))
     rng = np.random.default_rng(3)
     zero.add([[1, 2, 1], [2, 2]], [20, 20])
     for _ in range(10):

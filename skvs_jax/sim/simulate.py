@@ -223,15 +223,18 @@ def done(carry: SimCarry) -> jax.Array:
 
 
 def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
-            steps: int) -> tuple[SimCarry, dict]:
+            steps: int, controller_cost: sc.StepCost | None = None) -> tuple[SimCarry, dict]:
     """`steps` more engine steps (steps after `done` are idle rows with active False). Returns the carry and the
-    per-step rows [steps] of `SimLog`. Traceable: jit it, or vmap it over lanes."""
+    per-step rows [steps] of `SimLog`. Traceable: jit it, or vmap it over lanes. controller_cost: the step cost
+    the goodput draft controller plans with (default: `cost_model.step_cost(cost)`, the clock's own costs; pass
+    another to replay an engine that planned with its own, e.g. `scheduler.flat_step_cost`)."""
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     r_n = trace.prompt_len.shape[0]
     b_idx = jnp.arange(b, dtype=i32)
     withheld = cfg.cache.usable_blocks - carry.kv_blocks
     # The goodput draft controller prices candidate steps with the cost model the clock uses.
-    controller_cost = step_cost(cost, cfg.token_budget) if cfg.policy.goodput_control else None
+    if controller_cost is None and cfg.policy.goodput_control:
+        controller_cost = step_cost(cost, cfg.token_budget)
 
     def step(c: SimCarry):
         st, clock, err, nxt, req = c.st, c.clock, c.clock_err, c.nxt, c.req
@@ -323,23 +326,27 @@ def finish(carry: SimCarry, rows: dict) -> SimLog:
 
 
 def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
-             kv_blocks: jax.Array | int | None = None) -> tuple[sc.SchedState, SimLog]:
+             kv_blocks: jax.Array | int | None = None,
+             controller_cost: sc.StepCost | None = None) -> tuple[sc.SchedState, SimLog]:
     """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
     and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation;
     checked to lie in [1, cfg.cache.usable_blocks] when concrete (a larger one put blocks that do not exist on
     the free stack). A budget smaller than one request needs stalls that request until max_steps.
-    For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done."""
+    For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done.
+    controller_cost: see `advance`."""
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     if kv_blocks is not None:
         checks.scalar_int("kv_blocks", kv_blocks)
         checks.in_range("kv_blocks", kv_blocks, 1, cfg.cache.usable_blocks)
-    return _simulate(trace, knobs, cfg=cfg, cost=cost, max_steps=max_steps, kv_blocks=kv_blocks)
+    return _simulate(trace, knobs, cfg=cfg, cost=cost, max_steps=max_steps, kv_blocks=kv_blocks,
+                     controller_cost=controller_cost)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
-def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks):
-    carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps)
+def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks, controller_cost):
+    carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps,
+                          controller_cost=controller_cost)
     return carry.st, finish(carry, rows)
 
 
