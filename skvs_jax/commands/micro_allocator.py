@@ -24,7 +24,7 @@ import numpy as np
 
 from skvs_jax import testing
 from skvs_jax.arrays import i32
-from skvs_jax.commands.micro_common import add_pool_arguments, median_us
+from skvs_jax.commands.micro_common import add_pool_arguments, check_minimums, median_us
 from skvs_jax.config import CacheConfig, SpecConfig
 from skvs_jax.kv import allocator
 from skvs_jax.testing.oracle import OracleAllocator
@@ -103,11 +103,10 @@ def _sequential_step(pm, accepted, *, cfg: CacheConfig, draft_len: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, low in (("seqs", 1), ("blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1), ("steps", 1),
-                      ("steps_per_call", 1), ("dispatch_steps", 2), ("draft_len", 0)):
-        if getattr(args, flag) < low:  # dispatch: one untimed call, then at least one timed
-            raise SystemExit(f"skvs micro allocator: --{flag.replace('_', '-')} must be >= {low}, got "
-                             f"{getattr(args, flag)}")
+    # --dispatch-steps >= 2: one untimed call, then at least one timed.
+    check_minimums(args, "micro allocator", (("seqs", 1), ("blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1),
+                                             ("steps", 1), ("steps_per_call", 1), ("dispatch_steps", 2),
+                                             ("draft_len", 0)))
     b, k = args.seqs, args.draft_len
     try:
         cfg = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,

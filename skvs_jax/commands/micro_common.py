@@ -1,5 +1,5 @@
 """What the micro-benchmarks share: the pool geometry flags of `skvs micro allocator` and `skvs micro scheduler`
-(named as the glossary names the dimensions), and the median of a list of step times."""
+(named as the glossary names the dimensions), their lower-bound check, and the median of a list of step times."""
 
 from __future__ import annotations
 
@@ -20,3 +20,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser, *, seqs_help: str, max_b
 def median_us(times: list[float]) -> float:
     """The median of step times in seconds, in microseconds."""
     return statistics.median(times) * 1e6
+
+
+def check_minimums(args: argparse.Namespace, command: str, minimums: tuple[tuple[str, int], ...]) -> None:
+    """`SystemExit("skvs <command>: --flag must be >= low, got x")` for the first int flag below its minimum."""
+    for flag, low in minimums:
+        if getattr(args, flag) < low:
+            raise SystemExit(f"skvs {command}: --{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")

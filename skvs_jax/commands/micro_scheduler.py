@@ -24,7 +24,7 @@ import numpy as np
 
 from skvs_jax import policies, testing
 from skvs_jax import scheduler as sc
-from skvs_jax.commands.micro_common import add_pool_arguments, median_us
+from skvs_jax.commands.micro_common import add_pool_arguments, check_minimums, median_us
 from skvs_jax.config import CacheConfig
 from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
@@ -39,11 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, low in (("seqs", 1), ("blocks", 1), ("block_size", 1), ("max_blocks_per_seq", 1), ("prompt_len", 1),
-                      ("steps_per_call", 1), ("calls", 1), ("draft_len", 0)):
-        if getattr(args, flag) < low:
-            raise SystemExit(f"skvs micro scheduler: --{flag.replace('_', '-')} must be >= {low}, got "
-                             f"{getattr(args, flag)}")
+    check_minimums(args, "micro scheduler", (("seqs", 1), ("blocks", 1), ("block_size", 1), ("max_blocks_per_seq", 1),
+                                             ("prompt_len", 1), ("steps_per_call", 1), ("calls", 1), ("draft_len", 0)))
     b, k = args.seqs, args.draft_len
     try:
         cache = CacheConfig(num_blocks=args.blocks, block_size=args.block_size, max_seqs=b,
