@@ -255,3 +255,59 @@ def test_the_cost_model_prices_the_schedule_a_large_model_would_run(served, trac
     dur = np.asarray(log.duration)[np.asarray(log.active)]
     assert len(dur) == len(e.step_log) and np.all(dur > 0.009) and np.all(dur < 0.2)
     assert int(st.counters.steps) == int(e.state.sched.counters.steps)
+
+
+def _no_block_leaks(e):
+    """Every usable block is free, in the speculative pool, held by a live slot, or cached (evictable)."""
+    blocks = jax.device_get(e.state.sched.kv.alloc.blocks)
+    held = (blocks.ref_count > 0) | blocks.cached
+    free = int(blocks.free_top) + int(blocks.pool_top)
+    assert free + int(np.sum(held[1:])) == e.cfg.sched.cache.usable_blocks
+
+
+def test_abort_request_ends_a_queued_or_running_request_and_the_others_are_unchanged(shipped, trace, reference):
+    """vLLM's `abort_request`: the aborted requests stop where they were (a running one's blocks go back), the
+    rest still give the greedy reference tokens, and an aborted or finished request cannot be aborted again."""
+    model, heads = shipped
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    for r in trace.requests:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
+    queued = e.queue[-1]  # 10 requests for 8 slots: the last two wait in the queue at first
+    while not any(e.requests[rid].tokens for rid in e.slot_of):
+        e.step()
+    running = next(rid for rid in e.slot_of if e.requests[rid].tokens)
+    partial = list(e.requests[running].tokens)
+    assert e.abort_request(running) and e.abort_request(queued)
+    assert not e.abort_request(running) and not e.abort_request(10_000)
+    out = e.run()
+    assert out[running] == partial and out[queued] == []
+    assert e.requests[running].aborted and not e.requests[running].finished
+    for rid, tokens in out.items():
+        if rid not in (running, queued):
+            assert tokens == reference[rid], rid
+            assert not e.abort_request(rid)  # finished
+    assert int(e.state.sched.counters.aborted) == 1  # the queued one never reached a slot
+    _no_block_leaks(e)
+    with pytest.raises(TypeError, match="request_id"):
+        e.abort_request("1")
+
+
+def test_reset_prefix_cache_forgets_cached_prefixes(shipped, trace, reference):
+    """After `reset_prefix_cache` the same prompt finds no hit; without it, it does. Outputs are unchanged."""
+    model, heads = shipped
+    r = trace.requests[0]
+    hits = {}
+    for reset in (False, True):
+        e = engine.Engine(model, heads, policies.vllm_default(), CACHE, token_budget=96, prefill_chunk=32)
+        first = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens))
+        e.run()
+        if reset:
+            e.reset_prefix_cache()
+            assert not np.any(np.asarray(e.state.sched.kv.alloc.blocks.cached))
+            assert int(np.sum(np.asarray(e.state.sched.kv.prefix.block) > 0)) == 0
+        again = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens))
+        out = e.run()
+        assert out[first] == out[again] == reference[r.request_id]
+        hits[reset] = e.requests[again].cached_tokens
+        _no_block_leaks(e)
+    assert hits[False] > 0 and hits[True] == 0, hits

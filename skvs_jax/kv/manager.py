@@ -309,3 +309,12 @@ def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVCon
     alloc = pin(kv.alloc, jnp.where(stale, 0, ids).reshape(-1))
     alloc = vmap_flow.when(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants), alloc)
     return KVState(alloc=alloc, prefix=prefix)
+
+
+def reset_prefix(kv: KVState, cfg: KVConfig) -> KVState:
+    """Forget every cached prefix (vLLM's `reset_prefix_cache`): the index empties (its cumulative counters stay),
+    every cached block is unpinned, and the ones no sequence holds go to the free stack in id order. Blocks that
+    sequences hold are untouched; their rows are indexed again when they next fill a block."""
+    ids = jnp.where(kv.alloc.blocks.cached, jnp.arange(cfg.cache.num_blocks, dtype=i32), NULL_BLOCK)
+    alloc = allocator.set_cached_unchecked(kv.alloc, ids, jnp.zeros(ids.shape, bool))
+    return KVState(alloc=alloc, prefix=pc.init(cfg.prefix).replace(counters=kv.prefix.counters))

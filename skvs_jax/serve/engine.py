@@ -40,6 +40,7 @@ from skvs_jax import checks, distributed
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig
+from skvs_jax.kv import manager
 from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
 from skvs_jax.serve import engine_step
@@ -80,6 +81,8 @@ class SamplingParams:
 
 # ------------------------------------------------------------------------------------------------ the host
 
+_reset_prefix = jax.jit(manager.reset_prefix, static_argnames=("cfg",))
+
 
 @dataclasses.dataclass
 class RequestLog:
@@ -99,6 +102,7 @@ class RequestLog:
     drafted: int = 0
     accepted: int = 0
     finished: bool = False
+    aborted: bool = False  # ended by `Engine.abort_request` before it finished
     error: str | None = None
 
 
@@ -489,6 +493,36 @@ class Engine:
         for _ in self.stream():
             pass
         return {rid: list(r.tokens) for rid, r in self.requests.items()}
+
+    def abort_request(self, request_id: int) -> bool:
+        """End a request wherever it is: still queued (it leaves the queue) or in a slot (`scheduler.abort` releases
+        its blocks, and a swapped request's host-tier copy). Its log keeps the tokens it produced and records no
+        finish (`finished` stays False). Returns False when the request is unknown or already finished."""
+        if isinstance(request_id, bool) or not checks.is_int(request_id):
+            raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        rid = int(request_id)
+        r = self.requests.get(rid)
+        if r is None or r.finished or r.aborted:
+            return False
+        r.aborted = True
+        if rid in self.queue:
+            self.queue.remove(rid)
+            return True
+        slot = self.slot_of.pop(rid)
+        mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
+        mask[slot] = True
+        self.state = self.state.replace(sched=sc.abort(self.state.sched, self._put(mask), cfg=self.cfg.sched))
+        if self.tiers is not None and slot in self.handles:
+            tiers_mod.release(self.handles.pop(slot))
+        self.request_in[slot] = -1
+        self._free_slots += 1  # `abort` empties the slot at once
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (`kv.manager.reset_prefix`): later requests find no hit in what was cached
+        before. Requests in flight keep their blocks."""
+        sched = self.state.sched
+        self.state = self.state.replace(sched=sched.replace(kv=_reset_prefix(sched.kv, cfg=self.cfg.sched.kv)))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
         """Convenience: queue prompts, run, return their outputs in order."""
