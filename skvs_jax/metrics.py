@@ -18,6 +18,8 @@ records with `aborted=False`; sums over steps run over every step of the StepRec
                            finished with >= 2 output tokens
   e2e_p50, e2e_p99         percentiles of finish_time - arrival_time, finished
   kv_hit_rate              sum(num_cached_prompt_tokens) / sum(num_admitted_prompt_tokens), all records
+  kv_hit_rate_first        sum(num_first_cached_prompt_tokens) / sum(num_prompt_tokens), over records admitted
+                           at least once (num_admitted_prompt_tokens > 0): first admissions only
   memory_utilisation       mean over steps of blocks_used / blocks_total
   spec_token_waste         (sum(num_drafted) - sum(num_accepted)) / sum(num_drafted), over steps
   spec_kv_waste            mean over steps of spec_waste_blocks / blocks_total
@@ -39,7 +41,10 @@ Conventions:
   - KV hit rate counts *every admission*: a request re-admitted after preemption looks up its tokens again
     (with recompute, its prompt plus the output so far), and those lookups enter numerator and denominator, so
     a cache that keeps a preempted sequence's blocks gets credit for the prefill it saves.
-    `num_admitted_prompt_tokens` defaults to `num_prompt_tokens` (one admission).
+    `num_admitted_prompt_tokens` defaults to `num_prompt_tokens` (one admission). Under memory pressure that
+    credit is large and says nothing about shared prefixes (a trace that shares none scores a hit rate from its
+    preemptions alone), so `kv_hit_rate_first` counts each request once, at its first admission: the prefix
+    sharing the cache found. `num_first_cached_prompt_tokens` defaults to `num_cached_prompt_tokens`.
   - Any ratio with a zero denominator and any statistic of an empty set is NaN, never an exception; a log
     that contradicts itself (arrays of different lengths, accepted > drafted) raises ValueError naming the field.
 """
@@ -77,6 +82,9 @@ class RequestRecord:
       num_preemptions: times the request was preempted.
       num_drafted, num_accepted: draft tokens proposed for / accepted into this request.
       aborted: whether the request ended without finishing.
+      num_first_cached_prompt_tokens: of num_cached_prompt_tokens, those served at the first admission (<=
+        num_prompt_tokens); None means num_cached_prompt_tokens, which needs a request admitted at most once
+        (num_admitted_prompt_tokens <= num_prompt_tokens; ValueError otherwise).
     """
 
     request_id: int
@@ -92,13 +100,23 @@ class RequestRecord:
     num_drafted: int = 0
     num_accepted: int = 0
     aborted: bool = False
+    num_first_cached_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_admitted_prompt_tokens is None:
             object.__setattr__(self, "num_admitted_prompt_tokens", self.num_prompt_tokens)
+        if self.num_first_cached_prompt_tokens is None:
+            if checks.is_int(self.num_admitted_prompt_tokens) and checks.is_int(self.num_prompt_tokens) and (
+                    self.num_admitted_prompt_tokens > self.num_prompt_tokens):
+                # Every re-admission looks up the prompt again, so more tokens than the prompt means several.
+                raise ValueError(f"num_first_cached_prompt_tokens is required for a request admitted more than "
+                                 f"once (num_admitted_prompt_tokens {self.num_admitted_prompt_tokens} > "
+                                 f"num_prompt_tokens {self.num_prompt_tokens}) (request {self.request_id})")
+            object.__setattr__(self, "num_first_cached_prompt_tokens", self.num_cached_prompt_tokens)
         object.__setattr__(self, "token_times", tuple(float(t) for t in self.token_times))
         for name in ("num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens",
-                     "num_admitted_prompt_tokens", "num_preemptions", "num_drafted", "num_accepted"):
+                     "num_admitted_prompt_tokens", "num_preemptions", "num_drafted", "num_accepted",
+                     "num_first_cached_prompt_tokens"):
             value = getattr(self, name)
             if not checks.is_int(value):  # 2.5 tokens gave a TPOT
                 raise TypeError(f"{name} must be an int, got {value!r} (request {self.request_id})")
@@ -107,6 +125,11 @@ class RequestRecord:
         if self.num_cached_prompt_tokens > self.num_admitted_prompt_tokens:
             raise ValueError(f"num_cached_prompt_tokens ({self.num_cached_prompt_tokens}) exceeds "
                              f"num_admitted_prompt_tokens ({self.num_admitted_prompt_tokens}) "
+                             f"(request {self.request_id})")
+        first = self.num_first_cached_prompt_tokens
+        if first > min(self.num_cached_prompt_tokens, self.num_prompt_tokens):
+            raise ValueError(f"num_first_cached_prompt_tokens ({first}) exceeds num_cached_prompt_tokens "
+                             f"({self.num_cached_prompt_tokens}) or num_prompt_tokens ({self.num_prompt_tokens}) "
                              f"(request {self.request_id})")
         if self.num_accepted > self.num_drafted:
             raise ValueError(f"num_accepted ({self.num_accepted}) exceeds num_drafted ({self.num_drafted}) "
@@ -246,6 +269,7 @@ METRICS: tuple[tuple[str, str, float], ...] = (
     ("e2e_p50", "end-to-end P50 (ms)", 1e3),
     ("e2e_p99", "end-to-end P99 (ms)", 1e3),
     ("kv_hit_rate", "KV hit rate (%)", 100.0),
+    ("kv_hit_rate_first", "KV hit rate, first admissions (%)", 100.0),
     ("memory_utilisation", "memory utilisation (%)", 100.0),
     ("spec_token_waste", "speculative token waste (%)", 100.0),
     ("spec_kv_waste", "speculative KV waste (%)", 100.0),
@@ -272,7 +296,8 @@ def _percentile(values: np.ndarray, q: float) -> float:
 
 def _request_columns(requests: Sequence[RequestRecord]) -> dict[str, np.ndarray]:
     names = ("arrival_time", "first_token_time", "finish_time", "num_output_tokens", "num_cached_prompt_tokens",
-             "num_admitted_prompt_tokens", "num_preemptions", "aborted")
+             "num_admitted_prompt_tokens", "num_preemptions", "aborted", "num_prompt_tokens",
+             "num_first_cached_prompt_tokens")
     return {name: np.array([getattr(r, name) for r in requests], dtype=bool if name == "aborted" else np.float64)
             for name in names}
 
@@ -333,6 +358,9 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     out = {"throughput": _ratio(output_tokens, wall)}  # NaN when the wall time is 0 or unknown
     out |= _latency_metrics(c)
     out["kv_hit_rate"] = _ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
+    admitted = c["num_admitted_prompt_tokens"] > 0
+    out["kv_hit_rate_first"] = _ratio(c["num_first_cached_prompt_tokens"][admitted].sum(),
+                                      c["num_prompt_tokens"][admitted].sum())
     out["preemptions_per_request"] = _ratio(c["num_preemptions"].sum(), len(requests))
     out |= _step_metrics(steps)
     out = {key: out[key] for key, _, _ in METRICS}  # table order

@@ -39,6 +39,8 @@ INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 DRAFT_CONTROLS = ("histogram", "goodput")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
+# The victim rules a policy can name (the functions are `scheduler.VICTIM_RULES`, which has exactly these keys).
+VICTIM_RULE_NAMES = ("lowest_priority", "least_progress", "most_progress", "most_blocks")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
 # The article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below.
 BF16_FROM_DRAFT_LEN = 6
@@ -94,6 +96,8 @@ class Policy:
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
+      victim: which running sequences preemption takes first, a name in VICTIM_RULE_NAMES (the functions are
+        `scheduler.VICTIM_RULES`). `SchedulerConfig.victim`, when set, overrides it (e.g. with a custom function).
     """
 
     name: str
@@ -114,6 +118,7 @@ class Policy:
     kv_precision: str = "float32"
     verify_budget: int | None = None
     draft_control: str = "histogram"
+    victim: str = "lowest_priority"
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -130,6 +135,8 @@ class Policy:
             raise ValueError(f"draft_control must be one of {DRAFT_CONTROLS}, got {self.draft_control!r}")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
+        if self.victim not in VICTIM_RULE_NAMES:
+            raise ValueError(f"victim must be one of {VICTIM_RULE_NAMES}, got {self.victim!r}")
         vb = self.verify_budget
         if vb is not None and (isinstance(vb, bool) or not isinstance(vb, int) or not 1 <= vb <= NO_VERIFY_CAP):
             raise ValueError(f"verify_budget must be None or an int in [1, {NO_VERIFY_CAP}], got {vb!r}")

@@ -21,10 +21,10 @@ def _requests() -> list[RequestRecord]:
         RequestRecord(request_id=0, arrival_time=0.0, first_token_time=0.1, finish_time=1.1, num_prompt_tokens=100,
                       num_output_tokens=11, num_cached_prompt_tokens=64, num_preemptions=1),
         # TTFT 0.2, TPOT 2.0 / 4 = 0.5, e2e 2.2; preempted after 3 tokens and recomputed: admissions look up
-        # 50 + (50 + 3) = 103 tokens, of which 48 were cached on the second admission.
+        # 50 + (50 + 3) = 103 tokens, of which 48 were cached on the second admission (none on the first).
         RequestRecord(request_id=1, arrival_time=0.5, first_token_time=0.7, finish_time=2.7, num_prompt_tokens=50,
                       num_output_tokens=5, num_cached_prompt_tokens=48, num_admitted_prompt_tokens=103,
-                      num_preemptions=1, num_drafted=8, num_accepted=5),
+                      num_preemptions=1, num_drafted=8, num_accepted=5, num_first_cached_prompt_tokens=0),
         # TTFT 0.4, one output token so no TPOT, e2e 0.4.
         RequestRecord(request_id=2, arrival_time=1.0, first_token_time=1.4, finish_time=1.4, num_prompt_tokens=20,
                       num_output_tokens=1, num_cached_prompt_tokens=16, token_times=(1.4,)),
@@ -71,6 +71,9 @@ def test_throughput_hit_rate_and_preemptions_by_hand():
     assert metrics.summarize(_requests(), _steps(), wall_time=2.0)["throughput"] == pytest.approx(8.5)
     # Every admission counts: (64 + 48 + 16 + 0) / (100 + 103 + 20 + 0).
     assert m["kv_hit_rate"] == pytest.approx(128 / 223)
+    # First admissions only: request 1's re-admission hit (48) and its second look-up are out; request 3 was
+    # never admitted: (64 + 0 + 16) / (100 + 50 + 20).
+    assert m["kv_hit_rate_first"] == pytest.approx(80 / 170)
     assert m["preemptions_per_request"] == pytest.approx(2 / 4)
     assert (m["num_requests"], m["num_aborted"], m["num_steps"]) == (4, 1, 4)
 
@@ -125,6 +128,33 @@ def test_inconsistent_step_logs_name_the_field(changes, error, match):
     fields = {f.name: getattr(steps, f.name) for f in dataclasses.fields(StepRecord)}
     with pytest.raises(error, match=match):
         StepRecord(**(fields | changes))
+
+
+def test_first_admission_hit_rate_ignores_what_preemption_finds_again():
+    """A trace that shares no prefix: the only hits are re-admissions finding their own blocks. The hit rate of
+    every admission credits them; the first-admission rate stays 0."""
+    records = [RequestRecord(request_id=i, arrival_time=0.0, first_token_time=0.5, finish_time=1.0,
+                             num_prompt_tokens=32, num_output_tokens=4, num_preemptions=1,
+                             num_admitted_prompt_tokens=32 + 34, num_cached_prompt_tokens=24,
+                             num_first_cached_prompt_tokens=0) for i in range(3)]
+    m = metrics.summarize(records, None)
+    assert m["kv_hit_rate"] == pytest.approx(72 / 198) and m["kv_hit_rate_first"] == 0.0
+    # Admitted once, the two agree, and the default needs no new field.
+    once = RequestRecord(request_id=0, arrival_time=0.0, first_token_time=0.5, finish_time=1.0, num_prompt_tokens=32,
+                         num_output_tokens=4, num_cached_prompt_tokens=16)
+    m = metrics.summarize([once], None)
+    assert m["kv_hit_rate"] == m["kv_hit_rate_first"] == 0.5
+    assert metrics.summarize([], None)["kv_hit_rate_first"] != metrics.summarize([], None)["kv_hit_rate_first"]  # NaN
+    assert "| KV hit rate, first admissions (%) | 50.0 |" in metrics.format_table({"skvs": m})
+    base = dict(request_id=0, arrival_time=0.0, first_token_time=0.5, finish_time=1.0, num_prompt_tokens=32,
+                num_output_tokens=4, num_cached_prompt_tokens=40, num_admitted_prompt_tokens=68)
+    with pytest.raises(ValueError, match="num_first_cached_prompt_tokens is required"):
+        RequestRecord(**base)  # admitted twice: which hits were the first admission's cannot be guessed
+    for first in (41, 33):  # more than the hits, more than the prompt
+        with pytest.raises(ValueError, match="num_first_cached_prompt_tokens"):
+            RequestRecord(**base, num_first_cached_prompt_tokens=first)
+    with pytest.raises(TypeError, match="num_first_cached_prompt_tokens must be an int"):
+        RequestRecord(**base, num_first_cached_prompt_tokens=1.5)
 
 
 def test_records_are_frozen_and_checked():

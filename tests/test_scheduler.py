@@ -40,15 +40,16 @@ CONFIGS = {
     "skvs": _cfg(SKVS),
     "skvs-swap-least_progress": _cfg(SKVS.replace(preemption="swap", generation_threshold=1), swap_blocks=12,
                                      victim="least_progress"),
-    "naive-swap-most_blocks": _cfg(NAIVE.replace(preemption="swap"), swap_blocks=6, victim="most_blocks",
+    # The victim rule named by the policy (Policy.victim), not by the config.
+    "naive-swap-most_blocks": _cfg(NAIVE.replace(preemption="swap", victim="most_blocks"), swap_blocks=6,
                                    block_size=2, num_blocks=16),
     "skvs-lazy-nopool-nobarrier-onfill": _cfg(SKVS.replace(release="lazy", spec_pool=False, generation_threshold=0,
                                                            prefix_barrier=False, insert="on_fill"), prefill_chunk=3,
                                               index_rows=1),
     "skvs-index-2-rows": _cfg(SKVS, index_rows=2),
-    "skvs-fixedK-prefillspec-preempt": _cfg(SKVS.replace(adaptive_draft_len=False, draft_buckets=(4,),
-                                                         spec_in_prefill=True, drafts_preempt=True,
-                                                         max_spec_ratio=1.0), admit_window=2),
+    "skvs-fixedK-prefillspec-preempt-most_progress": _cfg(SKVS.replace(
+        adaptive_draft_len=False, draft_buckets=(4,), spec_in_prefill=True, drafts_preempt=True, max_spec_ratio=1.0,
+        victim="most_progress"), admit_window=2),
     "no-prefix-cache-K2": _cfg(policies.naive_spec(2).replace(prefix_cache=False, prefix_barrier=False),
                                token_budget=6, max_running=6),
     # Compute-aware drafting: 1 decode row drafts K, 2 rows 2 each, 3 rows 1, 4 or more none.
@@ -558,6 +559,37 @@ def test_a_custom_victim_rule_plugs_in():
     cfg = _cfg(NAIVE, num_blocks=12, max_running=6, token_budget=40, victim=youngest_first)
     h = _run(cfg, steps=30)
     assert int(h.st.counters.preempt_recompute) > 0
+
+
+def test_the_policy_names_the_victim_rule_and_a_config_rule_overrides_it():
+    """SchedulerConfig.victim None (the default) reads Policy.victim; a name or function there wins (the way to
+    plug in a rule that has no name). Under memory pressure the policy's rule changes who is preempted."""
+    pol = NAIVE.replace(victim="most_progress")
+    assert _cfg(pol).victim_rule is sc.most_progress and _cfg(NAIVE).victim_rule is sc.lowest_priority
+    assert _cfg(pol, victim="least_progress").victim_rule is sc.least_progress
+    assert set(sc.VICTIM_RULES) == set(policies.VICTIM_RULE_NAMES)
+    runs = {v: _run(_cfg(NAIVE.replace(victim=v), num_blocks=12, max_running=6, token_budget=40))
+            for v in ("lowest_priority", "most_progress")}  # each checked against the oracle step by step
+    assert all(int(h.st.counters.preempt_recompute) > 0 for h in runs.values())
+    assert np.any(np.asarray(runs["lowest_priority"].st.seqs.tokens) != np.asarray(runs["most_progress"].st.seqs.tokens))
+
+
+def test_first_admissions_are_counted_apart_from_recompute_readmissions():
+    """A recompute re-admission looks its tokens up again and finds its own blocks; the first-admission counters
+    leave it out. Prompts that share nothing: every first-admission hit is 0, the re-admissions still hit."""
+    cfg = _cfg(VLLM, num_blocks=12, max_running=6, token_budget=40)
+    h = Harness(cfg, vocab=VOCAB)
+    rng = np.random.default_rng(1)
+    for i in range(40):
+        if i % 4 == 0:  # each prompt's first block is a distinct base-3 number: no two prompts share a block
+            n = [i // 2 + j for j in range(2)]
+            h.add([[x // 3**d % 3 for d in range(4)] + [int(t) for t in rng.integers(0, VOCAB, 6)] for x in n],
+                  [14, 14])
+        h.step(rng, "none")
+    ct = h.st.counters
+    assert int(ct.preempt_recompute) > 0 and int(ct.cached_tokens) > 0
+    assert int(ct.first_cached_tokens) == 0 and 0 < int(ct.first_prompt_tokens) < int(ct.prompt_tokens)
+    assert int(ct.first_prompt_tokens) % 10 == 0  # a first admission looks up its 10-token prompt, no output yet
 
 
 def test_traced_knobs_are_clamped_and_bad_knobs_or_a_stale_batch_are_refused_at_the_boundary():

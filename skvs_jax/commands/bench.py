@@ -148,6 +148,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
         finish_time=r.finish_time, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.tokens),
         num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
         num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
+        num_first_cached_prompt_tokens=r.first_cached_tokens,
     ) for r in e.requests.values()]
     result = metrics.summarize(records, log.freeze())
     series = {"time": [s["start"] + s["duration"] for s in e.step_log],

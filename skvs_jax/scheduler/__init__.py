@@ -76,6 +76,7 @@ from skvs_jax.scheduler.state import (
     least_progress,
     lowest_priority,
     most_blocks,
+    most_progress,
     step_shape,
 )
 from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unchecked
@@ -86,5 +87,6 @@ __all__ = [
     "flat_step_cost", "check_step_cost", "draft_control",
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "lowest_priority", "least_progress", "most_blocks",
+    "most_progress",
     "schedule_unchecked", "update_unchecked", "add_unchecked", "abort_unchecked",
 ]

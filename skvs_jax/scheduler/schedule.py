@@ -438,10 +438,13 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     seqs = seqs.replace(status=jnp.where(rows, RUNNING, seqs.status).astype(jnp.int8),
                         num_cached=seqs.num_cached + hit_tokens)
     ct = st.counters
+    first = rows & (seqs.num_preemptions == 0)  # never admitted before: only a recompute sends a row back to WAITING
     counters = ct.replace(
         admitted=ct.admitted + jnp.sum(rows, dtype=i32),
         prompt_tokens=ct.prompt_tokens + jnp.sum(jnp.where(rows, seqs.num_tokens, 0), dtype=i32),
         cached_tokens=ct.cached_tokens + jnp.sum(hit_tokens, dtype=i32),
+        first_prompt_tokens=ct.first_prompt_tokens + jnp.sum(jnp.where(first, seqs.num_tokens, 0), dtype=i32),
+        first_cached_tokens=ct.first_cached_tokens + jnp.sum(jnp.where(first, hit_tokens, 0), dtype=i32),
     )
     room = room._replace(need=room.need + jnp.sum(jnp.where(admitted, a_need, 0), dtype=i32))
     return st.replace(kv=kv, seqs=seqs, counters=counters), grant, room, Admission(rows=rows, hit_tokens=hit_tokens)

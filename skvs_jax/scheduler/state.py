@@ -44,15 +44,24 @@ def least_progress(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax
     return computed
 
 
+def most_progress(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
+    """The sequence with the most computed tokens goes first: under swap it is the one whose recompute would
+    repeat the most work, and it frees the most blocks of its own."""
+    del rank, held
+    return -computed
+
+
 def most_blocks(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
     """The sequence holding the most blocks goes first: the fewest victims free the memory."""
     del rank, computed
     return -held
 
 
+# Keys: exactly `policies.VICTIM_RULE_NAMES`, the names a Policy may give (tests/test_policies.py checks it).
 VICTIM_RULES: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
     "lowest_priority": lowest_priority,
     "least_progress": least_progress,
+    "most_progress": most_progress,
     "most_blocks": most_blocks,
 }
 
@@ -72,7 +81,9 @@ class SchedulerConfig:
       prefill_chunk: most prompt tokens of one sequence per step (chunked prefill); default token_budget.
       admit_window: A, WAITING sequences examined for admission per step (bounds the prefix lookup's work).
       swap_blocks: blocks the host tier holds for swapped sequences (preemption="swap"; 0 = always recompute).
-      victim: a name in VICTIM_RULES or a function (rank, computed, held) -> int32[B] key.
+      victim: None (the default): the policy's rule, `Policy.victim`. A name in VICTIM_RULES or a function
+        (rank, computed, held) -> int32[B] key overrides the policy's (a custom rule has no name to put in a
+        policy; a name here is the older way to say the same as `Policy.victim`, kept working).
       index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
         block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
         a decode step fills about B * (tokens per step) / S blocks.
@@ -90,7 +101,7 @@ class SchedulerConfig:
     prefill_chunk: int = 0
     admit_window: int = 0
     swap_blocks: int = 0
-    victim: str | Callable = "lowest_priority"
+    victim: str | Callable | None = None
     index_rows: int = 0
     prefix_capacity: int | None = None
     prefix_ways: int = 8
@@ -109,7 +120,7 @@ class SchedulerConfig:
                              f"({self.cache.max_seqs})")
         if isinstance(self.victim, str) and self.victim not in VICTIM_RULES:
             raise ValueError(f"victim must be one of {sorted(VICTIM_RULES)} or a function, got {self.victim!r}")
-        if not isinstance(self.victim, str) and not callable(self.victim):
+        if self.victim is not None and not isinstance(self.victim, str) and not callable(self.victim):
             raise TypeError(f"victim must be a rule name or a function, got {type(self.victim).__name__}")
         buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
         if self.draft_reach and (len(self.draft_reach) != len(buckets) or list(self.draft_reach) != sorted(
@@ -136,7 +147,9 @@ class SchedulerConfig:
 
     @property
     def victim_rule(self) -> Callable:
-        return VICTIM_RULES[self.victim] if isinstance(self.victim, str) else self.victim
+        """The rule preemption orders victims by: `victim` when set, else the policy's (`Policy.victim`)."""
+        victim = self.policy.victim if self.victim is None else self.victim
+        return VICTIM_RULES[victim] if isinstance(victim, str) else victim
 
     @property
     def max_len(self) -> int:
@@ -199,6 +212,8 @@ class SchedCounters:
     draft_blocks: jax.Array  # new blocks granted to draft slots (decode drafts and prefill reservations)
     oom_steps_drafts: jax.Array  # OOM steps whose query tokens alone would have fit: the drafts caused them
     preempt_drafts: jax.Array  # preemptions (recompute or swap) in those steps: caused by drafts
+    first_prompt_tokens: jax.Array  # prompt tokens of first admissions (a recompute re-admission is not one)
+    first_cached_tokens: jax.Array  # of those, served by prefix hits: the hit rate a preemption cannot inflate
 
 
 @struct.dataclass

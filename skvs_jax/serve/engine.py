@@ -104,6 +104,7 @@ class RequestLog:
     finished: bool = False
     aborted: bool = False  # ended by `Engine.abort_request` before it finished
     error: str | None = None
+    first_cached_tokens: int = 0  # of cached_tokens, those of the first admission (metrics' kv_hit_rate_first)
 
 
 class Engine:
@@ -135,7 +136,7 @@ class Engine:
     def _setup(self, runner: ModelRunner, params, policy: Policy, cache_config: CacheConfig, *,
                max_running: int | None = None, token_budget: int = 256, prefill_chunk: int = 64,
                impl: str = "xla", kv_dtype: str | None = None, swap_blocks: int = 0, seed: int = 0,
-               victim: str = "lowest_priority", tree: spec.DraftTree | None = None, acceptance: str = "lossless",
+               victim: str | None = None, tree: spec.DraftTree | None = None, acceptance: str = "lossless",
                sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
                posterior_alpha: float = POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None,
@@ -454,6 +455,8 @@ class Engine:
                 continue
             r = self.requests[rid]
             if out.admitted[slot]:  # looked up: the prompt and, after a recompute, the output so far
+                if not r.admissions:
+                    r.first_cached_tokens = int(out.hit_tokens[slot])
                 r.admissions += 1
                 r.admitted_tokens += len(r.prompt) + len(r.tokens)
                 r.cached_tokens += int(out.hit_tokens[slot])

@@ -78,6 +78,7 @@ class SimLog:
     e2e: jax.Array  # float32[requests] seconds from arrival to the finish, NaN if unfinished
     admitted_tokens: jax.Array  # int32[requests] tokens looked up at admissions (prompt + output so far)
     cached_tokens: jax.Array  # int32[requests] of those, prefix hits
+    first_cached_tokens: jax.Array  # int32[requests] of those, the first admission's (kv_hit_rate_first)
     preemptions: jax.Array  # int32[requests]
     req_drafted: jax.Array  # int32[requests]
     req_accepted: jax.Array  # int32[requests]
@@ -210,7 +211,7 @@ def start(trace: SimTrace, cfg: sc.SchedulerConfig, kv_blocks: jax.Array | None 
     nan = jnp.full((r_n,), jnp.nan, f32)
     zr = jnp.zeros((r_n,), i32)
     req = dict(ttft=nan, e2e=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
-               req_drafted=zr, req_accepted=zr, req_output=zr)
+               req_drafted=zr, req_accepted=zr, req_output=zr, first_cached_tokens=zr)
     return SimCarry(st=with_kv_budget(sc.init(cfg), kv_blocks), clock=jnp.zeros((), f32),
                     clock_err=jnp.zeros((), f32), nxt=jnp.zeros((), i32), req=req, kv_blocks=kv_blocks)
 
@@ -280,6 +281,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         on = batch.scheduled | batch.admitted | batch.preempted | batch.swap_out
         dst = jnp.where(on | (res.num_new > 0) | res.finished, rid, r_n)  # r_n: dropped
         first = req["ttft"]
+        # A request's first admission: nothing looked up for it yet (every admission looks up >= its prompt).
+        first_admission = batch.admitted & (req["admitted_tokens"][rid] == 0)
         new_first = (res.num_new > 0) & jnp.isnan(first[rid])
         req = dict(
             ttft=first.at[jnp.where(new_first, rid, r_n)].set(since, mode="drop"),
@@ -292,6 +295,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
             req_drafted=req["req_drafted"].at[dst].add(batch.num_drafts, mode="drop"),
             req_accepted=req["req_accepted"].at[dst].add(res.accepted, mode="drop"),
             req_output=req["req_output"].at[dst].add(res.num_new, mode="drop"),
+            first_cached_tokens=req["first_cached_tokens"].at[dst].add(
+                jnp.where(first_admission, batch.hit_tokens, 0), mode="drop"),
         )
         row = dict(active=jnp.asarray(True), start_time=clock, duration=dt, blocks_used=batch.blocks_used - withheld,
                    spec_blocks=batch.spec_blocks, oom=batch.oom,
@@ -374,6 +379,7 @@ def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str
         num_cached_prompt_tokens=int(log.cached_tokens[i]), num_admitted_prompt_tokens=int(log.admitted_tokens[i]),
         num_preemptions=int(log.preemptions[i]), num_drafted=int(log.req_drafted[i]),
         num_accepted=int(log.req_accepted[i]), aborted=not np.isfinite(log.e2e[i]),
+        num_first_cached_prompt_tokens=int(log.first_cached_tokens[i]),
     ) for i in range(len(arrival))]
     out = metrics.summarize(records, steps)
     for key in ("scheduler_time_per_step", "scheduler_time_share"):  # the simulator has no host scheduler time

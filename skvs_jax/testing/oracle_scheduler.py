@@ -172,7 +172,7 @@ class OracleScheduler:
         self.swap_used = 0
         names = ("steps", "oom_steps", "preempt_recompute", "preempt_swap", "swap_ins", "admitted", "finished",
                  "aborted", "prompt_tokens", "cached_tokens", "drafted", "accepted", "verifications", "output_tokens",
-                 "draft_blocks", "oom_steps_drafts", "preempt_drafts")
+                 "draft_blocks", "oom_steps_drafts", "preempt_drafts", "first_prompt_tokens", "first_cached_tokens")
         self.counters = dict.fromkeys(names, 0)
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -493,6 +493,9 @@ class OracleScheduler:
         ct["admitted"] += sum(admitted)
         ct["prompt_tokens"] += sum(start.num_tokens[b] for b in range(bsz) if admitted[b])
         ct["cached_tokens"] += sum(hit_tokens)
+        first = [admitted[b] and self.num_preemptions[b] == 0 for b in range(bsz)]  # never admitted before
+        ct["first_prompt_tokens"] += sum(start.num_tokens[b] for b in range(bsz) if first[b])
+        ct["first_cached_tokens"] += sum(hit_tokens[b] for b in range(bsz) if first[b])
         return Admission(admitted=admitted, hit_tokens=hit_tokens)
 
     def _admission_plans(self, start: StepStart, drafts: DraftPlan, grant: Grant, demand: Demand,
