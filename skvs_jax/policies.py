@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 
 import jax.numpy as jnp
 from flax import struct
@@ -285,3 +286,160 @@ def ablations(base: Policy | None = None) -> dict[str, Policy]:
             changes["draft_control"] = naive.draft_control
         out[changes["name"]] = base.replace(**changes)
     return out
+
+
+# ------------------------------------------------------------------------------ policies written as text
+
+# The keys of a written policy that are not Policy fields: the draft-length knob K (data: the static K stays the
+# preset's, so variants meet the same acceptance draws in the simulator) and the variant's name.
+KNOB_KEY, NAME_KEY = "K", "name"
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySpec:
+    """A policy written as text (`parse_policy`): the policy, the draft-length knob it asks for (None: the
+    policy's K) and the overrides it was given, (key, value) in the order written."""
+
+    policy: Policy
+    draft_len_knob: int | None = None
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    def knobs(self) -> Knobs:
+        """The policy's knobs, with the draft-length knob at `draft_len_knob` when given."""
+        knobs = self.policy.knobs()
+        if self.draft_len_knob is None:
+            return knobs
+        return knobs.replace(draft_len=jnp.asarray(self.draft_len_knob, jnp.int32))
+
+
+def _field_value(key: str, text: str, kind) -> object:
+    """text converted to the Policy field's annotated type, or ValueError naming the key and the value."""
+    low = text.strip().lower()
+    bad = f"policy override {key}={text!r}: "
+    if kind is bool:
+        if low not in _TRUE + _FALSE:
+            raise ValueError(bad + f"expected a bool ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
+        return low in _TRUE
+    if kind is int or kind == (int | None):
+        optional = kind is not int
+        if optional and low == "none":
+            return None
+        try:
+            return int(low)
+        except ValueError:
+            raise ValueError(bad + "expected an integer" + (" or none" if optional else "")) from None
+    if kind is float:
+        try:
+            value = float(low)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(bad + "expected a finite number")
+        return value
+    if kind == tuple[int, ...]:  # the commas separate overrides, so the items are separated by "/"
+        try:
+            return tuple(int(x) for x in low.split("/")) if low not in ("", "()") else ()
+        except ValueError:
+            raise ValueError(bad + "expected integers separated by '/' (e.g. 0/2/4)") from None
+    return text.strip()
+
+
+def split_policies(text: str) -> list[str]:
+    """A `--policies` list into its policies: items are comma-separated, and an item KEY=VALUE (an "=" before
+    any ":") continues the policy before it, so "vllm_default,skvs:preemption=swap,victim=most_progress" is two."""
+    out: list[str] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        eq, colon = item.find("="), item.find(":")
+        if eq >= 0 and (colon < 0 or eq < colon):
+            if not out:
+                raise ValueError(f"policy override {item!r} comes before any policy name")
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
+def parse_policy(text: str, draft_len: int = 4, defaults: dict[str, object] | None = None) -> PolicySpec:
+    """A policy written as text: "PRESET" or "PRESET:ITEM,ITEM,...", each ITEM a Policy field override
+    KEY=VALUE, "K=N" (or a bare N) for the draft-length knob, or "name=LABEL".
+
+    Values convert to the field's annotated type: bools as true/false (on/off, yes/no, 1/0), ints, floats,
+    `int | None` with "none", tuples of ints as "0/2/4" (commas separate items). "draft_len=N" rebuilds the
+    preset with static K = N (its draft buckets follow); K=N is data, at most the static K. Switches that must
+    change together do: prefix_cache=false also turns the barrier off unless prefix_barrier is given.
+    `defaults`: field values applied to the preset before the written overrides (the command line's global
+    flags); they do not change the name. The name: name=LABEL, else the preset's name with a K-only form
+    written "PRESET:N", and any other override "PRESET[KEY=VALUE,...]" as written.
+    Raises ValueError naming the bad preset, key or value (and the Policy's own errors for bad combinations)."""
+    preset_name, _, rest = text.strip().partition(":")
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown policy {preset_name!r}; choose one of {sorted(PRESETS)}")
+    kinds = typing.get_type_hints(Policy)
+    items: list[tuple[str, str]] = []
+    for item in (x.strip() for x in rest.split(",") if rest):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq:
+            if not item.isdigit():
+                raise ValueError(f"policy {text!r}: {item!r} is neither KEY=VALUE nor a draft length")
+            key, value = KNOB_KEY, item
+        if key == NAME_KEY and not value.strip():
+            raise ValueError(f"policy {text!r}: name must not be empty")
+        if key not in kinds and key != KNOB_KEY:
+            fields = sorted(set(kinds) - {"name"})
+            raise ValueError(f"policy {text!r}: unknown key {key!r}; keys: {KNOB_KEY}, {NAME_KEY}, {', '.join(fields)}")
+        if any(k == key for k, _ in items):
+            raise ValueError(f"policy {text!r}: {key} given twice")
+        items.append((key, value))
+    given = dict(items)
+    static_k = _field_value("draft_len", given["draft_len"], int) if "draft_len" in given else draft_len
+    policy = preset(preset_name, static_k)
+    changes = dict(defaults or {})
+    overrides = []
+    for key, value in items:
+        if key in (KNOB_KEY, NAME_KEY):
+            continue
+        changes[key] = _field_value(key, value, kinds[key])
+        overrides.append((key, changes[key]))
+    if changes.get("prefix_cache") is False and "prefix_barrier" not in given:
+        changes["prefix_barrier"] = False
+    changes.pop("draft_len", None)
+    knob = None
+    if KNOB_KEY in given:
+        knob = _field_value(KNOB_KEY, given[KNOB_KEY], int)
+        if not 0 <= knob <= policy.draft_len:
+            raise ValueError(f"policy {text!r}: the draft-length knob K must lie in [0, {policy.draft_len}] (the "
+                             f"static K), got {knob}")
+        overrides.append((KNOB_KEY, knob))
+    if NAME_KEY in given:
+        name = given[NAME_KEY].strip()
+    elif list(given) == [KNOB_KEY]:
+        name = f"{preset_name}:{knob}"
+    elif items:
+        name = f"{preset_name}[{','.join(f'{k}={v.strip()}' for k, v in items)}]"
+    else:
+        name = preset_name
+    try:
+        policy = policy.replace(name=name, **changes)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"policy {text!r}: {err}") from None
+    return PolicySpec(policy=policy, draft_len_knob=knob, overrides=tuple(overrides))
+
+
+def parse_policies(text: str, draft_len: int = 4, defaults: dict[str, object] | None = None,
+                   preset_defaults: dict[str, dict[str, object]] | None = None) -> list[PolicySpec]:
+    """A comma-separated `--policies` list (`split_policies`), each item read by `parse_policy` with `defaults`
+    and, for items of preset P, `preset_defaults[P]` on top (e.g. a flag that applies to skvs only); ValueError
+    when two policies get one name."""
+    specs = []
+    for item in split_policies(text):
+        extra = (preset_defaults or {}).get(item.partition(":")[0].strip(), {})
+        specs.append(parse_policy(item, draft_len, dict(defaults or {}) | extra))
+    names = [s.policy.name for s in specs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"two policies are named {dup!r}; give one a name=... override")
+    return specs

@@ -214,7 +214,7 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
     run), at 5 tok/s."""
     repeats = {}
 
-    def serve(model, heads, policy, cache, trace, args, progress=None):
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None):
         i = repeats[policy.name] = repeats.get(policy.name, -1) + 1
         stalled = i in (stall or {}).get(policy.name, ())
         m = {key: 0.5 for key, _, _ in metrics.METRICS}

@@ -237,6 +237,14 @@ def test_replaying_a_real_run_reproduces_its_schedule_exactly(served, trace):
     m = sim.summarize(log, st_trace, e.cfg.sched)
     assert m["num_requests"] == len(trace.requests) and m["num_aborted"] == 0
     assert m["output_tokens"] == sum(len(v) for v in out.values())
+    # First admissions: the engine's per-request count, the simulator's and the scheduler's counters agree, and
+    # the recompute re-admissions' hits are what separates the two hit rates.
+    first = dict(zip(np.asarray(st_trace.request_id).tolist(), np.asarray(log.first_cached_tokens).tolist()))
+    assert first == {rid: r.first_cached_tokens for rid, r in e.requests.items()}
+    assert sum(first.values()) == int(real.first_cached_tokens) < int(real.cached_tokens)
+    assert int(real.first_prompt_tokens) == sum(len(r.prompt) for r in trace.requests) < int(real.prompt_tokens)
+    assert m["kv_hit_rate_first"] == pytest.approx(int(real.first_cached_tokens) / int(real.first_prompt_tokens))
+    assert m["kv_hit_rate"] == pytest.approx(int(real.cached_tokens) / int(real.prompt_tokens))
 
 
 def _engine_controller_cost(e):

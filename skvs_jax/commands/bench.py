@@ -47,6 +47,7 @@ import numpy as np
 import skvs_jax
 from reference_models.checkpoint import load_shipped
 from skvs_jax import metrics, policies, workloads
+from skvs_jax.commands import policy_flags
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine as eng
 from skvs_jax.serve import speculation
@@ -68,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="system_prompts", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--requests", type=int, default=32, help="requests in the trace")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    which.add_argument("--policies", default="vllm_default,naive_spec,skvs",
+                       help="comma-separated presets, each with optional overrides of its fields "
+                            "(policies.parse_policy): skvs:preemption=swap,victim=most_progress; skvs:K=2 (or skvs:2) "
+                            "sets the draft-length knob; name=LABEL names the variant")
     which.add_argument("--ablation", action="store_true",
                        help="naive_spec, skvs and skvs with each switch off in turn, then what each switch buys")
     parser.add_argument("--repeats", type=int, default=1,
@@ -90,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "SMALL_TREE (then --draft-len must be 15)")
     parser.add_argument("--acceptance", default="lossless", choices=("lossless", "typical"),
                         help="verification rule at temperature > 0 (both are greedy at 0)")
+    policy_flags.add_arguments(parser)
+    parser.add_argument("--host-blocks", type=int, default=None,
+                        help="host-tier blocks for policies that preempt by swap (default: the KV budget's usable "
+                             "blocks; 0: no host tier, so a swap policy recomputes)")
     parser.add_argument("--impl", default="xla", choices=("xla", "pallas", "reference"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="skvs-results", help="output folder")
@@ -106,16 +114,26 @@ def make_trace(args) -> workloads.Trace:
                                       max_output_len=args.max_output)
 
 
+def _host_blocks(args) -> int:
+    """--host-blocks, default the KV budget's usable blocks (every swapped sequence fits)."""
+    return args.kv_blocks - 1 if args.host_blocks is None else args.host_blocks
+
+
 def _engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed)
+    if policy.preemption == "swap":
+        kwargs["swap_blocks"] = _host_blocks(args)
     if policy.speculation:
         kwargs |= dict(tree=_tree(args), acceptance=args.acceptance)
     return kwargs
 
 
-def serve(model, heads, policy, cache, trace, args, progress=None) -> dict:
-    """Run one policy over the trace; returns its metrics, outputs and per-step series."""
+def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None) -> dict:
+    """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
+    knobs with a `--policies` draft-length knob (default `policy.knobs()`)."""
     e = eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
+    if knobs is not None:
+        e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
     e.warmup()  # every query bucket, so no compilation lands inside the timed run
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
@@ -215,27 +233,37 @@ def _verify_budget(value: str) -> int | None:
         raise SystemExit(f"skvs bench: {err}") from None
 
 
-def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
-    """The policies to serve, by name: `--policies`, or with `--ablation` naive_spec, skvs and its ablations
-    ("skvs -draft_control" is the article's skvs, `skvs_article`). `--verify-budget` applies to skvs (and so to
-    its ablations), as in `skvs simulate`. With a draft tree, skvs's goodput controller (which prices chains) gives
-    way to the histogram rule."""
+def _specs(args: argparse.Namespace) -> dict[str, policies.PolicySpec]:
+    """The policies to serve, by name: `--policies` (`policies.parse_policies`: presets with overrides), or with
+    `--ablation` naive_spec, skvs and its ablations ("skvs -draft_control" is the article's skvs, `skvs_article`).
+    The global switches (--preemption, --victim, --kv-precision, --no-prefix-cache) apply to every policy, and
+    `--verify-budget` to the skvs preset (and so to its ablations), as in `skvs simulate`; a policy's own
+    overrides win over both. With a draft tree, skvs's goodput controller (which prices chains) gives way to the
+    histogram rule unless draft_control is written."""
     budget = _verify_budget(args.verify_budget)
 
-    def preset(name):
-        p = policies.preset(name, args.draft_len)
-        if p.goodput_control and args.tree != "chain":  # the controller prices chains (d drafts reach depth d)
-            p = p.replace(draft_control="histogram")
-        return p.replace(verify_budget=budget) if name == "skvs" else p
+    def tree_ok(spec):
+        p = spec.policy
+        if p.goodput_control and args.tree != "chain" and "draft_control" not in dict(spec.overrides):
+            p = p.replace(draft_control="histogram")  # the controller prices chains (d drafts reach depth d)
+        return dataclasses.replace(spec, policy=p)
 
-    if args.ablation:
-        named = {n: preset(n) for n in ("naive_spec", "skvs")}
-        return named | policies.ablations(named["skvs"])
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    for n in names:
-        if n not in policies.PRESETS:
-            raise SystemExit(f"skvs bench: unknown policy {n!r}; choose from {sorted(policies.PRESETS)}")
-    return {n: preset(n) for n in names}
+    try:
+        if args.ablation:
+            named = {n: tree_ok(policies.parse_policy(n, args.draft_len, policy_flags.defaults(args)
+                                                      | ({"verify_budget": budget} if n == "skvs" else {})))
+                     for n in ("naive_spec", "skvs")}
+            return named | {n: policies.PolicySpec(p) for n, p in policies.ablations(named["skvs"].policy).items()}
+        specs = policies.parse_policies(args.policies, args.draft_len, policy_flags.defaults(args),
+                                        {"skvs": {"verify_budget": budget}})
+    except ValueError as err:
+        raise SystemExit(f"skvs bench: --policies: {err}") from None
+    return {s.policy.name: tree_ok(s) for s in specs}
+
+
+def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
+    """`_specs`'s policies, by name."""
+    return {n: s.policy for n, s in _specs(args).items()}
 
 
 def _setup(args: argparse.Namespace):
@@ -251,12 +279,15 @@ def _setup(args: argparse.Namespace):
                              ("--prefill-chunk", args.prefill_chunk, 0), ("--kv-blocks", args.kv_blocks, 2)):
         if value < low:
             raise SystemExit(f"skvs bench: {flag} must be >= {low}, got {value}")
+    if args.host_blocks is not None and args.host_blocks < 0:
+        raise SystemExit(f"skvs bench: --host-blocks must be >= 0, got {args.host_blocks}")
     nodes = speculation.SMALL_TREE.num_slots - 1
     if args.tree == "small" and args.draft_len != nodes:
         raise SystemExit(f"skvs bench: --tree small has {nodes} nodes, one draft slot each: pass --draft-len {nodes}")
     try:
         eng.SamplingParams(temperature=args.temperature)
-        chosen = _policies(args)
+        specs = _specs(args)
+        chosen = {n: s.policy for n, s in specs.items()}
     except ValueError as err:
         raise SystemExit(f"skvs bench: {err}") from None
     if not chosen:
@@ -277,11 +308,12 @@ def _setup(args: argparse.Namespace):
         trace = make_trace(args)
     except ValueError as err:
         raise SystemExit(f"skvs bench: {err}") from None
-    return chosen, _verify_budget(args.verify_budget), model, heads, trace, cache
+    return specs, _verify_budget(args.verify_budget), model, heads, trace, cache
 
 
 def run(args: argparse.Namespace) -> int:
-    chosen, budget, model, heads, trace, cache = _setup(args)
+    specs, budget, model, heads, trace, cache = _setup(args)
+    chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
     total_tokens = sum(r.max_new_tokens for r in trace.requests) * len(names) * args.repeats
     bar = None
@@ -296,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
             runs[name].append(serve(model, heads, chosen[name], cache, trace, args,
-                                    progress=bar.update if bar else None))
+                                    progress=bar.update if bar else None, knobs=specs[name].knobs()))
     if bar is not None:
         bar.close()
     # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a
@@ -317,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
           f"Medusa (K={args.draft_len}{vb}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
           f"{cache.max_seqs} slots, token budget {args.token_budget}, impl {args.impl}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}; wall time {time.perf_counter() - t_start:.0f} s")
+    print(policy_flags.describe(specs, _host_blocks(args)))
     print(table)
     if args.repeats > 1:
         spread = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in valid.items()}
@@ -349,6 +382,10 @@ def run(args: argparse.Namespace) -> int:
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats")}
     config["verify_budget"] = budget
     config["policies"] = ",".join(names)
+    config |= {k: getattr(args, k) for k in ("preemption", "victim", "kv_precision", "no_prefix_cache")}
+    config["host_blocks"] = _host_blocks(args)
+    config["policy_fields"] = {n: dataclasses.asdict(chosen[n]) | {"draft_len_knob": specs[n].draft_len_knob}
+                               for n in names}
     doc = {
         "schema_version": SCHEMA_VERSION,
         "command": "skvs bench" + (" --ablation" if args.ablation else ""),
@@ -399,6 +436,48 @@ def _same_value(a, b) -> bool:
 # ------------------------------------------------------------------------------------------------ ablation
 
 
+def throughput_effect(*, steps: tuple[float, float], tokens: tuple[float, float], ratio: float,
+                      paired: list[float | None], deterministic: bool, identical: bool = False,
+                      measured: bool = True) -> tuple[str, str]:
+    """The ablation's verdict on one switch's throughput, as (effect, basis). A pure function of the evidence:
+
+    steps, tokens: (switch off, base) engine steps and output tokens; ratio: off / base throughput of the
+    reported runs; paired: off / base within each round of repeats (None where either run stalled);
+    deterministic: the non-timing counters are reproducible (all arrivals at t = 0); identical: same counters and
+    non-timing metrics; measured: some run of each was timed without a stall.
+
+    effect: "none" (identical schedules: any difference is noise), "not measured", "helps" (base, with the
+    switch, is faster), "hurts", or "within noise". Decided, in this order:
+      1. the engine steps, when deterministic and both produced the same output tokens in different numbers of
+         steps: fewer steps is faster (on a CPU a step costs about the same whatever it carries), unless two or
+         more paired ratios all lie on the other side of 1 (the measurement, repeated, beats the proxy);
+      2. the spread of two or more paired ratios: "helps" if all < 1, "hurts" if all > 1, else within noise;
+      3. one pair and the same steps (deterministic): within noise -- the schedules are as long, and one run
+         has no spread to tell a per-step cost from the machine's noise (--repeats measures it);
+      4. one pair, non-deterministic (--rate): within noise when |ratio - 1| <= THROUGHPUT_NOISE.
+    """
+    if identical:
+        return "none", "schedule identical"
+    if not measured:
+        return "not measured", "every run stalled"
+    pairs = [x for x in paired if x is not None]
+    spread = None
+    if len(pairs) > 1:
+        spread = "helps" if max(pairs) < 1 else "hurts" if min(pairs) > 1 else "within noise"
+    if deterministic and tokens[0] == tokens[1] and steps[0] != steps[1]:
+        by_steps = "helps" if steps[0] > steps[1] else "hurts"
+        if spread is not None and spread not in (by_steps, "within noise"):
+            return spread, "repeats' spread (against the engine steps)"
+        return by_steps, "engine steps"
+    if spread is not None:
+        return spread, "repeats' spread"
+    if deterministic:
+        return "within noise", "same engine steps, one repeat (no spread)"
+    if abs(ratio - 1.0) <= THROUGHPUT_NOISE:
+        return "within noise", f"one repeat, within {THROUGHPUT_NOISE:.0%}"
+    return ("hurts" if ratio > 1 else "helps"), f"one repeat, beyond {THROUGHPUT_NOISE:.0%}"
+
+
 def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: dict[str, list[float]],
               stalled: dict[str, list[bool]], args) -> dict:
     """The decomposition as data (bench.json's "ablation" section).
@@ -430,7 +509,6 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
                                                                     stalled[name], stalled["skvs"], strict=True)]
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
-        noise = lo <= 1.0 <= hi if len(pairs) > 1 else abs(ratio - 1.0) <= THROUGHPUT_NOISE
         row = {"policy": name,
                "changes": {f.name: getattr(chosen[name], f.name) for f in dataclasses.fields(base)
                            if f.name != "name" and getattr(chosen[name], f.name) != getattr(base, f.name)},
@@ -445,12 +523,11 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
                 row["better" if improves else "worse"].append(key)
         row["identical_schedule"] = (results[name]["counters"] == results["skvs"]["counters"]
                                      and _same_value(non_timing(name), non_timing("skvs")))
-        if all(stalled[name]) or all(stalled["skvs"]):
-            row["throughput_effect"] = "not measured"
-        elif row["identical_schedule"]:
-            row["throughput_effect"] = "none"
-        else:
-            row["throughput_effect"] = "within noise" if noise else ("hurts" if ratio > 1 else "helps")
+        row["throughput_effect"], row["verdict_basis"] = throughput_effect(
+            steps=(off["num_steps"], skvs_metrics["num_steps"]), tokens=(off["output_tokens"],
+                                                                         skvs_metrics["output_tokens"]),
+            ratio=ratio, paired=paired, deterministic=args.rate is None, identical=row["identical_schedule"],
+            measured=not (all(stalled[name]) or all(stalled["skvs"])))
         rows[name.removeprefix(f"{base.name} -")] = row
     gap_within_noise = rows["naive_spec"]["throughput_effect"] not in ("helps", "hurts")
     gap = skvs_metrics["throughput"] - results["naive_spec"]["metrics"]["throughput"]
@@ -460,8 +537,10 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
         row["share_of_gap"] = math.nan if gap_within_noise else (skvs_metrics["throughput"] - off["throughput"]) / gap
         row["steps_share_of_gap"] = (skvs_metrics["num_steps"] - off["num_steps"]) / step_gap if step_gap else math.nan
     return {"base": "skvs", "reference": "naive_spec", "repeats": args.repeats,
-            "noise_rule": (f"paired per-round ratios hold 1; with fewer than two pairs |ratio - 1| <= "
-                           f"{THROUGHPUT_NOISE}"),
+            "noise_rule": ("bench.throughput_effect: engine steps decide where the same output tokens took different "
+                           "steps (deterministic runs); else two or more paired per-round ratios decide (noise when "
+                           "they hold 1); one repeat with equal steps is within noise; with --rate and one repeat, "
+                           f"|ratio - 1| <= {THROUGHPUT_NOISE}"),
             "non_timing_deterministic": args.rate is None, "gap_within_noise": gap_within_noise,
             "skvs_ratio_min": min(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"],
             "skvs_ratio_max": max(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"], "rows": rows}
@@ -526,10 +605,15 @@ def _format_ablation(a: dict) -> str:
         if r["identical_schedule"]:
             continue
         lines.append(f"  {s}: with it skvs is better on {', '.join(r['better']) or 'nothing'}; "
-                     f"worse on {', '.join(r['worse']) or 'nothing'}")
+                     f"worse on {', '.join(r['worse']) or 'nothing'}; throughput {r['throughput_effect']} "
+                     f"(by {r['verdict_basis']})")
     rule = ("the range of its per-round ratios holds 1" if a["repeats"] > 1 else
+            "it ran as many engine steps (one run has no spread; use --repeats N to measure it)"
+            if a["non_timing_deterministic"] else
             f"it is within {THROUGHPUT_NOISE:.0%}, this CPU's run-to-run spread (use --repeats N to measure it)")
-    lines.append(f"A throughput change counts as noise when {rule}. "
+    lines.append("Verdicts: where the same output tokens took a different number of engine steps (deterministic), "
+                 "the steps decide (fewer is faster) unless the repeats agree on the opposite; otherwise a throughput "
+                 f"change counts as noise when {rule} (with --rate and one repeat: within {THROUGHPUT_NOISE:.0%}). "
                  + ("Non-timing metrics are deterministic for this seed (all arrivals at t = 0): any change in them "
                     "is real for this trace, though it is one trace." if a["non_timing_deterministic"] else
                     "With --rate, non-timing metrics depend on timing too."))

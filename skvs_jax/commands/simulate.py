@@ -13,6 +13,7 @@ batch with each speculating policy's speedup over vllm_default, and where naive 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -24,6 +25,7 @@ import numpy as np
 
 from skvs_jax import metrics, policies, workloads
 from skvs_jax import scheduler as sc
+from skvs_jax.commands import policy_flags
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
 
@@ -39,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(llama-3.1-8b on a100-80gb), else the roofline")
     parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs",
-                        help="comma-separated presets; NAME:K runs the preset with the draft-length knob at K "
-                             "(<= --draft-len: naive_spec:2 is a fixed chain of 2), on the same acceptance draws")
+                        help="comma-separated presets, each with optional overrides of its fields "
+                             "(policies.parse_policy): skvs:preemption=swap,victim=most_progress; NAME:K (or "
+                             "NAME:K=K) runs the preset with the draft-length knob at K (<= --draft-len: naive_spec:2 "
+                             "is a fixed chain of 2), on the same acceptance draws; name=LABEL names the variant")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at t = 0)")
     parser.add_argument("--seeds", type=int, default=2, help="traces (seeds 0..N-1), one lane each")
@@ -61,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "capped at what max-seqs sequences of the longest request can hold)")
     parser.add_argument("--token-budget", type=int, default=2048, help="most tokens computed per step")
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    policy_flags.add_arguments(parser)
+    parser.add_argument("--host-blocks", type=int, default=None,
+                        help="host-tier blocks for policies that preempt by swap (default: the KV budget's blocks; 0: "
+                             "no host tier, so a swap policy recomputes)")
     parser.add_argument("--sweep", action="store_true", help="sweep arrival rates (--rates) in one call per policy")
     parser.add_argument("--rates", default="1,2,4,8,16,32,64", help="arrival rates of --sweep, requests/s")
     parser.add_argument("--chunk", type=int, default=512, help="simulated steps per compiled call")
@@ -127,16 +135,37 @@ def _parse_rates(args) -> list[float]:
     return rates
 
 
-def _policy_spec(text: str, k: int) -> tuple[str, int | None]:
-    """"name" or "name:K" (the preset with its draft-length knob at K <= k) -> (name, K or None)."""
-    name, _, knob = text.partition(":")
-    if name not in policies.PRESETS:
-        raise SystemExit(f"skvs simulate: unknown policy {name!r}; choose from {sorted(policies.PRESETS)}")
-    if not knob:
-        return name, None
-    if not knob.isdigit() or not 0 <= int(knob) <= k:
-        raise SystemExit(f"skvs simulate: {text!r}: the draft length after ':' must be an integer in [0, {k}]")
-    return name, int(knob)
+def _specs(args, verify_budget: int | None) -> dict[str, policies.PolicySpec]:
+    """--policies as `policies.PolicySpec`s by name (presets with overrides, `policies.parse_policies`), with the
+    global switches (--preemption, --victim, --no-prefix-cache) on every policy and --verify-budget on skvs.
+    The KV dtype is the cost model's (--kv-precision, the same for every column): a policy's own kv_precision
+    would price its steps with another cost model, so it is refused."""
+    defaults = {k: v for k, v in policy_flags.defaults(args).items() if k != "kv_precision"}
+    try:
+        specs = policies.parse_policies(args.policies, args.draft_len, defaults,
+                                        {"skvs": {"verify_budget": verify_budget}})
+    except ValueError as err:
+        raise SystemExit(f"skvs simulate: --policies: {err}") from None
+    for spec in specs:
+        if "kv_precision" in dict(spec.overrides):
+            raise SystemExit(f"skvs simulate: --policies: {spec.policy.name}: kv_precision is not a per-policy switch "
+                             "here (the cost model prices one KV dtype for every column): use --kv-precision")
+    return {s.policy.name: s for s in specs}
+
+
+# Bytes per cached K or V element of each KV dtype (int8's per-block scales are left out: < 1% at 16-token blocks).
+KV_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
+
+
+def _cost(args) -> cost_model.CostModel:
+    """The cost model; --kv-precision prices the KV cache in that dtype ("by_draft_len": bf16 for --draft-len >= 6,
+    fp8 below) for every policy, and sizes the default KV budget with it."""
+    model = cost_model.MODELS[args.model]
+    if args.kv_precision is not None:
+        dtype = policies.vllm_default().replace(kv_precision=args.kv_precision, speculation=True,
+                                                draft_len=max(args.draft_len, 1)).kv_dtype()
+        model = dataclasses.replace(model, kv_dtype_bytes=KV_BYTES[dtype])
+    return cost_model.CostModel(model, cost_model.DEVICES[args.device], tp=args.tp, mode=args.cost_mode)
 
 
 def _lanes(args, cfg, rates: list[float], draft_len: int | None = None):
@@ -174,10 +203,10 @@ def _mean(ms: list[dict]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    specs = {n: _policy_spec(n, args.draft_len) for n in names}
-    if not names:
+    if not policies.split_policies(args.policies):
         raise SystemExit(f"skvs simulate: --policies names no policy; choose from {sorted(policies.PRESETS)}")
+    if args.host_blocks is not None and args.host_blocks < 0:
+        raise SystemExit(f"skvs simulate: --host-blocks must be >= 0, got {args.host_blocks}")
     for flag in ("requests", "seeds", "max_seqs", "block_size", "chunk", "max_steps", "draft_len", "token_budget",
                  "max_prompt_len", "max_output_len"):
         if getattr(args, flag) < 1:
@@ -198,12 +227,14 @@ def run(args: argparse.Namespace) -> int:
     rates = _parse_rates(args)
     try:
         alphas = _acceptance(args.acceptance, args.draft_len)
-        cost = cost_model.CostModel(cost_model.MODELS[args.model], cost_model.DEVICES[args.device], tp=args.tp,
-                                    mode=args.cost_mode)
+        cost = _cost(args)
     except ValueError as err:
         raise SystemExit(f"skvs simulate: {err}") from None
     cache = _geometry(args, cost, args.draft_len)
     verify_budget = _verify_budget(args.verify_budget, cost)
+    specs = _specs(args, verify_budget)
+    names = list(specs)
+    host_blocks = cache.usable_blocks if args.host_blocks is None else args.host_blocks
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -213,12 +244,10 @@ def run(args: argparse.Namespace) -> int:
     per_policy: dict[str, list[dict]] = {}
     steps_run = 0
     for name in names:
-        preset_name, knob_k = specs[name]
-        policy = policies.preset(preset_name, args.draft_len).replace(name=name)
-        if preset_name == "skvs":
-            policy = policy.replace(verify_budget=verify_budget)
+        policy, knob_k = specs[name].policy, specs[name].draft_len_knob
         cfg = sc.SchedulerConfig(cache=cache, policy=policy, max_running=args.max_seqs, token_budget=args.token_budget,
-                                 prefill_chunk=min(args.prefill_chunk, args.token_budget))
+                                 prefill_chunk=min(args.prefill_chunk, args.token_budget),
+                                 swap_blocks=host_blocks if policy.preemption == "swap" else 0)
         trace_rates, lanes, where = _lanes(args, cfg, rates, knob_k)
         traces = _traces(args, cfg, alphas, trace_rates)
         t0 = time.perf_counter()
@@ -234,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
         ct = states.counters  # attribution: what the drafts cost in memory, per lane
         for i, ((rate, seed), m) in enumerate(zip(where, ms, strict=True)):
             m["rate"], m["seed"] = rate, seed
-            for key in ("draft_blocks", "oom_steps_drafts", "preempt_drafts", "oom_steps", "preempt_recompute"):
+            for key in ("draft_blocks", "oom_steps_drafts", "preempt_drafts", "oom_steps", "preempt_recompute",
+                        "preempt_swap", "swap_ins", "first_prompt_tokens", "first_cached_tokens"):
                 m[key] = float(np.asarray(getattr(ct, key))[i])
         per_policy[name] = ms
         steps = int(np.asarray(logs.active).sum())
@@ -251,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.token_budget}, skvs verify budget {verify_budget or 'none'}; {steps_run} simulated steps in "
           f"{time.perf_counter() - t_start:.0f} s wall on "
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(policy_flags.describe(specs, host_blocks, kv=f"{cost.model.kv_dtype_bytes} bytes/element (cost model)"))
     if not args.sweep:
         print(metrics.format_table(by_rate[rates[0]]))
     else:
@@ -259,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
             print(line)
     doc = {"schema_version": SCHEMA_VERSION, "command": "skvs simulate", "config": vars(args) | {
         "kv_blocks": cache.usable_blocks, "max_blocks_per_seq": cache.max_blocks_per_seq,
-        "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}},
+        "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}, "host_blocks": host_blocks,
+        "kv_dtype_bytes": cost.model.kv_dtype_bytes,
+        "policy_fields": {n: dataclasses.asdict(specs[n].policy) | {"draft_len_knob": specs[n].draft_len_knob}
+                          for n in names}},
         "lanes": {n: per_policy[n] for n in names},
         "by_rate": {str(r): by_rate[r] for r in rates}}
     # Strict JSON: an undefined metric (NaN, e.g. TPOT when no request made two tokens) is written as null.
