@@ -364,7 +364,7 @@ def split_policies(text: str) -> list[str]:
 
 def parse_policy(text: str, draft_len: int = 4, defaults: dict[str, object] | None = None) -> PolicySpec:
     """A policy written as text: "PRESET" or "PRESET:ITEM,ITEM,...", each ITEM a Policy field override
-    KEY=VALUE, "K=N" (or a bare N) for the draft-length knob, or "name=LABEL".
+    KEY=VALUE, "K=N" (or a bare N as the first item) for the draft-length knob, or "name=LABEL".
 
     Values convert to the field's annotated type: bools as true/false (on/off, yes/no, 1/0), ints, floats,
     `int | None` with "none", tuples of ints as "0/2/4" (commas separate items). "draft_len=N" rebuilds the
@@ -379,12 +379,13 @@ def parse_policy(text: str, draft_len: int = 4, defaults: dict[str, object] | No
         raise ValueError(f"unknown policy {preset_name!r}; choose one of {sorted(PRESETS)}")
     kinds = typing.get_type_hints(Policy)
     items: list[tuple[str, str]] = []
-    for item in (x.strip() for x in rest.split(",") if rest):
+    for i, item in enumerate(x.strip() for x in rest.split(",") if rest):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq:
-            if not item.isdigit():
-                raise ValueError(f"policy {text!r}: {item!r} is neither KEY=VALUE nor a draft length")
+        if not eq:  # the bare draft-length knob comes first ("naive_spec:2"): "draft_buckets=0,2" is a mistake
+            if not (item.isdigit() and i == 0):
+                raise ValueError(f"policy {text!r}: {item!r} is not KEY=VALUE (a bare draft length K comes "
+                                 f"first, as in {preset_name}:2; tuples are written 0/2/4)")
             key, value = KNOB_KEY, item
         if key == NAME_KEY and not value.strip():
             raise ValueError(f"policy {text!r}: name must not be empty")

@@ -1,6 +1,7 @@
 """The `skvs` command line: version, help, and the allocator and scheduler micro-benchmarks at a tiny size."""
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -80,6 +81,10 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
     ("--kv-blocks 2", "--kv-blocks 2 holds fewer blocks than one request can need"),
     ("--policies ,", "--policies names no policy"),
     ("--device cpu-measured", "pass --kv-blocks"),
+    ("--host-blocks -1", "--host-blocks must be >= 0"),
+    ("--policies skvs:colour=red", "unknown key 'colour'"),
+    ("--policies vllm_default:kv_precision=int8", "kv_precision is not a per-policy switch here"),
+    ("--policies skvs,skvs", "two policies are named 'skvs'"),
 ])
 def test_simulate_refuses_bad_flags_before_simulating(flags, says, tmp_path, monkeypatch):
     from skvs_jax.sim import sweep
@@ -311,6 +316,10 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     ("--draft-len 0", "draft_len must be >= 1"),
     ("--policies ,", "--policies names no policy"),
     ("--temperature -1", "temperature must be a finite float >= 0"),
+    ("--host-blocks -1", "--host-blocks must be >= 0"),
+    ("--policies skvs:victim=oldest", "victim must be one of"),
+    ("--policies skvs:colour=red", "unknown key 'colour'"),
+    ("--policies skvs:K=7", "K must lie in [0, 4]"),
     ("--draft-len 5", "the model has 4 draft heads"),  # from the engine, before vllm_default is served
 ])
 def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
@@ -367,3 +376,128 @@ def test_every_package_ships_in_a_non_editable_install():
     packages = [".".join(init.parent.relative_to(root).parts) for init in inits]
     assert "skvs_jax.sim" in packages
     assert all(any(fnmatch.fnmatch(p, pattern) for pattern in include) for p in packages), (packages, include)
+
+
+# ------------------------------------------------------------------------------ policy flags and overrides
+
+
+def _bench_args(*flags):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_bench_policy_flags_and_overrides_reach_the_policies_and_engines():
+    args = _bench_args("--policies", "vllm_default,skvs:preemption=swap,victim=most_progress,naive_spec:K=2",
+                       "--kv-precision", "bfloat16", "--no-prefix-cache", "--victim", "least_progress")
+    specs = bench._specs(args)
+    assert list(specs) == ["vllm_default", "skvs[preemption=swap,victim=most_progress]", "naive_spec:2"]
+    v, s, n = (spec.policy for spec in specs.values())
+    assert all(p.kv_dtype() == "bfloat16" and not p.prefix_cache and not p.prefix_barrier for p in (v, s, n))
+    assert (v.victim, s.victim, n.victim) == ("least_progress", "most_progress", "least_progress")  # written wins
+    assert s.preemption == "swap" and v.preemption == n.preemption == "recompute"
+    assert specs["naive_spec:2"].draft_len_knob == 2 and n.draft_len == 4
+    # The host tier: the KV budget's usable blocks by default, for swap policies only.
+    assert bench._engine_kwargs(s, args)["swap_blocks"] == args.kv_blocks - 1
+    assert "swap_blocks" not in bench._engine_kwargs(v, args)
+    assert bench._engine_kwargs(s, _bench_args("--host-blocks", "7"))["swap_blocks"] == 7
+    # --preemption swap puts every policy on the host tier; --verify-budget still reaches skvs only.
+    specs = bench._specs(_bench_args("--preemption", "swap", "--verify-budget", "9"))
+    assert all(spec.policy.preemption == "swap" for spec in specs.values())
+    assert [spec.policy.verify_budget for spec in specs.values()] == [None, None, 9]
+    ablated = bench._specs(_bench_args("--ablation", "--victim", "most_blocks"))
+    assert all(spec.policy.victim == "most_blocks" for spec in ablated.values())  # ablations keep the flag
+
+
+def test_bench_run_with_overrides_records_them_and_both_hit_rates(tmp_path, capsys, monkeypatch):
+    seen = {}
+
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None):
+        seen[policy.name] = (policy, int(knobs.draft_len))
+        m = {key: 0.25 for key, _, _ in metrics.METRICS} | {"kv_hit_rate": 0.3, "kv_hit_rate_first": 0.1}
+        m |= {"num_requests": 2.0, "num_aborted": 0.0, "num_steps": 3.0, "output_tokens": 6.0, "wall_time": 0.1}
+        return {"metrics": m, "outputs": {0: [1, 2]}, "series": {"time": [0.1], "output_tokens": [6],
+                                                                 "blocks_used": [1], "spec_blocks": [0]},
+                "counters": {}, "compiled": []}
+
+    monkeypatch.setattr(bench, "serve", serve)
+    argv = ["bench", "--requests", "2", "--max-output", "4", "--quiet", "--no-plot", "--out", str(tmp_path),
+            "--policies", "skvs:preemption=swap,name=swapper,skvs:1", "--host-blocks", "5"]
+    assert commands.main(argv) == 0
+    out = capsys.readouterr().out
+    assert seen["swapper"][0].preemption == "swap" and seen["swapper"][1] == 4 and seen["skvs:1"][1] == 1
+    assert "swapper: swap (5 host blocks), victim lowest_priority, KV float32, prefix cache on" in out
+    assert "skvs:1: recompute" in out and "K knob 1" in out
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["KV hit rate (%)"].endswith("| 30.0 | 30.0 |")
+    assert rows["KV hit rate, first admissions (%)"].endswith("| 10.0 | 10.0 |")
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["config"]["host_blocks"] == 5 and doc["config"]["policies"] == "swapper,skvs:1"
+    assert doc["config"]["policy_fields"]["swapper"]["preemption"] == "swap"
+    assert doc["config"]["policy_fields"]["skvs:1"]["draft_len_knob"] == 1
+    assert doc["policies"]["swapper"]["metrics"]["kv_hit_rate_first"] == 0.1
+
+
+def test_simulate_policy_flags_reach_the_scheduler_config_and_the_cost_model(tmp_path, monkeypatch):
+    from skvs_jax import scheduler as sc
+    from skvs_jax.commands import simulate
+    from skvs_jax.sim import sweep
+
+    class Reached(Exception):
+        pass
+
+    cfgs = []
+
+    def run(traces, lanes, *, cfg, **kw):
+        cfgs.append((cfg, int(np.asarray(lanes.knobs.draft_len).ravel()[0])))
+        raise Reached
+
+    monkeypatch.setattr(sweep, "run", run)
+    argv = ["simulate", "--requests", "4", "--seeds", "1", "--max-seqs", "4", "--max-prompt-len", "32",
+            "--max-output-len", "16", "--out", str(tmp_path), "--no-plot", "--kv-blocks", "40",
+            "--policies", "naive_spec:preemption=swap,victim=most_progress,K=2", "--no-prefix-cache"]
+    with pytest.raises(Reached):
+        commands.main(argv)
+    cfg, knob = cfgs[0]
+    assert cfg.policy.preemption == "swap" and cfg.swap_blocks == 40 and knob == 2
+    assert cfg.victim_rule is sc.most_progress
+    assert not cfg.policy.prefix_cache
+    with pytest.raises(Reached):
+        commands.main(argv[:-3] + ["--policies", "vllm_default", "--host-blocks", "3", "--preemption", "swap"])
+    assert cfgs[1][0].swap_blocks == 3 and cfgs[1][0].policy.name == "vllm_default"
+    with pytest.raises(Reached):
+        commands.main(argv[:-3] + ["--policies", "vllm_default"])
+    assert cfgs[2][0].swap_blocks == 0  # recompute: no host tier
+    # --kv-precision prices the KV bytes for every policy (the model's bf16 otherwise).
+    assert simulate._cost(_sim_args()).model.kv_dtype_bytes == 2
+    assert simulate._cost(_sim_args("--kv-precision", "float8_e4m3fn")).model.kv_dtype_bytes == 1
+    assert simulate._cost(_sim_args("--kv-precision", "by_draft_len", "--draft-len", "6")).model.kv_dtype_bytes == 2
+    assert simulate._cost(_sim_args("--kv-precision", "by_draft_len")).model.kv_dtype_bytes == 1
+    assert simulate._cost(_sim_args("--kv-precision", "float32")).model.kv_dtype_bytes == 4
+
+
+def test_the_ablation_verdict_rule():
+    """bench.throughput_effect: the deterministic engine steps decide where they differ for the same output
+    tokens; the repeats' spread otherwise; one repeat with the same steps is no evidence."""
+    effect = functools.partial(bench.throughput_effect, tokens=(100, 100), deterministic=True)
+    # The schedule ran longer without the switch: it helps, though one timed run says 25% faster (the old ±20%
+    # rule called that "hurts").
+    assert effect(steps=(60, 50), ratio=1.25, paired=[1.25]) == ("helps", "engine steps")
+    assert effect(steps=(40, 50), ratio=0.9, paired=[0.9, 1.1]) == ("hurts", "engine steps")
+    # Repeats that agree against the steps win: the per-step cost, measured, beats the proxy.
+    assert effect(steps=(60, 50), ratio=1.2, paired=[1.1, 1.3]) == ("hurts", "repeats' spread (against the engine "
+                                                                              "steps)")
+    # Same steps: the spread decides; one run is within noise whatever its ratio.
+    assert effect(steps=(50, 50), ratio=0.7, paired=[0.7, 0.75]) == ("helps", "repeats' spread")
+    assert effect(steps=(50, 50), ratio=0.9, paired=[0.9, 1.05])[0] == "within noise"
+    assert effect(steps=(50, 50), ratio=1.3, paired=[1.3]) == ("within noise", "same engine steps, one repeat "
+                                                                                "(no spread)")
+    assert effect(steps=(50, 50), ratio=1.3, paired=[None, 1.2, 1.4])[0] == "hurts"  # a stalled round left out
+    # Different output tokens, or arrivals on the clock: steps say nothing; one repeat keeps the CPU's band.
+    assert effect(steps=(60, 50), ratio=1.25, paired=[1.25], tokens=(90, 100)) == ("within noise", "same engine "
+                                                                                    "steps, one repeat (no spread)")
+    loose = functools.partial(effect, steps=(60, 50), deterministic=False)
+    assert loose(ratio=1.1, paired=[1.1]) == ("within noise", f"one repeat, within {bench.THROUGHPUT_NOISE:.0%}")
+    assert loose(ratio=1.3, paired=[1.3]) == ("hurts", f"one repeat, beyond {bench.THROUGHPUT_NOISE:.0%}")
+    assert effect(steps=(60, 50), ratio=1.0, paired=[1.0], identical=True) == ("none", "schedule identical")
+    assert effect(steps=(60, 50), ratio=1.0, paired=[None], measured=False)[0] == "not measured"

@@ -1,6 +1,7 @@
 """Policies: presets match docs/design.md, bad switches are refused, allocator-level switches change behaviour."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -128,3 +129,82 @@ def test_parse_verify_budget_reads_the_command_line_forms():
     for bad in ("0", "-4", "1.5", "", str(policies.NO_VERIFY_CAP + 1)):
         with pytest.raises(ValueError, match="--verify-budget must be none, knee or a positive integer"):
             policies.parse_verify_budget(bad, knee=100.0)
+
+
+def test_the_victim_rule_is_a_policy_switch():
+    assert all(p.victim == "lowest_priority" for p in (policies.vllm_default(), policies.naive_spec(), policies.skvs()))
+    assert policies.skvs().replace(victim="most_progress").victim == "most_progress"
+    with pytest.raises(ValueError, match="victim must be one of"):
+        policies.skvs().replace(victim="oldest")
+
+
+def test_parse_policy_composes_a_preset_with_typed_overrides():
+    spec = policies.parse_policy("skvs:preemption=swap,victim=most_progress")
+    assert spec.policy == policies.skvs(4).replace(name="skvs[preemption=swap,victim=most_progress]",
+                                                   preemption="swap", victim="most_progress")
+    assert spec.draft_len_knob is None and spec.overrides == (("preemption", "swap"), ("victim", "most_progress"))
+    # Each field type: bool, int, float, int | None, tuple of ints ("/"-separated), str.
+    spec = policies.parse_policy("naive_spec:spec_pool=on,generation_threshold=3,max_spec_ratio=0.25,"
+                                 "verify_budget=none,draft_buckets=4,insert=validated,name=mine", draft_len=4)
+    p = spec.policy
+    assert (p.name, p.spec_pool, p.generation_threshold, p.max_spec_ratio, p.verify_budget, p.draft_buckets,
+            p.insert) == ("mine", True, 3, 0.25, None, (4,), "validated")
+    assert policies.parse_policy("skvs:draft_buckets=0/4").policy.draft_buckets == (0, 4)
+    assert policies.parse_policy("skvs:verify_budget=24").policy.verify_budget == 24
+    assert policies.parse_policy("skvs:kv_precision=bfloat16").policy.kv_dtype() == "bfloat16"
+    # Switches that go together: prefix caching off takes the barrier with it (unless it is written).
+    off = policies.parse_policy("skvs:prefix_cache=false").policy
+    assert not off.prefix_cache and not off.prefix_barrier
+    # The static K rebuilds the preset (its buckets follow); a plain name is the preset itself.
+    assert policies.parse_policy("skvs:draft_len=6").policy.draft_buckets == (0, 3, 6)
+    assert policies.parse_policy("skvs", draft_len=6).policy == policies.skvs(6)
+
+
+def test_parse_policy_keeps_the_draft_length_knob_form():
+    for text in ("naive_spec:2", "naive_spec:K=2"):
+        spec = policies.parse_policy(text)
+        assert spec.policy == policies.naive_spec(4).replace(name="naive_spec:2") and spec.draft_len_knob == 2
+        assert int(spec.knobs().draft_len) == 2 and spec.policy.draft_len == 4  # data; the static K stays
+    assert int(policies.parse_policy("skvs").knobs().draft_len) == 4
+    assert policies.parse_policy("skvs:K=1,victim=most_blocks").policy.name == "skvs[K=1,victim=most_blocks]"
+
+
+def test_parse_policy_defaults_apply_first_and_keep_the_name():
+    spec = policies.parse_policy("skvs", defaults={"preemption": "swap", "prefix_cache": False})
+    assert spec.policy.name == "skvs" and spec.policy.preemption == "swap" and not spec.policy.prefix_barrier
+    assert policies.parse_policy("skvs:preemption=recompute", defaults={"preemption": "swap"}).policy.preemption == (
+        "recompute")  # the written override wins
+
+
+@pytest.mark.parametrize("text, match", [
+    ("fastest", "unknown policy 'fastest'"),
+    ("skvs:colour=red", "unknown key 'colour'"),
+    ("skvs:spec_pool=maybe", "spec_pool='maybe': expected a bool"),
+    ("skvs:generation_threshold=soon", "generation_threshold='soon': expected an integer"),
+    ("skvs:verify_budget=lots", "verify_budget='lots': expected an integer or none"),
+    ("skvs:max_spec_ratio=nan", "max_spec_ratio='nan': expected a finite number"),
+    ("skvs:draft_buckets=0,2", "'2' is not KEY=VALUE (a bare draft length K comes first"),  # commas separate items
+    ("skvs:x", "'x' is not KEY=VALUE"),
+    ("skvs:draft_buckets=0/x", "draft_buckets='0/x': expected integers separated by '/'"),
+    ("skvs:preemption=teleport", "preemption must be one of"),
+    ("skvs:victim=oldest", "victim must be one of"),
+    ("skvs:K=9", "K must lie in [0, 4]"),
+    ("skvs:K=1,K=2", "K given twice"),
+    ("skvs:name=", "name must not be empty"),
+    ("skvs:prefix_cache=false,prefix_barrier=true", "prefix_barrier needs prefix_cache"),
+])
+def test_parse_policy_names_the_bad_key_or_value(text, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        policies.parse_policy(text)
+
+
+def test_a_policy_list_splits_at_policy_names():
+    assert policies.split_policies("vllm_default, skvs:preemption=swap,victim=most_progress,naive_spec:2,") == [
+        "vllm_default", "skvs:preemption=swap,victim=most_progress", "naive_spec:2"]
+    specs = policies.parse_policies("skvs,skvs:name=b,naive_spec", preset_defaults={"skvs": {"verify_budget": 8}})
+    assert [s.policy.name for s in specs] == ["skvs", "b", "naive_spec"]
+    assert [s.policy.verify_budget for s in specs] == [8, 8, None]
+    with pytest.raises(ValueError, match="comes before any policy name"):
+        policies.split_policies("victim=most_blocks,skvs")
+    with pytest.raises(ValueError, match="two policies are named 'skvs'"):
+        policies.parse_policies("skvs,skvs")
