@@ -191,7 +191,30 @@ def test_swap_preemption_keeps_the_cache_split():
     _assert_split(swap, 2)
 
 
-# ---------------------------------------------------------------------- the boundary, in this process (1 device)
+# ------------------------------------------------ the boundary, in this process (its devices) and under 4 devices
+
+# Set in the subprocess that runs the in-process tests again under 4 forced devices.
+_FOUR_DEVICE_RUN = "SKVS_TEST_FOUR_DEVICE_RUN"
+
+
+def test_the_in_process_checks_hold_under_four_devices():
+    """This process's device count is fixed when jax starts (1 on a plain CPU run): the in-process tests below run
+    again in a pytest subprocess with 4 forced CPU devices, as a multi-GPU machine has, so the suite holds for
+    either count."""
+    import jax
+
+    if os.environ.get(_FOUR_DEVICE_RUN) or jax.device_count() == 4:
+        pytest.skip("this process already has 4 devices")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {XLA_FLAGS}", JAX_PLATFORMS="cpu")
+    env[_FOUR_DEVICE_RUN] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)
+    tests = [f"{here}::{name}" for name in ("test_a_mesh_is_validated_at_the_boundary",
+                                            "test_megatron_specs_split_what_they_should")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", *tests],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_mesh_is_validated_at_the_boundary(shipped):
@@ -204,6 +227,8 @@ def test_a_mesh_is_validated_at_the_boundary(shipped):
     from skvs_jax.serve import engine
     from skvs_jax.serve.model_runner import LlamaMedusaRunner
 
+    if os.environ.get(_FOUR_DEVICE_RUN):
+        assert jax.device_count() == 4, jax.devices()
     cache = CacheConfig(num_blocks=16, block_size=8, max_seqs=4, max_blocks_per_seq=8)
     model, heads = shipped
     with pytest.raises(ValueError, match="mesh must have a 'tp' axis"):
@@ -218,8 +243,9 @@ def test_a_mesh_is_validated_at_the_boundary(shipped):
     mesh = distributed.make_mesh(tp=1)
     with pytest.raises(ValueError, match="impl='pallas'"):
         engine.Engine(model, heads, policies.skvs(4), cache, mesh=mesh, impl="pallas")
-    with pytest.raises(ValueError, match="dp \\* tp = 2 devices requested"):
-        distributed.make_mesh(tp=2, dp=jax.device_count())
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=f"dp \\* tp = {2 * n} devices requested, only {n} available"):
+        distributed.make_mesh(tp=2, dp=n)
     runner, params = LlamaMedusaRunner.create(model, heads)
     with pytest.raises(ValueError, match="num_kv_heads"):
         runner.param_specs(params, 4)  # tp = 4 does not divide Hkv = 2
