@@ -23,6 +23,9 @@ scheduler reads the rest. The prefix cache sees none of them, only what the sche
 manager per call: a lookup window (K under `prefix_barrier`, else 0) and the `max_spec_ratio` knob; `insert`
 decides which of the manager's indexing calls the scheduler makes. `generation_threshold` reaches
 `reclaim_expired` as a knob.
+
+Written as text (the commands' `--policies`): `parse_policy("skvs:preemption=swap,victim=most_progress")` is a
+preset with typed field overrides, `parse_policies` a comma-separated list of them (docs/design.md, "Policies").
 """
 
 from __future__ import annotations
@@ -177,9 +180,7 @@ class Policy:
 
     def kv_dtype(self) -> str:
         """The KV cache dtype this policy asks for (`kv_precision`, with "by_draft_len" resolved)."""
-        if self.kv_precision != "by_draft_len":
-            return self.kv_precision
-        return "bfloat16" if self.draft_len >= BF16_FROM_DRAFT_LEN else "float8_e4m3fn"
+        return resolve_kv_dtype(self.kv_precision, self.draft_len)
 
     def knobs(self) -> Knobs:
         """The numeric knobs at their preset values, as data."""
@@ -192,6 +193,14 @@ class Policy:
 
     def replace(self, **changes) -> Policy:
         return dataclasses.replace(self, **changes)
+
+
+def resolve_kv_dtype(kv_precision: str, draft_len: int) -> str:
+    """A `kv_precision` as a dtype name: "by_draft_len" is the article's rule for static K = draft_len (bf16 from
+    BF16_FROM_DRAFT_LEN drafts, fp8 below); any other is itself."""
+    if kv_precision != "by_draft_len":
+        return kv_precision
+    return "bfloat16" if draft_len >= BF16_FROM_DRAFT_LEN else "float8_e4m3fn"
 
 
 def vllm_default(draft_len: int = 0) -> Policy:

@@ -19,13 +19,16 @@ its run with the median throughput (the upper median for even N), and its min-ma
 naive_spec's value ("skvs -<switch>"). After the usual table it prints the decomposition: per switch, the metrics
 with the switch off and their change vs full skvs measured in the same run, the switch's share of the skvs -
 naive_spec gap (in engine steps, which are deterministic, and in throughput), and which switches help, hurt or stay
-within noise. A throughput ratio is noise when the ratios within each round (off / skvs) range over 1, or with one
-round when it is within THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU. bench.json (SCHEMA_VERSION 2): the
+within noise (`throughput_effect`: engine steps decide where the same tokens took different steps; otherwise the
+spread of the ratios within each round, off / skvs; one round with equal steps is no evidence, and only with --rate
+does one round fall back to THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU). `--policies` takes presets
+with overrides (`policies.parse_policies`), and --preemption, --victim, --kv-precision, --no-prefix-cache and
+--host-blocks set a switch for every policy (`policy_flags`). bench.json (SCHEMA_VERSION 2): the
 version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
-repeat, "stalled": policy -> a flag per repeat}) and with --ablation "ablation" (see `_ablation`). A plain run has
-the version-1 shape.
+repeat, "stalled": policy -> a flag per repeat}) and with --ablation "ablation" (see `_ablation`); its config also
+records the policy flags and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
 
-Why this module is ~530 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
+Why this module is ~620 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
 plot) reads as one command; the engine and the metrics it calls live elsewhere.
 """
 
@@ -487,11 +490,12 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
       {"off": value with the switch off, "skvs": full skvs's value, "change": off - skvs}. For throughput,
       "change" is off / skvs (reported runs) and "paired" the ratios off / skvs within each round of repeats
       (both ran under the same load; null where either run stalled), "ratio_min"/"ratio_max" their range.
-      "throughput_effect": "helps" (skvs is faster with the switch), "hurts", "within noise" (the paired range
-      holds 1; with fewer than two pairs, |change - 1| <= THROUGHPUT_NOISE), "none" (the schedule is identical
-      to skvs's: same counters and non-timing metrics, so any difference is noise), "not measured" (every run
-      of either policy stalled). "share_of_gap": (skvs - off) / (skvs - naive_spec) throughput, NaN when that
-      gap is within noise; "steps_share_of_gap" the same with engine steps, which are deterministic.
+      "throughput_effect": "helps" (skvs is faster with the switch), "hurts", "within noise", "none" (the
+      schedule is identical to skvs's: same counters and non-timing metrics, so any difference is noise), "not
+      measured" (every run of either policy stalled), decided by `throughput_effect`; "verdict_basis" says by
+      which evidence (engine steps, the repeats' spread, or one repeat). "share_of_gap": (skvs - off) / (skvs -
+      naive_spec) throughput, NaN when that gap is within noise; "steps_share_of_gap" the same with engine
+      steps, which are deterministic.
       "better"/"worse": the non-throughput metrics the switch improves / worsens.
     """
     base = chosen["skvs"]

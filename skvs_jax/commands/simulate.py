@@ -162,8 +162,7 @@ def _cost(args) -> cost_model.CostModel:
     fp8 below) for every policy, and sizes the default KV budget with it."""
     model = cost_model.MODELS[args.model]
     if args.kv_precision is not None:
-        dtype = policies.vllm_default().replace(kv_precision=args.kv_precision, speculation=True,
-                                                draft_len=max(args.draft_len, 1)).kv_dtype()
+        dtype = policies.resolve_kv_dtype(args.kv_precision, args.draft_len)
         model = dataclasses.replace(model, kv_dtype_bytes=KV_BYTES[dtype])
     return cost_model.CostModel(model, cost_model.DEVICES[args.device], tp=args.tp, mode=args.cost_mode)
 
