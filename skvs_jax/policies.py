@@ -38,6 +38,7 @@ from skvs_jax.config import SpecConfig
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 DRAFT_CONTROLS = ("histogram", "goodput")
+DRAFT_MEMORY = ("opportunistic", "priced")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
 # The article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below.
@@ -94,6 +95,12 @@ class Policy:
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
+      draft_memory: how drafts that are not mandatory (`drafts_preempt` off; ignored when it is on) get blocks:
+        "opportunistic", only from free blocks within `max_spec_ratio`, never at another's expense; or "priced":
+        a draft block costs nothing while blocks are available (free, speculative pool or evictable), and drafts
+        preempt further rows only when the step's expected accepted tokens per second, with the victims' output
+        lost and their recompute's time added (from the step cost), beat not preempting for them
+        (`scheduler.draft_control.preemption_pays`, docs/speculation.md "Draft control").
     """
 
     name: str
@@ -114,6 +121,7 @@ class Policy:
     kv_precision: str = "float32"
     verify_budget: int | None = None
     draft_control: str = "histogram"
+    draft_memory: str = "opportunistic"
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -128,6 +136,8 @@ class Policy:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.draft_control not in DRAFT_CONTROLS:
             raise ValueError(f"draft_control must be one of {DRAFT_CONTROLS}, got {self.draft_control!r}")
+        if self.draft_memory not in DRAFT_MEMORY:
+            raise ValueError(f"draft_memory must be one of {DRAFT_MEMORY}, got {self.draft_memory!r}")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         vb = self.verify_budget
@@ -156,6 +166,11 @@ class Policy:
     def goodput_control(self) -> bool:
         """The goodput draft controller decides the drafts (speculation, adaptive length, draft_control)."""
         return self.speculation and self.adaptive_draft_len and self.draft_control == "goodput"
+
+    @property
+    def priced_drafts(self) -> bool:
+        """Draft blocks are priced (`draft_memory="priced"`, speculation on, drafts not mandatory)."""
+        return self.speculation and not self.drafts_preempt and self.draft_memory == "priced"
 
     def spec_config(self) -> SpecConfig:
         """What the allocator needs to know of this policy."""
@@ -256,7 +271,7 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
+_ABLATABLE = ("draft_memory", "draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
               "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 

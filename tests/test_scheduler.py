@@ -58,6 +58,10 @@ CONFIGS = {
     # (its attribution counters count the preemptions drafts cause).
     "skvs_article": _cfg(policies.skvs_article(4)),
     "skvs-goodput-drafts-preempt": _cfg(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0)),
+    # Priced draft blocks: drafts preempt only when the step's expected tokens per second say it pays; the
+    # histogram rule with priced blocks reads the survivals too; and swap victims.
+    "skvs-priced": _cfg(SKVS.replace(draft_memory="priced")),
+    "skvs_article-priced-swap": _cfg(ARTICLE.replace(draft_memory="priced", preemption="swap"), swap_blocks=12),
 }
 # A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
 # 150 us: drafts pay only while the rows' acceptance is high enough.
@@ -106,7 +110,7 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
 
 
-@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt"])
+@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-priced"])
 @settings(max_examples=3)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
 def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, seed, steps, add_p):
@@ -126,6 +130,25 @@ def test_drafts_preempting_are_attributed():
     opp = Harness(CONFIGS["skvs"], vocab=VOCAB)
     opp.run(workload(CONFIGS["skvs"], 5, 60, 0.8, 0.0))
     assert int(opp.st.counters.oom_steps_drafts) == 0 and int(opp.st.counters.preempt_drafts) == 0
+
+
+def test_priced_draft_blocks_preempt_only_when_it_pays():
+    """Priced draft blocks, in lockstep with the oracle: with the flat cost a recompute is free, so drafts preempt
+    in the steps where the tokens they add beat the victims' lost output (counted as theirs); when the step cost
+    makes a recomputed token expensive (62 ms each), they never preempt, and take only blocks that are there."""
+    cfg = CONFIGS["skvs-priced"]
+    ops = workload(cfg, 5, 60, 0.8, 0.0)
+    h = Harness(cfg, vocab=VOCAB)
+    h.run(ops)
+    ct = h.st.counters
+    assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and 0 < int(ct.preempt_drafts)
+    costly = sc.StepCost(token_us=jnp.asarray([100] * cfg.token_budget + [10**6], jnp.int32),
+                         row_us=jnp.asarray(0, jnp.int32), ctx_ns=jnp.asarray(0, jnp.int32),
+                         head_us=jnp.asarray(0, jnp.int32))
+    h = Harness(cfg, vocab=VOCAB, step_cost=costly)
+    h.run(ops)
+    ct = h.st.counters
+    assert int(ct.oom_steps_drafts) == 0 and int(ct.preempt_drafts) == 0 and int(ct.draft_blocks) > 0
 
 
 @pytest.mark.parametrize("name", ["naive_spec", "skvs-swap-least_progress"])
