@@ -49,10 +49,11 @@ def test_each_ablation_changes_one_switch_family():
     } | {"skvs_article -prefix_barrier"}
 
 
-def test_skvs_is_the_article_with_the_goodput_controller():
+def test_skvs_is_the_article_with_the_goodput_controller_priced_blocks_and_no_barrier():
     a, s = policies.skvs_article(4), policies.skvs(4)
     assert a.draft_control == "histogram" and not a.goodput_control and s.goodput_control
-    assert s == a.replace(name="skvs", draft_control="goodput")
+    assert not a.priced_drafts and s.priced_drafts and not s.replace(drafts_preempt=True).priced_drafts
+    assert s == a.replace(name="skvs", draft_control="goodput", draft_memory="priced", prefix_barrier=False)
     assert policies.preset("skvs_article") == a
     with pytest.raises(ValueError, match="draft_control"):
         s.replace(draft_control="magic")
@@ -69,7 +70,8 @@ def test_skvs_is_the_article_with_the_goodput_controller():
         (dict(draft_buckets=(0, 4, 2)), ValueError, "draft_buckets"),
         (dict(draft_buckets=(0, 2)), ValueError, "draft_buckets"),
         (dict(spec_pool=1), TypeError, "spec_pool"),
-        (dict(prefix_cache=False), ValueError, "prefix_barrier"),
+        (dict(prefix_cache=False, prefix_barrier=True), ValueError, "prefix_barrier"),
+        (dict(draft_memory="borrowed"), ValueError, "draft_memory"),
         (dict(speculation=False), ValueError, "without speculation"),
     ],
 )
