@@ -527,9 +527,10 @@ def test_generation_reclaim_knob():
 
 
 def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
-    none = _run(_cfg(SKVS, num_blocks=16), accept="none", steps=40)
-    zero = Harness(_cfg(SKVS, num_blocks=16), vocab=VOCAB,
-                   knobs=SKVS.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))
+    opp = SKVS.replace(draft_memory="opportunistic")  # skvs prices draft blocks; the ratio bounds opportunistic ones
+    none = _run(_cfg(opp, num_blocks=16), accept="none", steps=40)
+    zero = Harness(_cfg(opp, num_blocks=16), vocab=VOCAB,
+                   knobs=opp.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))
     rng = np.random.default_rng(3)
     zero.add([[1, 2, 1, 2, 2]], [12])
     batches = [zero.step(rng) for _ in range(8)]
