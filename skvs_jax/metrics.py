@@ -369,6 +369,21 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     return out
 
 
+ATTRIBUTION = ("draft_blocks", "oom_steps_drafts", "preempt_drafts")  # `scheduler.SchedCounters` fields
+
+
+def attribution(counters: Mapping[str, float], num_requests: int) -> dict[str, float]:
+    """What drafts cost in memory, from a run's scheduler counters (`SchedCounters` as a mapping): the new blocks
+    granted to draft slots, the OOM steps the drafts caused and their preemptions, and those preemptions per
+    request (`draft_preemptions_per_request`; part of `preemptions_per_request`)."""
+    missing = [k for k in ATTRIBUTION if k not in counters]
+    if missing:
+        raise ValueError(f"counters lacks {missing}")
+    out = {k: float(counters[k]) for k in ATTRIBUTION}
+    out["draft_preemptions_per_request"] = _ratio(out["preempt_drafts"], num_requests)
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- table
 
 

@@ -15,7 +15,8 @@ Presets (docs/design.md):
                 reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
                 opportunistic drafts bounded by max_spec_ratio, adaptive draft length (the histogram rule),
                 draft-length buckets: the article's section 5 exactly.
-  skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`).
+  skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`), priced draft blocks
+                (`draft_memory="priced"`) and no prefix barrier.
 
 Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
 engine reads `kv_precision`, and `speculation`, `draft_len`, `draft_buckets` for its compiled widths; the
@@ -42,6 +43,7 @@ from skvs_jax.config import SpecConfig
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 DRAFT_CONTROLS = ("histogram", "goodput")
+DRAFT_MEMORY = ("opportunistic", "priced")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
 # The victim rules a policy can name (the functions are `scheduler.VICTIM_RULES`, which has exactly these keys).
 VICTIM_RULE_NAMES = ("lowest_priority", "least_progress", "most_progress", "most_blocks")
@@ -102,6 +104,12 @@ class Policy:
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
       victim: which running sequences preemption takes first, a name in VICTIM_RULE_NAMES (the functions are
         `scheduler.VICTIM_RULES`). `SchedulerConfig.victim`, when set, overrides it (e.g. with a custom function).
+      draft_memory: how drafts that are not mandatory (`drafts_preempt` off; ignored when it is on) get blocks:
+        "opportunistic", only from free blocks within `max_spec_ratio`, never at another's expense; or "priced":
+        a draft block costs nothing while blocks are available (free, speculative pool or evictable), and drafts
+        preempt further rows only when the step's expected accepted tokens per second, with the victims' output
+        lost and their recompute's time added (from the step cost), beat not preempting for them
+        (`scheduler.draft_control.preemption_pays`, docs/speculation.md "Draft control").
     """
 
     name: str
@@ -123,6 +131,7 @@ class Policy:
     verify_budget: int | None = None
     draft_control: str = "histogram"
     victim: str = "lowest_priority"
+    draft_memory: str = "opportunistic"
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -137,6 +146,8 @@ class Policy:
             raise ValueError(f"preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
         if self.draft_control not in DRAFT_CONTROLS:
             raise ValueError(f"draft_control must be one of {DRAFT_CONTROLS}, got {self.draft_control!r}")
+        if self.draft_memory not in DRAFT_MEMORY:
+            raise ValueError(f"draft_memory must be one of {DRAFT_MEMORY}, got {self.draft_memory!r}")
         if self.kv_precision not in KV_PRECISIONS:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         if self.victim not in VICTIM_RULE_NAMES:
@@ -167,6 +178,11 @@ class Policy:
     def goodput_control(self) -> bool:
         """The goodput draft controller decides the drafts (speculation, adaptive length, draft_control)."""
         return self.speculation and self.adaptive_draft_len and self.draft_control == "goodput"
+
+    @property
+    def priced_drafts(self) -> bool:
+        """Draft blocks are priced (`draft_memory="priced"`, speculation on, drafts not mandatory)."""
+        return self.speculation and not self.drafts_preempt and self.draft_memory == "priced"
 
     def spec_config(self) -> SpecConfig:
         """What the allocator needs to know of this policy."""
@@ -236,8 +252,11 @@ def skvs_article(draft_len: int = 4) -> Policy:
 
 def skvs(draft_len: int = 4) -> Policy:
     """The best speculation-aware scheduler we have measured: the article's (`skvs_article`) with the goodput
-    draft controller in place of the histogram rule (docs/speculation.md, "Draft control")."""
-    return skvs_article(draft_len).replace(name="skvs", draft_control="goodput")
+    draft controller in place of the histogram rule, priced draft blocks (drafts preempt only when that pays)
+    and no prefix barrier (the index holds only validated blocks, so the barrier only lost hits: 66 engine steps
+    on `skvs bench`'s trace without it, 71 with it; docs/speculation.md, "Draft control")."""
+    return skvs_article(draft_len).replace(name="skvs", draft_control="goodput", draft_memory="priced",
+                                           prefix_barrier=False)
 
 
 PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}
@@ -273,7 +292,7 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
+_ABLATABLE = ("draft_memory", "draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
               "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 

@@ -206,9 +206,9 @@ def test_console_script_entry_point_is_installed():
 # ------------------------------------------------------------------------------------------ bench --ablation
 
 # Throughput (tok/s) per policy in the stub below: without the release switch skvs gets faster (the switch
-# hurts), without the barrier slower (it helps); the barrier also costs hit rate; the insert mode changes
+# hurts), without the pool slower (it helps); the pool also costs hit rate; the insert mode changes
 # nothing (same counters and non-timing metrics), so its 10% is noise.
-_STUB_THROUGHPUT = {"naive_spec": 120.0, "skvs": 100.0, "skvs -release": 150.0, "skvs -prefix_barrier": 60.0,
+_STUB_THROUGHPUT = {"naive_spec": 120.0, "skvs": 100.0, "skvs -release": 150.0, "skvs -spec_pool": 60.0,
                     "skvs -insert": 90.0}
 
 
@@ -224,7 +224,7 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
         stalled = i in (stall or {}).get(policy.name, ())
         m = {key: 0.5 for key, _, _ in metrics.METRICS}
         m |= {"throughput": 5.0 if stalled else _STUB_THROUGHPUT[policy.name] + (-1.0, 1.0, 0.0)[i % 3],
-              "kv_hit_rate": 0.5 if policy.name == "skvs -prefix_barrier" else 0.4,
+              "kv_hit_rate": 0.5 if policy.name == "skvs -spec_pool" else 0.4,
               "spec_kv_waste": 0.1 if policy.name == "naive_spec" else 0.01}
         m |= {"num_requests": 3.0, "num_aborted": 0.0, "num_steps": 4.0, "output_tokens": 12.0, "wall_time": 0.1}
         outputs = {0: [1, 2, 3], 1: [4, 5] + ([9] if policy.name == differ else [6])}
@@ -246,12 +246,12 @@ def _keep_ablations(monkeypatch, *names):
 
 @pytest.fixture
 def two_ablations(monkeypatch):
-    _keep_ablations(monkeypatch, "release", "prefix_barrier")
+    _keep_ablations(monkeypatch, "release", "spec_pool")
 
 
 def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
-    _keep_ablations(monkeypatch, "release", "prefix_barrier", "insert")
-    monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs -prefix_barrier": {0}}))
+    _keep_ablations(monkeypatch, "release", "spec_pool", "insert")
+    monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs -spec_pool": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--repeats", "3", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -260,40 +260,40 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert "non-timing metrics identical across repeats: True" in out
     assert "naive_spec 120 [119-121]" in out  # median [min-max]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
-    assert {"(none: skvs)", "release", "prefix_barrier", "insert", "all (naive_spec)"} <= set(rows)
+    assert {"(none: skvs)", "release", "spec_pool", "insert", "all (naive_spec)"} <= set(rows)
     # 150 / 100, [151 / 101 .. 149 / 99] within rounds; engine steps
     assert rows["release"].split(" | ")[1:3] == ["1.50x [1.50-1.51]", "4 (±0)"]
     # The stalled first run is left out: 61 / 100, [60 / 100 .. 61 / 101]; hit rate off, change vs skvs.
-    assert rows["prefix_barrier"].split(" | ")[1] == "0.61x [0.60-0.60]"
-    assert "| 50.0 (+10.0) |" in rows["prefix_barrier"]
-    assert "warning: 1 of 3 runs of skvs -prefix_barrier had one step of up to 2.0 s" in out
+    assert rows["spec_pool"].split(" | ")[1] == "0.61x [0.60-0.60]"
+    assert "| 50.0 (+10.0) |" in rows["spec_pool"]
+    assert "warning: 1 of 3 runs of skvs -spec_pool had one step of up to 2.0 s" in out
     assert "excluded from its median and range" in out
-    assert "switches that help throughput (skvs is faster with them): prefix_barrier" in out
+    assert "switches that help throughput (skvs is faster with them): spec_pool" in out
     assert "switches that hurt throughput (skvs is faster without them): release" in out
     assert "switches that change nothing on this trace (schedule identical to skvs's" in out
     assert "skvs vs naive_spec overall: skvs throughput 0.83x naive_spec's (beyond noise)" in out
 
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["schema_version"] == bench.SCHEMA_VERSION == 2 and doc["identical_greedy_outputs"] is True
-    assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -prefix_barrier", "skvs -insert"]
-    assert doc["config"]["policies"] == "naive_spec,skvs,skvs -release,skvs -prefix_barrier,skvs -insert"
+    assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool", "skvs -insert"]
+    assert doc["config"]["policies"] == "naive_spec,skvs,skvs -release,skvs -spec_pool,skvs -insert"
     assert doc["runs"]["throughput"]["skvs"] == [99.0, 101.0, 100.0]
     a = doc["ablation"]
-    assert list(a["rows"]) == ["release", "prefix_barrier", "insert", "naive_spec"] and a["repeats"] == 3
-    release, barrier = a["rows"]["release"], a["rows"]["prefix_barrier"]
+    assert list(a["rows"]) == ["release", "spec_pool", "insert", "naive_spec"] and a["repeats"] == 3
+    release, barrier = a["rows"]["release"], a["rows"]["spec_pool"]
     assert release["changes"] == {"release": "lazy"} and release["throughput_effect"] == "hurts"
     assert barrier["throughput_effect"] == "helps" and barrier["worse"] == ["kv_hit_rate"] and not barrier["better"]
     assert barrier["metrics"]["kv_hit_rate"] == {"off": 0.5, "skvs": 0.4, "change": pytest.approx(0.1)}
     assert release["share_of_gap"] == pytest.approx((100 - 150) / (100 - 120))
     assert barrier["metrics"]["throughput"]["paired"][0] is None
-    assert doc["runs"]["stalled"]["skvs -prefix_barrier"] == [True, False, False]
+    assert doc["runs"]["stalled"]["skvs -spec_pool"] == [True, False, False]
     assert not any(doc["runs"]["stalled"]["skvs"])
     assert a["rows"]["naive_spec"]["better"] == ["spec_kv_waste"]
     assert a["rows"]["insert"]["identical_schedule"] and a["rows"]["insert"]["throughput_effect"] == "none"
 
 
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
-    monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -prefix_barrier", stall={"skvs -release": {0}}))
+    monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -spec_pool", stall={"skvs -release": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
     out = capsys.readouterr().out
@@ -357,7 +357,7 @@ def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: True (4 policies checked)" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert list(doc["ablation"]["rows"]) == ["release", "prefix_barrier", "naive_spec"]
+    assert list(doc["ablation"]["rows"]) == ["release", "spec_pool", "naive_spec"]
     assert all(r["metrics"]["throughput"]["off"] > 0 for r in doc["ablation"]["rows"].values())
 
 

@@ -138,3 +138,25 @@ def test_sim_step_cost_tracks_the_cost_model(model, device):
         clock = float(cost.step_time(0.0, float(tokens), float(ctx), float(rows), float(heads))) * 1e6
         mine = int(np.asarray(dc.step_time_us(table, jnp.asarray(tokens), rows, ctx, jnp.asarray(heads))))
         assert mine == pytest.approx(clock, rel=0.06 if cost.resolved_mode == "measured" else 0.1), (rows, tokens)
+
+
+def test_recompute_is_free_under_the_flat_cost_and_priced_by_the_mean_token_time():
+    cfg = _cfg_budget(T_MAX)
+    assert int(dc.recompute_us(sc.flat_step_cost(cfg), jnp.asarray(500))) == 0
+    cost = _cost(1000, 40)  # 40 us per token over a full step
+    assert int(dc.recompute_us(cost, jnp.asarray(100))) == 4000
+
+
+@settings(max_examples=60)
+@given(tk=hs.integers(0, 10**6), tp=hs.integers(0, 10**6), time_k=hs.integers(0, 10**5), time_p=hs.integers(0, 10**5),
+       rec=hs.integers(0, 10**5))
+def test_preemption_pays_when_its_tokens_per_second_are_higher(tk, tp, time_k, time_p, rec):
+    """The decision is the comparison of the two sides' expected tokens per microsecond (to float32 precision);
+    a free recompute and equal times reduce it to more tokens."""
+    got = bool(dc.preemption_pays(jnp.asarray(tk), jnp.asarray(time_k), jnp.asarray(tp), jnp.asarray(time_p),
+                                  jnp.asarray(rec)))
+    keep, pre = tk / max(time_k, 1), tp / (max(time_p, 1) + rec)
+    if abs(keep - pre) > 1e-5 * max(keep, pre):
+        assert got == (pre > keep)
+    assert bool(dc.preemption_pays(jnp.asarray(tk), jnp.asarray(7), jnp.asarray(tp), jnp.asarray(7),
+                                   jnp.asarray(0))) == (tp > tk)

@@ -227,3 +227,13 @@ def test_format_table_rows_columns_and_ratios():
     assert "skvs / naive_spec" in only_two and "vllm_default" not in only_two
     with pytest.raises(ValueError, match="results"):
         metrics.format_table({})
+
+
+def test_attribution_reads_the_draft_counters_and_checks_they_are_there():
+    from skvs_jax.metrics import attribution
+
+    got = attribution({"draft_blocks": 12, "oom_steps_drafts": 2, "preempt_drafts": 3, "steps": 9}, 6)
+    assert got == {"draft_blocks": 12.0, "oom_steps_drafts": 2.0, "preempt_drafts": 3.0,
+                   "draft_preemptions_per_request": 0.5}
+    with pytest.raises(ValueError, match="preempt_drafts"):
+        attribution({"draft_blocks": 1, "oom_steps_drafts": 0}, 1)

@@ -59,6 +59,10 @@ CONFIGS = {
     # (its attribution counters count the preemptions drafts cause).
     "skvs_article": _cfg(policies.skvs_article(4)),
     "skvs-goodput-drafts-preempt": _cfg(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0)),
+    # skvs prices draft blocks (drafts preempt only when the step's expected tokens per second say it pays);
+    # the controller with opportunistic drafts; the histogram rule with priced blocks, and swap victims.
+    "skvs-opportunistic": _cfg(SKVS.replace(draft_memory="opportunistic")),
+    "skvs_article-priced-swap": _cfg(ARTICLE.replace(draft_memory="priced", preemption="swap"), swap_blocks=12),
 }
 # A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
 # 150 us: drafts pay only while the rows' acceptance is high enough.
@@ -107,7 +111,7 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
 
 
-@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt"])
+@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic"])
 @settings(max_examples=3)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
 def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, seed, steps, add_p):
@@ -124,9 +128,28 @@ def test_drafts_preempting_are_attributed():
     ct = h.st.counters
     assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and int(ct.preempt_drafts) > 0
     assert int(ct.draft_blocks) > 0
-    opp = Harness(CONFIGS["skvs"], vocab=VOCAB)
-    opp.run(workload(CONFIGS["skvs"], 5, 60, 0.8, 0.0))
+    opp = Harness(CONFIGS["skvs-opportunistic"], vocab=VOCAB)
+    opp.run(workload(CONFIGS["skvs-opportunistic"], 5, 60, 0.8, 0.0))
     assert int(opp.st.counters.oom_steps_drafts) == 0 and int(opp.st.counters.preempt_drafts) == 0
+
+
+def test_priced_draft_blocks_preempt_only_when_it_pays():
+    """Priced draft blocks, in lockstep with the oracle: with the flat cost a recompute is free, so drafts preempt
+    in the steps where the tokens they add beat the victims' lost output (counted as theirs); when the step cost
+    makes a recomputed token expensive (62 ms each), they never preempt, and take only blocks that are there."""
+    cfg = CONFIGS["skvs"]
+    ops = workload(cfg, 5, 60, 0.8, 0.0)
+    h = Harness(cfg, vocab=VOCAB)
+    h.run(ops)
+    ct = h.st.counters
+    assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and 0 < int(ct.preempt_drafts)
+    costly = sc.StepCost(token_us=jnp.asarray([100] * cfg.token_budget + [10**6], jnp.int32),
+                         row_us=jnp.asarray(0, jnp.int32), ctx_ns=jnp.asarray(0, jnp.int32),
+                         head_us=jnp.asarray(0, jnp.int32))
+    h = Harness(cfg, vocab=VOCAB, step_cost=costly)
+    h.run(ops)
+    ct = h.st.counters
+    assert int(ct.oom_steps_drafts) == 0 and int(ct.preempt_drafts) == 0 and int(ct.draft_blocks) > 0
 
 
 @pytest.mark.parametrize("name", ["naive_spec", "skvs-swap-least_progress"])
@@ -455,8 +478,8 @@ def test_release_and_pool_switches_change_what_rejected_drafts_hold():
 def test_prefix_cache_barrier_and_insert_switches():
     no_cache = _run(_cfg(NAIVE.replace(prefix_cache=False)))
     assert int(no_cache.st.counters.cached_tokens) == 0 and not no_cache.oracle.index.index
-    barrier = _run(_cfg(SKVS))
-    no_barrier = _run(_cfg(SKVS.replace(prefix_barrier=False)))
+    barrier = _run(_cfg(ARTICLE))
+    no_barrier = _run(_cfg(ARTICLE.replace(prefix_barrier=False)))
     assert 0 < int(barrier.st.counters.cached_tokens) < int(no_barrier.st.counters.cached_tokens)
     on_fill = _run(_cfg(SKVS.replace(insert="on_fill")))
     validated = _run(_cfg(SKVS))
@@ -505,9 +528,10 @@ def test_generation_reclaim_knob():
 
 
 def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
-    none = _run(_cfg(SKVS, num_blocks=16), accept="none", steps=40)
-    zero = Harness(_cfg(SKVS, num_blocks=16), vocab=VOCAB,
-                   knobs=SKVS.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))
+    opp = SKVS.replace(draft_memory="opportunistic")  # skvs prices draft blocks; the ratio bounds opportunistic ones
+    none = _run(_cfg(opp, num_blocks=16), accept="none", steps=40)
+    zero = Harness(_cfg(opp, num_blocks=16), vocab=VOCAB,
+                   knobs=opp.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))
     rng = np.random.default_rng(3)
     zero.add([[1, 2, 1, 2, 2]], [12])
     batches = [zero.step(rng) for _ in range(8)]

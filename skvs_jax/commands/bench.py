@@ -178,6 +178,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None) -
               "spec_blocks": [s["spec_blocks"] for s in e.step_log]}
     outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
     counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
+    result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
             "compiled": sorted(e.compiled)}
 

@@ -101,3 +101,33 @@ def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: ja
     halve = pop_t >= POP_HALVE_AT
     return (draft_tried + tried.astype(i32), draft_passed + passed.astype(i32),
             jnp.where(halve, pop_t // 2, pop_t), jnp.where(halve, pop_p // 2, pop_p))
+
+
+# ------------------------------------------------------------------------------- memory: pricing draft blocks
+
+
+def row_gain(surv: jax.Array, drafts: jax.Array) -> jax.Array:
+    """int32[B] expected accepted drafts * ONE of a row drafting drafts[b] (int32[B]): sum of surv[b, d < drafts[b]]."""
+    d = jnp.arange(surv.shape[1], dtype=i32)[None, :]
+    return jnp.sum(jnp.where(d < drafts[:, None], surv, 0), axis=1, dtype=i32)
+
+
+def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
+    """int32[] the time `tokens` recomputed tokens add to the steps that absorb them: tokens times the mean time per
+    token of a full step, (token_us[T] - token_us[0]) / T. Zero under `flat_step_cost`: on a device where a step
+    costs the same whatever it carries, a recompute that fits in other steps' slack is free."""
+    t = cost.token_us.shape[0] - 1
+    per_token_ns = (cost.token_us[t] - cost.token_us[0]) * 1000 // max(t, 1)
+    return (tokens * per_token_ns // 1000).astype(i32)
+
+
+def preemption_pays(tokens_keep: jax.Array, time_keep: jax.Array, tokens_preempt: jax.Array,
+                    time_preempt: jax.Array, recompute: jax.Array) -> jax.Array:
+    """bool[] drafts should preempt: the step's expected output tokens * ONE per microsecond when the drafts take
+    the victims' blocks (tokens_preempt, which has lost the victims' output; time_preempt plus the victims'
+    `recompute_us`) beats the step without those victims (tokens_keep, time_keep). All int32[]; compared as
+    float32 cross products (one rounding per side), so the plain-Python oracle agrees bit for bit."""
+    f = jnp.float32
+    lhs = tokens_preempt.astype(f) * jnp.maximum(time_keep, 1).astype(f)
+    rhs = tokens_keep.astype(f) * (jnp.maximum(time_preempt, 1) + recompute).astype(f)
+    return lhs > rhs

@@ -1,7 +1,7 @@
 """`schedule`: decide one step's batch and make every allocation for it, as a list of named phases.
 
-    release_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt → grant_opportunistic_drafts
-    → count_draft_blocks → swap_in → admit → evict_and_allocate → make_batch
+    release_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt (→ price_draft_preemption)
+    → grant_opportunistic_drafts → count_draft_blocks → swap_in → admit → evict_and_allocate → make_batch
 
 Each phase is a pure function of the state and what the phases before it decided; jit traces through them into
 one program. Rows are served in priority order (`priority_order`); every prefix sum over rows is taken in that
@@ -125,13 +125,16 @@ class Order(NamedTuple):
 class DraftPlan(NamedTuple):
     """decode int32[B]: drafts wanted by decode rows; reserved int32[B]: draft slots wanted by prefilling rows
     (spec_in_prefill); reserve int32[]: the reservation a newly admitted row asks for; k_max int32[]: the draft
-    length knob clamped to [0, K]; spec_ratio float32[]: the max_spec_ratio knob clamped to [0, 1]."""
+    length knob clamped to [0, K]; spec_ratio float32[]: the max_spec_ratio knob clamped to [0, 1]; surv
+    int32[B, K]: each row's survival per draft depth (`draft_control.survival`; zeros unless the goodput controller
+    or priced draft blocks read it)."""
 
     decode: jax.Array
     reserved: jax.Array
     reserve: jax.Array
     k_max: jax.Array
     spec_ratio: jax.Array
+    surv: jax.Array
 
 
 class Grant(NamedTuple):
@@ -149,12 +152,14 @@ class Grant(NamedTuple):
 class Preemption(NamedTuple):
     """victim bool[B] preempted rows, of which swap bool[B] go to the host tier (the others are recomputed);
     swap_out_blocks int32[B, M] the swapped rows' committed blocks (NULL_BLOCK-padded); oom bool[] some row could
-    not get its blocks without preempting."""
+    not get its blocks without preempting; drafts_paid bool[]: under priced draft blocks, the drafts preempted
+    (they keep every slot); else False."""
 
     victim: jax.Array
     swap: jax.Array
     swap_out_blocks: jax.Array
     oom: jax.Array
+    drafts_paid: jax.Array
 
 
 class Room(NamedTuple):
@@ -214,22 +219,27 @@ def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: S
     decode = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - num_tokens)
     decoding = decoding_rows(seqs.status, num_tokens, committed, seqs.prompt_len)
     decode = jnp.minimum(jnp.where(decoding, decode, 0), verify_cap(decoding, knobs))
+    if pol.goodput_control or pol.priced_drafts:
+        alpha = draft_control.acceptance_estimates(seqs.draft_tried, seqs.draft_passed, st.pop_tried, st.pop_passed)
+        surv = draft_control.survival(alpha)
+    else:
+        surv = jnp.zeros(seqs.draft_tried.shape, i32)
     if pol.goodput_control:
-        decode = goodput_plan(st, decode, chunk, cfg, step_cost)
+        decode = goodput_plan(st, surv, decode, chunk, cfg, step_cost)
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     reserved = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - committed - chunk), 0)
-    return DraftPlan(decode=decode, reserved=reserved, reserve=reserve, k_max=k_max, spec_ratio=spec_ratio)
+    return DraftPlan(decode=decode, reserved=reserved, reserve=reserve, k_max=k_max, spec_ratio=spec_ratio,
+                     surv=surv)
 
 
-def goodput_plan(st: SchedState, cap: jax.Array, chunk: jax.Array, cfg: SchedulerConfig,
+def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Array, cfg: SchedulerConfig,
                  step_cost: StepCost | None) -> jax.Array:
-    """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) below cap int32[B], for a step
-    whose other work is the running rows' chunks int32[B] (admissions come later and are not counted): its base
-    tokens (within the token budget), rows, context read and the rows that sample whatever is drafted."""
+    """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) over survivals surv int32[B, K]
+    below cap int32[B], for a step whose other work is the running rows' chunks int32[B] (admissions come later and
+    are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
+    whatever is drafted."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
-    alpha = draft_control.acceptance_estimates(seqs.draft_tried, seqs.draft_passed, st.pop_tried, st.pop_passed)
-    surv = draft_control.survival(alpha)
     base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
     rows = jnp.sum(running, dtype=i32)
     ctx = jnp.sum(jnp.where(running, committed, 0), dtype=i32)
@@ -260,22 +270,28 @@ def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerC
     return Grant(query=query, drafts=drafts, need_query=need_query, need_drafts=need_all - need_query, cow=cow)
 
 
+def blocks_freed(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
+    """int32[B] the blocks each row would give back if preempted: those of its table it alone holds."""
+    alloc, m = st.kv.alloc, cfg.cache.max_blocks_per_seq
+    in_table = jnp.arange(m, dtype=i32)[None, :] < alloc.seqs.num_blocks[:, None]
+    return jnp.sum(in_table & (alloc.blocks.ref_count[alloc.seqs.block_table] == 1), axis=1, dtype=i32)
+
+
 def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
     speculative-pool and evictable blocks. Returns (victim bool[B]; the rows int32[B] in the rule's order, the
     victims first; oom bool[], some row could not get its blocks without preemption). Most steps fit without
     preempting anyone: the victim order (a sort) is skipped then."""
-    m, b = cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs
+    b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
-    committed, held, table = alloc.seqs.num_committed, alloc.seqs.num_blocks, alloc.seqs.block_table
+    committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
     avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
     total = jnp.sum(need, dtype=i32)
     b_idx = jnp.arange(b, dtype=i32)
 
     def victims(_):
-        in_table = jnp.arange(m, dtype=i32)[None, :] < held[:, None]
-        freed = jnp.sum(in_table & (alloc.blocks.ref_count[table] == 1), axis=1, dtype=i32)  # a victim gives back
+        freed = blocks_freed(st, cfg)
         key = cfg.victim_rule(rank, committed, held).astype(i32)
         victim_order = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
         fits = total - jnp.cumsum(need[victim_order], dtype=i32) <= avail + jnp.cumsum(freed[victim_order], dtype=i32)
@@ -287,23 +303,71 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
     return running & (victim_rank < num_victims), victim_order, num_victims > 0
 
 
-def preempt(st: SchedState, grant: Grant, rank: jax.Array, cfg: SchedulerConfig
-            ) -> tuple[SchedState, Grant, Preemption]:
-    """3. Preemption: the blocks the running rows need (their drafts too when `drafts_preempt`) must fit in
-    free + speculative-pool + evictable blocks; if they do not, the fewest victims in victim-rule order go. A
-    victim is swapped (status SWAPPED, its committed blocks to be copied to the host tier) when the policy says
-    swap and the tier has room, in victim order; otherwise recomputed (blocks released, back to WAITING with its
-    tokens). The victims' grants are withdrawn."""
+def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, keep_victims: jax.Array,
+                           all_victims: jax.Array, cost: StepCost, cfg: SchedulerConfig) -> jax.Array:
+    """3'. Priced draft blocks: bool[], the drafts should preempt the rows all_victims has beyond keep_victims
+    (bool[B] each: the victims the query tokens alone need, and those every draft slot too needs).
+
+    Not preempting for them, the kept rows' drafts take blocks in priority order while they fit in what is
+    available once keep_victims are gone (free, speculative pool, evictable, and the victims' blocks); preempting,
+    every kept row keeps its drafts, the extra victims' output this step is lost, and their committed tokens'
+    recompute (`draft_control.recompute_us`) is added to the step's time. Each side's expected output tokens
+    (sampling rows * ONE + the survivals of its drafts, `draft_control.row_gain`) and time (`step_time_us`) go to
+    `draft_control.preemption_pays`."""
+    seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
+    running = seqs.status == RUNNING
+    avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+    kept1, kept2 = running & ~keep_victims, running & ~all_victims
+    avail1 = avail + jnp.sum(jnp.where(keep_victims, blocks_freed(st, cfg), 0), dtype=i32)
+    room1 = avail1 - jnp.sum(jnp.where(kept1, grant.need_query, 0), dtype=i32)
+    fit1 = (grant.need_drafts == 0) | (in_order(jnp.where(kept1, grant.need_drafts, 0), *order) <= room1)
+    samples = (grant.query > 0) & (committed + grant.query == seqs.num_tokens)
+
+    def side(kept, drafts):
+        decode_drafts = jnp.where(plan.decode > 0, drafts, 0)
+        tokens = (draft_control.ONE * jnp.sum(kept & samples, dtype=i32)
+                  + jnp.sum(draft_control.row_gain(plan.surv, decode_drafts), dtype=i32))
+        time = draft_control.step_time_us(
+            cost, jnp.sum(jnp.where(kept, grant.query + drafts, 0), dtype=i32), jnp.sum(kept, dtype=i32),
+            jnp.sum(jnp.where(kept, committed, 0), dtype=i32), jnp.sum(decode_drafts, dtype=i32))
+        return tokens, time
+
+    tokens1, time1 = side(kept1, jnp.where(kept1 & fit1, grant.drafts, 0))
+    tokens2, time2 = side(kept2, jnp.where(kept2, grant.drafts, 0))
+    extra = all_victims & ~keep_victims
+    recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, committed, 0), dtype=i32))
+    return jnp.any(extra) & draft_control.preemption_pays(tokens1, time1, tokens2, time2, recompute)
+
+
+def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: SchedulerConfig,
+            step_cost: StepCost | None = None) -> tuple[SchedState, Grant, Preemption]:
+    """3. Preemption: the blocks the running rows need (their drafts too when `drafts_preempt`, or when priced
+    draft blocks pay for it: `price_draft_preemption`) must fit in free + speculative-pool + evictable blocks; if
+    they do not, the fewest victims in victim-rule order go. A victim is swapped (status SWAPPED, its committed
+    blocks to be copied to the host tier) when the policy says swap and the tier has room, in victim order;
+    otherwise recomputed (blocks released, back to WAITING with its tokens). The victims' grants are withdrawn."""
     s, m, b = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs
-    pol, seqs = cfg.policy, st.seqs
+    pol, seqs, rank = cfg.policy, st.seqs, order.rank
     committed, table = st.kv.alloc.seqs.num_committed, st.kv.alloc.seqs.block_table
     need = grant.need_query + grant.need_drafts if pol.drafts_preempt else grant.need_query
     victim, victim_order, oom = choose_victims(st, need, rank, cfg)
+    drafts_paid = jnp.zeros((), bool)
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
         avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
+        drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
+    elif pol.priced_drafts:  # the drafts' own victims, taken only when that pays
+        all_victims, all_order, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg)
+        cost = flat_step_cost(cfg) if step_cost is None else step_cost
+        drafts_paid = price_draft_preemption(st, grant, plan, order, victim, all_victims, cost, cfg)
+        by_drafts = drafts_paid
+        drafts_victims = jnp.where(drafts_paid, jnp.sum(all_victims & ~victim, dtype=i32), 0)
+        victim = jnp.where(drafts_paid, all_victims, victim)
+        victim_order = jnp.where(drafts_paid, all_order, victim_order)
+        oom = jnp.where(drafts_paid, all_oom, oom)
     else:  # opportunistic drafts take only free blocks left over: they never make a step short
         by_drafts = jnp.zeros((), bool)
+        drafts_victims = jnp.zeros((), i32)
 
     swap_len = jnp.where(victim, committed, 0)
     if pol.preemption == "swap" and cfg.swap_blocks > 0:
@@ -327,12 +391,13 @@ def preempt(st: SchedState, grant: Grant, rank: jax.Array, cfg: SchedulerConfig
         preempt_recompute=ct.preempt_recompute + jnp.sum(recompute, dtype=i32),
         preempt_swap=ct.preempt_swap + jnp.sum(swap, dtype=i32),
         oom_steps_drafts=ct.oom_steps_drafts + by_drafts.astype(i32),
-        preempt_drafts=ct.preempt_drafts + jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0),
+        preempt_drafts=ct.preempt_drafts + drafts_victims,
     )
     keep = (st.seqs.status == RUNNING) & ~victim
     grant = Grant(*(jnp.where(keep, x, 0) for x in grant[:4]), cow=grant.cow & keep)
     st = st.replace(kv=kv, seqs=seqs, counters=counters, swap_used=st.swap_used + jnp.sum(swap_need, dtype=i32))
-    return st, grant, Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, oom=oom)
+    return st, grant, Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, oom=oom,
+                                 drafts_paid=drafts_paid)
 
 
 def room_after(st: SchedState, grant: Grant, cfg: SchedulerConfig) -> Room:
@@ -343,14 +408,20 @@ def room_after(st: SchedState, grant: Grant, cfg: SchedulerConfig) -> Room:
                 need=jnp.sum(grant.need_query, dtype=i32), running=jnp.sum(st.seqs.status == RUNNING, dtype=i32))
 
 
-def grant_opportunistic_drafts(grant: Grant, room: Room, plan: DraftPlan, order: Order, cfg: SchedulerConfig
-                               ) -> tuple[Grant, Room]:
+def grant_opportunistic_drafts(grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption, order: Order,
+                               cfg: SchedulerConfig) -> tuple[Grant, Room]:
     """4. Drafts that are not mandatory (`drafts_preempt` off) get blocks only within floor(max_spec_ratio *
-    free blocks left), in priority order: never at the expense of another sequence or of a cached prefix."""
-    drafts, need_drafts = grant.drafts, grant.need_drafts
-    if not cfg.policy.drafts_preempt:
-        cap = jnp.floor(plan.spec_ratio * jnp.maximum(room.free - room.need, 0).astype(jnp.float32))
-        granted = (need_drafts == 0) | (in_order(need_drafts, *order) <= cap.astype(i32))
+    free blocks left), in priority order: never at the expense of another sequence or of a cached prefix. Priced
+    draft blocks (`Policy.draft_memory`): every draft slot when the drafts preempted (`preemption.drafts_paid`),
+    else in priority order while they fit in the blocks left, evictable ones included."""
+    drafts, need_drafts, pol = grant.drafts, grant.need_drafts, cfg.policy
+    if not pol.drafts_preempt:
+        if pol.priced_drafts:
+            fit = in_order(need_drafts, *order) <= room.avail - room.need
+            granted = preemption.drafts_paid | (need_drafts == 0) | fit
+        else:
+            cap = jnp.floor(plan.spec_ratio * jnp.maximum(room.free - room.need, 0).astype(jnp.float32))
+            granted = (need_drafts == 0) | (in_order(need_drafts, *order) <= cap.astype(i32))
         drafts, need_drafts = jnp.where(granted, drafts, 0), jnp.where(granted, need_drafts, 0)
     grant = grant._replace(drafts=drafts, need_drafts=need_drafts)
     return grant, room._replace(need=room.need + jnp.sum(need_drafts, dtype=i32))
@@ -514,9 +585,9 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     order = Order(order=order, rank=rank_of(order))
     plan = plan_drafts(st, knobs, cfg, step_cost)
     grant = budget_tokens(st, plan, order, cfg)
-    st, grant, preemption = preempt(st, grant, order.rank, cfg)
+    st, grant, preemption = preempt(st, grant, plan, order, cfg, step_cost)
     room = room_after(st, grant, cfg)
-    grant, room = grant_opportunistic_drafts(grant, room, plan, order, cfg)
+    grant, room = grant_opportunistic_drafts(grant, room, plan, preemption, order, cfg)
     st = count_draft_blocks(st, grant)
     st, room, restored = swap_in(st, room, preemption, order, cfg)
     st, grant, room, admission = admit(st, grant, room, plan, preemption, order, cfg)

@@ -73,6 +73,8 @@ class DraftPlan:
     max_draft_len: int  # knobs.draft_len clamped to [0, K]
     reserve: int  # draft slots a prefilling row reserves (spec_in_prefill), else 0
     wanted: list  # decode rows: drafts; prefilling rows: reserved slots
+    decoding: list  # the rows that decode (and so may draft) this step
+    surv: list  # per row, survival per draft depth (zeros unless the goodput controller or priced blocks read it)
 
 
 @dataclasses.dataclass
@@ -92,6 +94,7 @@ class Preemption:
     victim: list
     swap: list
     swap_out_blocks: list  # a swapped victim's committed blocks, to copy to the host tier
+    drafts_paid: bool = False  # priced draft blocks: the drafts preempted, so they keep every slot
 
     @property
     def oom(self) -> bool:
@@ -248,8 +251,8 @@ class OracleScheduler:
         start = self.release_finished()  # 0
         drafts = self.plan_drafts(start, knobs, step_cost)  # 1
         grant = self.budget_tokens(start, drafts)  # 2
-        pre, demand = self.preempt(start, grant)  # 3
-        self.grant_opportunistic_drafts(start, grant, demand, knobs)  # 4
+        pre, demand = self.preempt(start, grant, drafts, step_cost)  # 3
+        self.grant_opportunistic_drafts(start, grant, demand, knobs, pre)  # 4
         self.counters["draft_blocks"] += sum(grant.need_drafts)
         back = self.swap_in(start, pre, demand)  # 5a
         adm = self.admit(start, drafts, grant, demand, knobs, oom=pre.oom)  # 5b
@@ -294,20 +297,20 @@ class OracleScheduler:
         for b in slots:
             if decoding[b]:
                 wanted[b] = min(wanted[b], k_cap)
+        surv = self._survival() if pol.goodput_control or pol.priced_drafts else [[0] * pol.draft_len for _ in slots]
         if pol.goodput_control:
-            chosen = self.goodput_plan(start, [wanted[b] if decoding[b] else 0 for b in slots], step_cost)
+            chosen = self.goodput_plan(start, surv, [wanted[b] if decoding[b] else 0 for b in slots], step_cost)
             wanted = [chosen[b] if decoding[b] else wanted[b] for b in slots]
-        return DraftPlan(max_draft_len=k_max, reserve=reserve, wanted=wanted)
+        return DraftPlan(max_draft_len=k_max, reserve=reserve, wanted=wanted, decoding=decoding, surv=surv)
 
-    def goodput_plan(self, start: StepStart, cap: list, step_cost) -> list[int]:
-        """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
-        per-depth estimates with the population's prior, survival, and the threshold of the grid that maximises
-        (sampling rows * ONE + sum of the selected survivals) / step time, first maximum."""
-        slots, k, one = range(self.cfg.cache.max_seqs), self.pol.draft_len, dc.ONE
+    def _survival(self) -> list[list[int]]:
+        """Per row and draft depth, the chance the draft is accepted: per-depth estimates with the population's
+        prior, multiplied down the depths, in fixed point."""
+        k, one = self.pol.draft_len, dc.ONE
         pop = [(p * one + dc.POP_PRIOR_W * dc.POP_PRIOR) // (t + dc.POP_PRIOR_W)
                for t, p in zip(self.pop_tried, self.pop_passed)]
         surv = []
-        for b in slots:
+        for b in range(self.cfg.cache.max_seqs):
             s_b, row = one, []
             for d in range(k):
                 alpha = (self.draft_passed[b][d] * one + dc.REQ_PRIOR_W * pop[d]) // (self.draft_tried[b][d]
@@ -315,17 +318,33 @@ class OracleScheduler:
                 s_b = s_b * alpha // one
                 row.append(s_b)
             surv.append(row)
+        return surv
+
+    @staticmethod
+    def _cost_terms(step_cost, token_budget: int) -> tuple[list, int, int, int]:
+        if step_cost is None:
+            return [1] * (token_budget + 1), 0, 0, 0
+        return (np.asarray(step_cost.token_us).tolist(), int(step_cost.row_us), int(step_cost.ctx_ns),
+                int(step_cost.head_us))
+
+    @staticmethod
+    def _step_time(terms, tokens: int, rows: int, ctx: int, drafts: int) -> int:
+        token_us, row_us, ctx_ns, head_us = terms
+        return (token_us[min(max(tokens, 0), len(token_us) - 1)] + row_us * rows + ctx_ns * ctx // 1000
+                + (head_us if drafts > 0 else 0))
+
+    def goodput_plan(self, start: StepStart, surv: list, cap: list, step_cost) -> list[int]:
+        """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
+        the threshold of the grid that maximises (sampling rows * ONE + sum of the selected survivals) / step
+        time, first maximum."""
+        slots, k, one = range(self.cfg.cache.max_seqs), self.pol.draft_len, dc.ONE
         running = start.running
         base = min(sum(start.chunk), self.cfg.token_budget)
         rows = sum(running)
         ctx = sum(start.committed[b] for b in slots if running[b])
         sampling = sum(1 for b in slots if running[b] and start.chunk[b] > 0
                        and start.committed[b] + start.chunk[b] == start.num_tokens[b])
-        if step_cost is None:
-            token_us, row_us, ctx_ns, head_us = [1] * (self.cfg.token_budget + 1), 0, 0, 0
-        else:
-            token_us = np.asarray(step_cost.token_us).tolist()
-            row_us, ctx_ns, head_us = int(step_cost.row_us), int(step_cost.ctx_ns), int(step_cost.head_us)
+        terms = self._cost_terms(step_cost, self.cfg.token_budget)
         thresholds = [one + 1] + [one * j // dc.LEVELS for j in range(dc.LEVELS, 0, -1)]
         best, best_rate = 0, None
         for i, thr in enumerate(thresholds):
@@ -334,8 +353,7 @@ class OracleScheduler:
                 for d in range(min(cap[b], k)):
                     if surv[b][d] >= thr:
                         n, gain = n + 1, gain + surv[b][d]
-            t = (token_us[min(max(base + n, 0), len(token_us) - 1)] + row_us * rows + ctx_ns * ctx // 1000
-                 + (head_us if n > 0 else 0))
+            t = self._step_time(terms, base + n, rows, ctx, n)
             rate = np.float32(sampling * one + gain) / np.float32(max(t, 1))
             if best_rate is None or rate > best_rate:
                 best, best_rate = i, rate
@@ -364,17 +382,26 @@ class OracleScheduler:
                 need_k[b] = max(cdiv(committed[b] + q[b] + k[b], s) - held[b], 0) + cow - need_q[b]
         return Grant(num_query=q, num_drafts=k, need_query=need_q, need_drafts=need_k)
 
-    def preempt(self, start: StepStart, grant: Grant) -> tuple[Preemption, Demand]:
-        """3. If the mandatory blocks (drafts' too when drafts_preempt) exceed free + pool + evictable, preempt
-        the fewest running rows in victim-rule order that make them fit: swap a victim out while the host tier
-        has room (policy "swap"), else recompute it. Victims free their blocks and lose their grant.
-        Returns the victims and the demand left: the kept rows' query blocks against what is now available."""
+    def preempt(self, start: StepStart, grant: Grant, drafts: DraftPlan, step_cost=None
+                ) -> tuple[Preemption, Demand]:
+        """3. If the mandatory blocks (drafts' too when drafts_preempt, or when priced draft blocks pay for it)
+        exceed free + pool + evictable, preempt the fewest running rows in victim-rule order that make them fit:
+        swap a victim out while the host tier has room (policy "swap"), else recompute it. Victims free their
+        blocks and lose their grant. Returns the victims and the demand left: the kept rows' query blocks against
+        what is now available."""
         a, s, slots = self.alloc, self.cfg.cache.block_size, range(self.cfg.cache.max_seqs)
         committed = start.committed
         mandatory = [grant.need_query[b] + (grant.need_drafts[b] if self.pol.drafts_preempt else 0) for b in slots]
         avail = self._free_now() + self._evictable()  # before the victims give their blocks back
         victims = self._victims(start, mandatory)
         by_drafts = self.pol.drafts_preempt and bool(victims) and sum(grant.need_query) <= avail
+        drafts_victims = len(victims) if by_drafts else 0
+        paid = False
+        if self.pol.priced_drafts:
+            all_victims = self._victims(start, [grant.need_query[b] + grant.need_drafts[b] for b in slots])
+            paid = self.price_draft_preemption(start, grant, drafts, victims, all_victims, step_cost)
+            if paid:
+                by_drafts, drafts_victims, victims = True, len(all_victims) - len(victims), all_victims
         victim = [b in victims for b in slots]
         swap = self._swapped(victims, committed)
         swap_out_blocks = [list(a.tables[b][: cdiv(committed[b], s)]) if swap[b] else [] for b in slots]
@@ -391,10 +418,54 @@ class OracleScheduler:
         ct["preempt_recompute"] += sum(victim[b] and not swap[b] for b in slots)
         ct["preempt_swap"] += sum(swap)
         ct["oom_steps_drafts"] += by_drafts
-        ct["preempt_drafts"] += len(victims) if by_drafts else 0
+        ct["preempt_drafts"] += drafts_victims
         kept = [start.running[b] and not victim[b] for b in slots]
         demand = Demand(available=self._free_now() + self._evictable(), blocks=sum(grant.need_query), rows=sum(kept))
-        return Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks), demand
+        return Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, drafts_paid=paid), demand
+
+    def price_draft_preemption(self, start: StepStart, grant: Grant, drafts: DraftPlan, keep_victims: list,
+                               all_victims: list, step_cost) -> bool:
+        """3'. Priced draft blocks: whether the drafts should preempt the rows of all_victims beyond keep_victims.
+        Not preempting for them, the kept rows' drafts take blocks in priority order while they fit in what is
+        available once keep_victims are gone; preempting, every kept row keeps its drafts, the extra victims'
+        output is lost and their recompute time is added. The side with more expected tokens per microsecond wins
+        (float32 cross products, as `draft_control.preemption_pays`)."""
+        a, slots, one = self.alloc, range(self.cfg.cache.max_seqs), dc.ONE
+        extra = [b for b in all_victims if b not in keep_victims]
+        if not extra:
+            return False
+        committed, running = start.committed, start.running
+        freed = [sum(1 for blk in a.tables[b] if a.ref[blk] == 1) for b in slots]
+        avail1 = self._free_now() + self._evictable() + sum(freed[b] for b in keep_victims)
+        kept1 = [running[b] and b not in keep_victims for b in slots]
+        kept2 = [running[b] and b not in all_victims for b in slots]
+        room1 = avail1 - sum(grant.need_query[b] for b in slots if kept1[b])
+        fit1, cum = [False] * len(slots), 0
+        for b in start.order:
+            cum += grant.need_drafts[b] if kept1[b] else 0
+            fit1[b] = grant.need_drafts[b] == 0 or cum <= room1
+        terms = self._cost_terms(step_cost, self.cfg.token_budget)
+
+        def side(kept, granted):
+            tokens = time_tokens = rows = ctx = n = 0
+            for b in slots:
+                if not kept[b]:
+                    continue
+                k = grant.num_drafts[b] if granted[b] else 0
+                dd = k if drafts.decoding[b] and drafts.wanted[b] > 0 else 0
+                samples = grant.num_query[b] > 0 and committed[b] + grant.num_query[b] == start.num_tokens[b]
+                tokens += one * samples + sum(drafts.surv[b][:dd])
+                time_tokens, rows, ctx, n = time_tokens + grant.num_query[b] + k, rows + 1, ctx + committed[b], n + dd
+            return tokens, self._step_time(terms, time_tokens, rows, ctx, n)
+
+        tokens1, time1 = side(kept1, [kept1[b] and fit1[b] for b in slots])
+        tokens2, time2 = side(kept2, kept2)
+        t_max = len(terms[0]) - 1
+        per_token_ns = (terms[0][t_max] - terms[0][0]) * 1000 // max(t_max, 1)
+        recompute = sum(committed[b] for b in extra) * per_token_ns // 1000
+        lhs = np.float32(tokens2) * np.float32(max(time1, 1))
+        rhs = np.float32(tokens1) * np.float32(max(time2, 1) + recompute)
+        return bool(lhs > rhs)
 
     def _victims(self, start: StepStart, mandatory: list) -> list[int]:
         """The fewest running rows, in victim-rule order, whose preemption makes the mandatory blocks fit."""
@@ -431,10 +502,19 @@ class OracleScheduler:
                 swap[b] = committed[b] > 0 and cum <= room
         return swap
 
-    def grant_opportunistic_drafts(self, start: StepStart, grant: Grant, demand: Demand, knobs: Knobs) -> None:
+    def grant_opportunistic_drafts(self, start: StepStart, grant: Grant, demand: Demand, knobs: Knobs,
+                                   pre: Preemption) -> None:
         """4. When not drafts_preempt, drafts keep their slots in priority order while their new blocks fit in
-        floor(max_spec_ratio * free blocks left); the others lose them. The drafts' blocks join the demand."""
-        if not self.pol.drafts_preempt:
+        floor(max_spec_ratio * free blocks left); the others lose them. Priced draft blocks: every slot when the
+        drafts preempted, else while they fit in the blocks left, evictable ones included. The drafts' blocks
+        join the demand."""
+        if self.pol.priced_drafts:
+            cum = 0
+            for b in start.order:
+                cum += grant.need_drafts[b]
+                if not pre.drafts_paid and grant.need_drafts[b] != 0 and cum > demand.available - demand.blocks:
+                    grant.num_drafts[b] = grant.need_drafts[b] = 0
+        elif not self.pol.drafts_preempt:
             free_left = max(self._free_now() - demand.blocks, 0)
             cap = int(np.floor(np.float32(knobs.max_spec_ratio) * np.float32(free_left)))
             cum = 0
