@@ -257,7 +257,7 @@ SCENARIOS: dict[str, Scenario] = {
     "pressure": Scenario(
         name="pressure", title="the article's benchmark under memory pressure (Llama-3.1-8B, 2 x A100-80GB)",
         model="llama-3.1-8b", device="a100-80gb", tp=2, workload="system_prompts", workload_kw=_SHARED_PROMPTS,
-        requests=512, rate=48.0, max_prompt_len=1536, max_output_len=512, max_seqs=256,
+        requests=256, rate=48.0, max_prompt_len=1536, max_output_len=512, max_seqs=256,
         policies=_ALL + ("vllm_default-no_prefix_cache", "skvs_article-memory", "skvs_article-hits",
                          "skvs_article-padding"),
         kv_sweep=(2048, 3072, 4096, 5120, 6144)),
@@ -269,18 +269,18 @@ SCENARIOS: dict[str, Scenario] = {
         model="llama-3.1-8b", device="a100-80gb", tp=2, workload="sharegpt",
         workload_kw=(("mean_prompt_len", 8192.0), ("mean_output_len", 2048.0), ("prompt_sigma", 0.0),
                      ("output_sigma", 0.0), ("scale", 1.0)),
-        requests=64, rate=None, max_prompt_len=8192, max_output_len=2048, max_seqs=32,
+        requests=32, rate=None, max_prompt_len=8192, max_output_len=2048, max_seqs=32,
         policies=_ALL + ("skvs_article+spec_in_prefill", "naive_spec-no_spec_in_prefill")),
     # KV-starved: Llama-3-70B over 2 x H100-80GB leaves ~28k tokens of KV beside the weights at 90% of memory
     # (`CostModel.max_kv_tokens`); the same on 2 x H200 (141 GB each).
     "starved_h100": Scenario(
         name="starved_h100", title="KV-starved: Llama-3-70B on 2 x H100-SXM (~28k tokens of KV)",
         model="llama-3-70b", device="h100-sxm", tp=2, workload="system_prompts", workload_kw=_SHARED_PROMPTS,
-        requests=256, rate=8.0, max_prompt_len=1536, max_output_len=512, max_seqs=128, policies=_ALL),
+        requests=128, rate=8.0, max_prompt_len=1536, max_output_len=512, max_seqs=128, policies=_ALL),
     "starved_h200": Scenario(
         name="starved_h200", title="Llama-3-70B on 2 x H200 (the same model with 141 GB a device)",
         model="llama-3-70b", device="h200", tp=2, workload="system_prompts", workload_kw=_SHARED_PROMPTS,
-        requests=256, rate=8.0, max_prompt_len=1536, max_output_len=512, max_seqs=128, policies=_ALL),
+        requests=128, rate=8.0, max_prompt_len=1536, max_output_len=512, max_seqs=128, policies=_ALL),
 }
 
 
