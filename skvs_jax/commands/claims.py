@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this `skvs micro precision --json` result instead of running it")
     parser.add_argument("--no-precision", action="store_true", help="skip the FP8 KV measurement (its row: untested)")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--from-json", default=None, metavar="PATH",
-                        help="re-render the report (and --doc) from an earlier run's claims.json; simulates nothing")
+    parser.add_argument("--from-json", default=None, metavar="PATHS",
+                        help="re-render the report (and --doc) from earlier runs' claims.json (comma-separated: "
+                             "their scenarios merged, e.g. runs of disjoint --scenarios); simulates nothing")
 
 
 # ------------------------------------------------------------------------------------------------- rules
@@ -611,7 +612,16 @@ def run(args: argparse.Namespace) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.from_json:
-        doc = json.loads(pathlib.Path(args.from_json).read_text())
+        docs = [json.loads(pathlib.Path(x).read_text()) for x in args.from_json.split(",") if x.strip()]
+        doc = docs[0]
+        for other in docs[1:]:
+            if other["command"] != doc["command"]:
+                raise SystemExit(f"skvs claims: --from-json merges runs of one command, got {doc['command']!r} "
+                                 f"and {other['command']!r}")
+            doc["scenarios"] |= other["scenarios"]
+            doc["regime"] += other["regime"]
+            doc["precision"] = doc.get("precision") or other.get("precision")
+            doc["wall_s"] += other["wall_s"]
         for r in doc["scenarios"].values():
             r["policies"], r["sweep"] = _nulls_to_nan(r["policies"]), _nulls_to_nan(r["sweep"])
         doc["regime"] = _nulls_to_nan(doc["regime"])
