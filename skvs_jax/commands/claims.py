@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this `skvs micro precision --json` result instead of running it")
     parser.add_argument("--no-precision", action="store_true", help="skip the FP8 KV measurement (its row: untested)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--note", default=None, help="a paragraph for the report's head (how this run was made)")
     parser.add_argument("--from-json", default=None, metavar="PATHS",
                         help="re-render the report (and --doc) from earlier runs' claims.json (comma-separated: "
                              "their scenarios merged, e.g. runs of disjoint --scenarios); simulates nothing")
@@ -454,6 +455,10 @@ def render(doc: dict) -> str:
         "noise = beyond 2 standard errors). Simulation: the engine's scheduler against a cost model "
         "(docs/simulator.md), not a GPU.",
         "",
+    ]
+    if doc.get("note"):
+        lines += [doc["note"], ""]
+    lines += [
         "| claim (section) | the article | ours | verdict | conditions | command |",
         "|---|---|---|---|---|---|",
     ]
@@ -629,6 +634,7 @@ def run(args: argparse.Namespace) -> int:
             doc["precision"] = _nulls_to_nan(doc["precision"])
         # The verdicts are recomputed from the stored numbers (a rule changed since the run shows here).
         doc["claims"] = evaluate(doc["scenarios"], doc.get("precision"), doc["command"])
+        doc["note"] = args.note
         text = render(doc)
         (out_dir / "claims.md").write_text(text)
         if args.doc:
@@ -653,7 +659,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"skvs claims: scenario {name}: {s.title}")
         results[name] = scn.run(s)
         # The report so far after every scenario: a long run cut short keeps what it measured.
-        doc = build(results, precision, command, time.perf_counter() - t0)
+        doc = build(results, precision, command, time.perf_counter() - t0) | {"note": args.note}
         (out_dir / "claims.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, default=float,
                                                         allow_nan=False))
         text = render(doc)
