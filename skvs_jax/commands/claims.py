@@ -374,7 +374,8 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      for name in ("starved_h100", "starved_h200") if name in res)
     rows.append(_row("s1_starved", "1, 6", "co-design matters where KV is scarce: SKVS's gain over naive speculation "
                      "(+21%) holds on a KV-starved deployment", "+21%", ours, cases,
-                     "Llama-3-70B, 2 x H100 (~28k tokens of KV) and 2 x H200; throughput per CORE policy "
+                     "Llama-3-70B + 4 Medusa heads, 2 x H100 (741 blocks, ~12k tokens of KV) and 2 x H200; "
+                     "throughput per CORE policy "
                      "(vllm_default / naive_spec / skvs_article / skvs)", sim.format("starved_h100, starved_h200")))
 
     # Engines' naive integration: vLLM's EAGLE/MTP hit trim.
