@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this `skvs micro precision --json` result instead of running it")
     parser.add_argument("--no-precision", action="store_true", help="skip the FP8 KV measurement (its row: untested)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--policies", default=None, help="comma-separated subset of each scenario's policies")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="run at this KV budget instead of the scenario's sweep (the pool stays the sweep's)")
     parser.add_argument("--note", default=None, help="a paragraph for the report's head (how this run was made)")
     parser.add_argument("--from-json", default=None, metavar="PATHS",
                         help="re-render the report (and --doc) from earlier runs' claims.json (comma-separated: "
@@ -358,12 +361,14 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
             on_buckets = h[buckets].sum() / h.sum() if h.sum() else math.nan
             parts.append(f"{name}/{pol}: " + " ".join(f"{d}:{100 * x / h.sum():.0f}%" for d, x in enumerate(h))
                          + f" (hottest {int(np.argmax(h))})")
-            cases.append({"condition": f"{name}/{pol}", "rule": "at_most", "inputs": [1.0 - on_buckets, 0.0]})
+            # <= 1% off the buckets: a request's last tokens cap its drafts below a bucket (not a padding miss).
+            cases.append({"condition": f"{name}/{pol}", "rule": "at_most", "inputs": [1.0 - on_buckets, 0.01]})
     rows.append(_row("s7_buckets", "7.1", "compiled programs for draft lengths {0, K/2, K} suffice; a histogram "
                      "of draft lengths picks the hottest", "{0, K/2, K}",
                      "share of decoding rows by granted draft length: " + "; ".join(parts), cases,
-                     "the policies pad to their buckets (0, 2, 4), so this checks that no row falls outside them and "
-                     "shows which is hottest; the padding's cost is in the decomposition row", sim.format("pressure")))
+                     "the policies pad to their buckets (0, 2, 4), so this checks that <= 1% of rows fall outside them "
+                     "(a request's last tokens cap its drafts) and shows which is hottest; the padding's cost is in "
+                     "the decomposition row", sim.format("pressure")))
 
     # KV-starved: co-design pays more where KV is scarce (the article's thesis, sections 1 and 6).
     cases = [_effect_case(f"{name}: skvs over naive_spec", _gain(res, name, "skvs", "naive_spec"), 4230 / 3510 - 1)
@@ -624,13 +629,20 @@ def run(args: argparse.Namespace) -> int:
             if other["command"] != doc["command"]:
                 raise SystemExit(f"skvs claims: --from-json merges runs of one command, got {doc['command']!r} "
                                  f"and {other['command']!r}")
-            doc["scenarios"] |= other["scenarios"]
+            for name, r in other["scenarios"].items():  # a scenario run in parts: its policies merged
+                mine = doc["scenarios"].setdefault(name, r)
+                if mine is not r:
+                    if mine["kv_blocks"] != r["kv_blocks"]:
+                        raise SystemExit(f"skvs claims: --from-json: scenario {name} ran at {mine['kv_blocks']} and "
+                                         f"{r['kv_blocks']} KV blocks; parts must share the budget")
+                    mine["policies"] |= r["policies"]
+                    mine["sweep"] = mine["sweep"] or r["sweep"]
             doc["regime"] += other["regime"]
             doc["precision"] = doc.get("precision") or other.get("precision")
             doc["wall_s"] += other["wall_s"]
         for r in doc["scenarios"].values():
             r["policies"], r["sweep"] = _nulls_to_nan(r["policies"]), _nulls_to_nan(r["sweep"])
-        doc["regime"] = _nulls_to_nan(doc["regime"])
+        doc["regime"] = regime(doc["scenarios"])
         if doc.get("precision") is not None:
             doc["precision"] = _nulls_to_nan(doc["precision"])
         # The verdicts are recomputed from the stored numbers (a rule changed since the run shows here).
@@ -658,7 +670,8 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, s in table.items():
         print(f"skvs claims: scenario {name}: {s.title}")
-        results[name] = scn.run(s)
+        only = None if args.policies is None else tuple(p.strip() for p in args.policies.split(",") if p.strip())
+        results[name] = scn.run(s, kv_blocks=args.kv_blocks, only=only)
         # The report so far after every scenario: a long run cut short keeps what it measured.
         doc = build(results, precision, command, time.perf_counter() - t0) | {"note": args.note}
         (out_dir / "claims.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, default=float,

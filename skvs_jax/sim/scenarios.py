@@ -210,26 +210,33 @@ SUMMARY_KEYS = ("throughput", "tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e
                 "mean_accepted_length", "mean_batch", "draft_blocks")
 
 
-def run(s: Scenario, *, chunk: int = 2048, log=print) -> dict:
+def run(s: Scenario, *, chunk: int = 2048, log=print, kv_blocks: int | None = None,
+        only: tuple[str, ...] | None = None) -> dict:
     """Simulate the scenario for each of its policies. Returns {"scenario", "kv_blocks", "sweep", "policies":
-    {name: {"lanes": [per-seed metrics], "summary": {key: {mean, min, max}}, "draft_hist": [...]}}, "wall_s"}."""
+    {name: {"lanes": [per-seed metrics], "summary": {key: {mean, min, max}}, "draft_hist": [...]}}, "wall_s"}.
+    kv_blocks: run at this budget, no sweep (the static pool stays the sweep's, so the lanes are those a sweep
+    choosing it runs); only: a subset of the policies (runs of disjoint subsets merge: `skvs claims --from-json`).
+
+    The sweep's choice: among the budgets where vllm_default preempts (memory really under pressure), the one
+    whose mean utilisation is nearest target_utilisation; if it never preempts, the nearest of all."""
     t_start = time.perf_counter()
     result: dict = {"scenario": s.describe(), "sweep": [], "policies": {}}
-    kv = s.kv_blocks or s.fit_blocks()
-    if s.kv_sweep:
+    kv = kv_blocks or s.kv_blocks or s.fit_blocks()
+    if s.kv_sweep and kv_blocks is None:
         lanes, wall, steps = _run_policy(s, "vllm_default", list(s.kv_sweep), chunk)
         for b in s.kv_sweep:
             mine = [m for m in lanes if m["kv_blocks"] == b]
             result["sweep"].append({"kv_blocks": b} | {k: _spread([m[k] for m in mine])["mean"] for k in (
                 "memory_utilisation", "peak_utilisation", "preemptions", "oom_rate", "kv_hit_rate", "throughput")})
-        kv = min(s.kv_sweep, key=lambda b: (abs(next(r["memory_utilisation"] for r in result["sweep"]
-                                                     if r["kv_blocks"] == b) - s.target_utilisation), -b))
+        pressed = [r for r in result["sweep"] if r["preemptions"] > 0] or result["sweep"]
+        kv = min(pressed, key=lambda r: (abs(r["memory_utilisation"] - s.target_utilisation), -r["kv_blocks"]))[
+            "kv_blocks"]
         log(f"  {s.name}: vllm_default KV sweep {list(s.kv_sweep)} -> {kv} blocks "
             f"({steps} steps, {wall:.0f} s)")
         found = [m for m in lanes if m["kv_blocks"] == kv]
         result["policies"]["vllm_default"] = {"lanes": found}
     result["kv_blocks"] = kv
-    for name in s.policies:
+    for name in s.policies if only is None else only:
         if name in result["policies"]:
             continue
         lanes, wall, steps = _run_policy(s, name, [kv], chunk)
