@@ -17,6 +17,8 @@ Presets (docs/design.md):
                 draft-length buckets: the article's section 5 exactly.
   skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`), priced draft blocks
                 (`draft_memory="priced"`) and no prefix barrier.
+  naive_spec_vllm  naive_spec with vLLM's EAGLE/MTP prefix-cache path (`spec_hit_trim`): not a design choice,
+                a model of a shipped integration, for the claims report (docs/claims.md).
 
 Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
 engine reads `kv_precision`, and `speculation`, `draft_len`, `draft_buckets` for its compiled widths; the
@@ -132,10 +134,11 @@ class Policy:
     draft_control: str = "histogram"
     victim: str = "lowest_priority"
     draft_memory: str = "opportunistic"
+    spec_hit_trim: bool = False
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
-                      "spec_in_prefill", "drafts_preempt"):
+                      "spec_in_prefill", "drafts_preempt", "spec_hit_trim"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
         if not isinstance(self.name, str) or not self.name:
@@ -260,6 +263,15 @@ def skvs(draft_len: int = 4) -> Policy:
 
 
 PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}
+
+
+def naive_spec_vllm(draft_len: int = 4) -> Policy:
+    """naive_spec with vLLM's EAGLE/MTP prefix-cache behaviour (`spec_hit_trim`): every hit loses the blocks the
+    drafts could reach. Not a default preset: it models a shipped engine's integration, not a design choice."""
+    return naive_spec(draft_len).replace(name="naive_spec_vllm", spec_hit_trim=True)
+
+
+PRESETS["naive_spec_vllm"] = naive_spec_vllm
 
 
 def preset(name: str, draft_len: int = 4) -> Policy:

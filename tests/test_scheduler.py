@@ -63,6 +63,8 @@ CONFIGS = {
     # the controller with opportunistic drafts; the histogram rule with priced blocks, and swap victims.
     "skvs-opportunistic": _cfg(SKVS.replace(draft_memory="opportunistic")),
     "skvs_article-priced-swap": _cfg(ARTICLE.replace(draft_memory="priced", preemption="swap"), swap_blocks=12),
+    # vLLM's EAGLE/MTP prefix-cache path: every hit loses the blocks the drafts reach.
+    "naive_spec_vllm": _cfg(policies.naive_spec_vllm(4)),
 }
 # A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
 # 150 us: drafts pay only while the rows' acceptance is high enough.
@@ -488,6 +490,27 @@ def test_prefix_cache_barrier_and_insert_switches():
     # validated content, for both modes).
     assert int(on_fill.st.kv.prefix.counters.removed) > int(on_fill.st.kv.alloc.counters.evictions)
     assert int(validated.st.kv.prefix.counters.inserted) > 0
+
+
+@pytest.mark.parametrize("block_size, max_blocks, draft_len, trimmed", [(4, 8, 4, 1), (4, 8, 1, 1), (2, 16, 4, 2)])
+def test_spec_hit_trim_shortens_a_hit_by_the_draft_reach_in_blocks(block_size, max_blocks, draft_len, trimmed):
+    """A prompt served once is cached; the same prompt again hits its whole blocks (naive_spec), or those less
+    ceil(K / S) blocks (naive_spec_vllm, vLLM's EAGLE/MTP path), K the draft-length knob."""
+    prompt = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0, 2]  # 13 tokens: (13 - 1) // S whole blocks can hit
+    hits = {}
+    for pol in (NAIVE, policies.naive_spec_vllm(4)):
+        cfg = _cfg(pol, block_size=block_size, max_blocks=max_blocks, num_blocks=4 * max_blocks)
+        h = Harness(cfg, vocab=VOCAB, knobs=pol.knobs().replace(draft_len=jnp.asarray(draft_len, jnp.int32)))
+        rng = np.random.default_rng(0)
+        h.add([prompt], [2])
+        while int(h.st.counters.finished) < 1:
+            h.step(rng, "none")
+        h.add([prompt], [2])
+        hits[pol.name] = int(np.asarray(h.step(rng, "none").hit_tokens).sum())
+    assert hits["naive_spec"] == (len(prompt) - 1) // block_size * block_size
+    assert hits["naive_spec_vllm"] == hits["naive_spec"] - trimmed * block_size
+    assert not policies.naive_spec(4).spec_hit_trim and not any(
+        policies.preset(n).spec_hit_trim for n in ("vllm_default", "naive_spec", "skvs", "skvs_article"))
 
 
 def test_spec_in_prefill_reserves_slots_and_drafts_preempt_switch():

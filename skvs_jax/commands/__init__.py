@@ -2,6 +2,7 @@
 (`skvs micro scheduler` in `micro_scheduler.py`) and is imported only when used, so `skvs --help` stays fast.
 
   skvs bench             vllm_default vs naive_spec vs skvs on one trace with the shipped tiny model
+  skvs claims            every claim of the article with our figure and a verdict (docs/claims.md)
   skvs generate TEXT     stream a continuation, showing accepted drafts
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
@@ -31,6 +32,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sim_command.add_arguments(commands.add_parser(
         "simulate", help="vllm_default vs naive_spec vs skvs simulated for a large model on a GPU (cost model)"))
+    from skvs_jax.commands import claims
+
+    claims.add_arguments(commands.add_parser(
+        "claims", help="the article's claims, each with our figure and a verdict (writes docs/claims.md's report)"))
     from skvs_jax.commands import generate
 
     generate.add_arguments(commands.add_parser("generate", help="stream a continuation from the shipped tiny model"))
@@ -75,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from skvs_jax.commands import bench
 
         return bench.run(args)
+    if args.command == "claims":
+        from skvs_jax.commands import claims
+
+        return claims.run(args)
     if args.command == "generate":
         from skvs_jax.commands import generate
 

@@ -72,6 +72,7 @@ class SimLog:
     verifications: jax.Array  # int32[steps] rows that verified >= 1 draft
     output_tokens: jax.Array  # int32[steps]
     num_seqs: jax.Array  # int32[steps] sequences in the step (`scheduler.step_shape`)
+    draft_hist: jax.Array  # int32[steps, K + 1] decoding rows granted 0..K drafts (the draft-length histogram)
     # Request times are kept relative to the request's arrival: an absolute float32 time near 3,000 s has a
     # resolution of 0.24 ms, a large share of a short TTFT; a difference taken in the loop does not lose it.
     ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
@@ -303,7 +304,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                    preempted=jnp.sum(batch.preempted | batch.swap_out, dtype=i32),
                    drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
                    verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
-                   output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32))
+                   output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32),
+                   draft_hist=draft_hist(batch, k))
         return c.replace(st=st, clock=end, clock_err=end_err, nxt=nxt, req=req), row
 
     # A while_loop, not a scan over `cond(done, idle, step)`: a cond whose idle branch returns the carry makes
@@ -311,8 +313,9 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
     zero = jnp.zeros((), i32)
     idle_row = dict(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
                     blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
-                    accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero)
-    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps,)), idle_row)
+                    accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero,
+                    draft_hist=jnp.zeros((k + 1,), i32))
+    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps, *x.shape)), idle_row)
 
     def body(state):
         i, c, rows = state
@@ -323,6 +326,12 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                                        (jnp.zeros((), i32), carry, rows))
     rows["start_time"] = jnp.where(rows["active"], rows["start_time"], carry.clock)  # idle rows: the final clock
     return carry, rows
+
+
+def draft_hist(batch: sc.Batch, k: int) -> jax.Array:
+    """int32[K + 1]: the step's decoding rows (one query token that samples) by the drafts they were granted."""
+    decode = batch.scheduled & batch.samples & (batch.num_query == 1)
+    return jnp.zeros((k + 2,), i32).at[jnp.where(decode, jnp.clip(batch.num_drafts, 0, k), k + 1)].add(1)[: k + 1]
 
 
 def finish(carry: SimCarry, rows: dict) -> SimLog:

@@ -596,6 +596,9 @@ class OracleScheduler:
             if pol.prefix_cache:
                 window = drafts.max_draft_len if (pol.prefix_barrier and pol.speculation) else 0
                 shared, ids = self.index.lookup(self.tokens[b], num_tokens[b], window, float(knobs.max_spec_ratio))
+                if pol.spec_hit_trim and pol.speculation:  # the hit loses ceil(K / S) blocks (vLLM's EAGLE path)
+                    shared = max(shared - -(-drafts.max_draft_len // s), 0)
+                    ids = ids[:shared]
             hit = shared * s
             chunk = min(num_tokens[b] - hit, cfg.chunk)
             reserve = (drafts.reserve if num_tokens[b] - hit > 1 else 0) if pol.spec_in_prefill else 0
