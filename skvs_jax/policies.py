@@ -14,17 +14,17 @@ Presets (docs/design.md):
   skvs_article  speculative block states and pool, immediate release of rejected-only blocks, generation
                 reclaim, prefix barrier and insert-after-validation, no speculation during prefill,
                 opportunistic drafts bounded by max_spec_ratio, adaptive draft length (the histogram rule),
-                draft-length buckets: the article's section 5 exactly.
+                draft-length buckets, rejected drafts' KV scrubbed: the article's section 5 exactly.
   skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`), priced draft blocks
                 (`draft_memory="priced"`) and no prefix barrier.
   naive_spec_vllm  naive_spec with vLLM's EAGLE/MTP prefix-cache path (`spec_hit_trim`): not a design choice,
                 a model of a shipped integration, for the claims report (docs/claims.md).
 
 Which module reads which switch: the allocator reads `spec_config()`'s release mode, pool switch and K. The
-engine reads `kv_precision`, and `speculation`, `draft_len`, `draft_buckets` for its compiled widths; the
-scheduler reads the rest. The prefix cache sees none of them, only what the scheduler passes it through the KV
-manager per call: a lookup window (K under `prefix_barrier`, else 0) and the `max_spec_ratio` knob; `insert`
-decides which of the manager's indexing calls the scheduler makes. `generation_threshold` reaches
+engine reads `kv_precision`, `scrub_rejected`, and `speculation`, `draft_len`, `draft_buckets` for its compiled
+widths; the scheduler reads the rest. The prefix cache sees none of them, only what the scheduler passes it
+through the KV manager per call: a lookup window (K under `prefix_barrier`, else 0) and the `max_spec_ratio`
+knob; `insert` decides which of the manager's indexing calls the scheduler makes. `generation_threshold` reaches
 `reclaim_expired` as a knob.
 
 Written as text (the commands' `--policies`): `parse_policy("skvs:preemption=swap,victim=most_progress")` is a
@@ -112,6 +112,11 @@ class Policy:
         preempt further rows only when the step's expected accepted tokens per second, with the victims' output
         lost and their recompute's time added (from the step cost), beat not preempting for them
         (`scheduler.draft_control.preemption_pays`, docs/speculation.md "Draft control").
+      scrub_rejected: after verification the engine zeroes the KV slots of rejected drafts
+        (`pallas_kernels.invalidate_drafts`, the article's spec_validate_kernel), so a block that goes back to the
+        pool or the free stack never carries a rejected draft's K/V to its next owner. Attention never reads past
+        a sequence's length either way; this is the scrub that makes a stale read impossible, not just masked.
+        Only the engine reads it (the simulator has no KV).
     """
 
     name: str
@@ -135,10 +140,11 @@ class Policy:
     victim: str = "lowest_priority"
     draft_memory: str = "opportunistic"
     spec_hit_trim: bool = False
+    scrub_rejected: bool = False
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
-                      "spec_in_prefill", "drafts_preempt", "spec_hit_trim"):
+                      "spec_in_prefill", "drafts_preempt", "spec_hit_trim", "scrub_rejected"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
         if not isinstance(self.name, str) or not self.name:
@@ -250,6 +256,7 @@ def skvs_article(draft_len: int = 4) -> Policy:
         draft_buckets=tuple(sorted({0, draft_len // 2, draft_len})), release="immediate", spec_pool=True,
         generation_threshold=8, prefix_cache=True, prefix_barrier=True, insert="validated",
         spec_in_prefill=False, drafts_preempt=False, max_spec_ratio=0.3, preemption="recompute",
+        scrub_rejected=True,
     )
 
 

@@ -94,6 +94,30 @@ def test_simulate_refuses_bad_flags_before_simulating(flags, says, tmp_path, mon
         commands.main(["simulate", "--out", str(tmp_path), *flags.split()])
 
 
+def test_simulate_host_link_flag_reaches_the_cost_model(tmp_path, monkeypatch):
+    """--host-link picks the link swaps are priced over; without it the device's own (PCIe Gen5 on an H100)."""
+    from skvs_jax.sim import sweep
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def record(*args, cost, **kwargs):
+        seen.append(cost.host_link)
+        raise Stop
+
+    monkeypatch.setattr(sweep, "run", record)
+    base = ["simulate", "--out", str(tmp_path), "--device", "h100-sxm", "--requests", "4", "--max-seqs", "4",
+            "--max-prompt-len", "32", "--max-output-len", "16", "--policies", "vllm_default"]
+    for flags in ([], ["--host-link", "nvlink-c2c"], ["--host-link", "pcie-gen4-x16"]):
+        with pytest.raises(Stop):
+            commands.main(base + flags)
+    assert seen == ["pcie-gen5-x16", "nvlink-c2c", "pcie-gen4-x16"]
+    with pytest.raises(SystemExit):
+        commands.main(base + ["--host-link", "usb-2"])
+
+
 def _sim_args(*flags):
     from skvs_jax.commands import simulate
 

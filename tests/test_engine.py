@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,7 +14,8 @@ from skvs_jax import policies, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
-from skvs_jax.serve import engine
+from skvs_jax.kv import manager
+from skvs_jax.serve import engine, engine_step
 from skvs_jax.serve.model_runner import LlamaMedusaRunner
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
@@ -319,3 +321,148 @@ def test_reset_prefix_cache_forgets_cached_prefixes(shipped, trace, reference):
         hits[reset] = e.requests[again].cached_tokens
         _no_block_leaks(e)
     assert hits[False] > 0 and hits[True] == 0, hits
+
+
+# ------------------------------------------------- speculative-validation kernels, scrubbing, poison, disk tier
+
+GARBAGE = 1e4  # large and finite: a read of it moves the logits; NaN would leak through a correct additive mask
+
+
+def _record_batches(monkeypatch) -> list:
+    """Make `Engine.step` run its fused step as its two halves (the same program, split) and keep every step's
+    batch on the host, so a test can see which slots held which drafts."""
+    seen = []
+
+    def fused_with_batch(runner, params, st, knobs, *, cfg, width):
+        st, batch = engine_step.schedule_only(st, knobs, cfg=cfg)
+        seen.append(jax.device_get(batch))
+        return engine_step.model_only(runner, params, st, batch, knobs, cfg=cfg, width=width)
+
+    monkeypatch.setattr(engine_step, "fused_step", fused_with_batch)
+    return seen
+
+
+def _rejected_slots(batch, alloc, block_size) -> list[tuple[int, int]]:
+    """(block, offset) of every draft slot the step rejected: positions from the row's committed length after the
+    step up to the end of what the forward wrote (start + num_query + num_drafts)."""
+    out = []
+    for b in np.flatnonzero(np.asarray(batch.scheduled) & (np.asarray(batch.num_drafts) > 0)):
+        end = int(batch.start[b] + batch.num_query[b] + batch.num_drafts[b])
+        for p in range(int(alloc.seqs.num_committed[b]), end):
+            out.append((int(batch.block_table[b, p // block_size]), p % block_size))
+    return out
+
+
+def _dead_slots(alloc, cfg) -> np.ndarray:
+    """bool[N, S]: slots no sequence may read: everything but the committed tokens of the blocks sequences hold
+    and the cached (validated, full) blocks. Free and speculative-pool blocks, the null block, and the slots past
+    each holder's committed length (rejected drafts, stale lazily-held blocks) are dead."""
+    s = cfg.block_size
+    live = np.zeros((cfg.num_blocks, s), bool)
+    live[np.asarray(alloc.blocks.cached)] = True
+    table, nb, committed = (np.asarray(x) for x in (alloc.seqs.block_table, alloc.seqs.num_blocks,
+                                                    alloc.seqs.num_committed))
+    for b in range(table.shape[0]):
+        for col in range(nb[b]):
+            live[table[b, col]] |= col * s + np.arange(s) < committed[b]
+    live[0] = False
+    return ~live
+
+
+def _serve_checked(e, requests, *, poison: bool) -> tuple[dict, int, int]:
+    """Run to completion; after every step count the step's rejected draft slots and those of them holding
+    anything but zeros in some cache array, and, with poison, fill every dead slot with GARBAGE. Returns (tokens,
+    rejected slots, rejected slots not zero)."""
+    for r in requests:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
+    seen, rejected_n, dirty_n = e._test_batches, 0, 0
+    s = e.cfg.sched.cache.block_size
+    while e.has_work():
+        e.step()
+        alloc = jax.device_get(e.state.sched.kv.alloc)
+        pages = e._kv_pages()
+        rejected = _rejected_slots(seen[-1], alloc, s)
+        if rejected:
+            blk, off = np.asarray(rejected).T
+            dirty = np.zeros(len(rejected), bool)
+            for x in pages:
+                dirty |= np.asarray(x)[blk, off].reshape(len(rejected), -1).any(axis=1)
+            rejected_n, dirty_n = rejected_n + len(rejected), dirty_n + int(dirty.sum())
+        if poison:
+            dead = jnp.asarray(_dead_slots(alloc, e.cfg.sched.cache))
+            e._set_kv_pages(tuple(jnp.where(dead.reshape(dead.shape + (1,) * (x.ndim - 2)), GARBAGE, x).astype(x.dtype)
+                                  for x in pages))
+    return {r.request_id: list(e.requests[r.request_id].tokens) for r in requests}, rejected_n, dirty_n
+
+
+def _engine(shipped, policy, monkeypatch, **kw):
+    model, heads = shipped
+    e = engine.Engine(model, heads, policy, kw.pop("cache", CACHE), token_budget=96, prefill_chunk=32, **kw)
+    e._test_batches = _record_batches(monkeypatch)
+    return e
+
+
+def test_freed_and_rejected_slots_are_never_read_and_rejected_drafts_are_scrubbed(shipped, trace, reference,
+                                                                                   monkeypatch):
+    """After every step every dead slot (free and pool blocks, the null block, slots past a holder's committed
+    length) is overwritten with garbage: the outputs stay the greedy reference, so no sequence reads a freed or
+    rejected slot. Under skvs (scrub_rejected) every slot of a rejected draft holds zeros right after its step."""
+    e = _engine(shipped, policies.skvs(4), monkeypatch)
+    requests = trace.requests[:6]
+    out, rejected, dirty = _serve_checked(e, requests, poison=True)
+    assert out == {r.request_id: reference[r.request_id] for r in requests}
+    assert rejected > 0 and dirty == 0, "a rejected draft's K/V was not scrubbed"
+    c, ac = e.state.sched.counters, e.state.sched.kv.alloc.counters
+    # Blocks changed hands under pressure: preempted sequences' blocks and evicted cached ones were reused.
+    assert int(c.preempt_recompute) > 0 and int(ac.evictions) > 0 and int(c.accepted) < int(c.drafted)
+
+
+def test_pallas_validation_kernels_in_the_step_give_the_xla_paths_states_and_tokens(shipped, trace, reference,
+                                                                                    monkeypatch):
+    """impl="pallas" (interpreted here) runs the commit's block-state update and the scrub through the Pallas
+    kernels: allocator state, scheduler counters and tokens equal the xla path's; without the scrub the same run
+    leaves rejected drafts' K/V in place (the check above can fail) and schedules identically."""
+    small = [dataclasses.replace(r, max_new_tokens=8) for r in trace.requests[:2]]  # greedy: a prefix of the reference
+    policy = policies.skvs(4).replace(draft_buckets=(4,))  # two programs (prompt, decode): interpret mode is slow
+    cache = CacheConfig(num_blocks=24, block_size=8, max_seqs=2, max_blocks_per_seq=16)
+    runs = {}
+    for impl, pol in (("xla", policy), ("pallas", policy), ("xla-noscrub", policy.replace(scrub_rejected=False))):
+        e = _engine(shipped, pol, monkeypatch, impl=impl.split("-")[0], cache=cache)
+        out, rejected, dirty = _serve_checked(e, small, poison=False)
+        assert out == {r.request_id: reference[r.request_id][:8] for r in small}, impl
+        runs[impl] = (jax.device_get(e.state.sched.kv.alloc), jax.device_get(e.state.sched.counters),
+                      (rejected, dirty), e)
+    for impl in ("pallas", "xla-noscrub"):
+        same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), runs["xla"][:2], runs[impl][:2])
+        assert all(jax.tree.leaves(same)), impl
+    rejected = runs["xla"][2][0]
+    assert rejected > 0 and runs["xla"][2] == runs["pallas"][2] == (rejected, 0)
+    assert runs["xla-noscrub"][2] == (rejected, rejected)  # unscrubbed, every rejected slot still holds its draft
+    assert runs["pallas"][3].cfg.sched.kv.impl == "pallas"
+    # The kernels are in the traced step: the commit's block states and the scrub lower to pallas_call.
+    e = runs["pallas"][3]
+    commit = jax.make_jaxpr(lambda kv, n: manager.commit(kv, n, e.cfg.sched.kv))(
+        e.state.sched.kv, jnp.zeros((cache.max_seqs,), jnp.int32))
+    assert "pallas_call" in str(commit)
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda kv, n: manager.commit(kv, n, runs["xla"][3].cfg.sched.kv))(
+        e.state.sched.kv, jnp.zeros((cache.max_seqs,), jnp.int32)))
+
+
+def test_swaps_spill_to_a_bounded_disk_tier_and_come_back(shipped, trace, reference, tmp_path):
+    """A host tier too small for the swaps: older swaps spill to the disk tier (in disk_dir) and come back from
+    it; the outputs are still the greedy reference, and every tier slot is free at the end. When host and disk are
+    both full the scheduler recomputes instead, as it does without a disk tier."""
+    swap = policies.skvs(4).replace(preemption="swap")
+    e, out = _serve(shipped, swap, trace, swap_blocks=4, disk_blocks=12, disk_dir=str(tmp_path))
+    assert out == reference
+    t, c = e.tiers, e.state.sched.counters
+    assert e.cfg.sched.swap_blocks == 16 and t.capacity == 16
+    assert int(c.preempt_swap) > 0 and int(c.swap_ins) == int(c.preempt_swap) and int(c.preempt_recompute) == 0
+    assert t.spilled_blocks > 0 and t.disk_in_blocks > 0, (t.spilled_blocks, t.disk_in_blocks)
+    assert t.free_blocks == t.capacity and list(tmp_path.iterdir())
+    # Smaller tiers: some victims fit neither, and are recomputed.
+    e, out = _serve(shipped, swap, trace, swap_blocks=2, disk_blocks=4)
+    assert out == reference
+    c = e.state.sched.counters
+    assert int(c.preempt_swap) > 0 and int(c.preempt_recompute) > 0 and e.tiers.disk_in_blocks > 0
+    e.tiers.close()

@@ -396,3 +396,72 @@ def test_profile_file_states_its_source():
     tables = kernel_profiles.load_profile(kernel_profiles.REFERENCE_PROFILE.file)
     assert sorted(tables["linear"]) == [1, 2, 4, 8]
     assert all(np.all(np.diff(t) >= 0) for t in tables["linear"].values())
+
+
+# ----------------------------------------------------------------------------------------------- priced swaps
+
+
+def test_swap_time_is_the_blocks_bytes_over_the_host_link():
+    """Llama-3-70B on 2 x H100: a 16-token block is 16 * 320 KiB / 2 per device; the H100's default link is PCIe
+    Gen5 x16 (50.4 GB/s effective). Linear in the blocks, inversely in the link; zero blocks cost zero; disk blocks
+    add the whole model's KV of each block at the disk's bandwidth."""
+    from skvs_jax.sim.specs import DISK_BYTES_PER_S, HOST_LINKS
+
+    h100 = DEVICES["h100-sxm"]
+    cm = CostModel(LLAMA_70B, h100, tp=2)
+    assert cm.host_link == h100.host_link == "pcie-gen5-x16" and CostModel(LLAMA_8B, A100).host_link == "pcie-gen4-x16"
+    block = 16 * 320 * KIB / 2
+    assert float(cm.swap_time(100, 0, 16)) == pytest.approx(100 * block / 50.4e9, rel=1e-6)
+    assert float(cm.swap_time(30, 70, 16)) == pytest.approx(float(cm.swap_time(100, 0, 16)), rel=1e-6)
+    assert float(cm.swap_time(200, 0, 16)) == pytest.approx(2 * float(cm.swap_time(100, 0, 16)), rel=1e-6)
+    assert float(cm.swap_time(0, 0, 16)) == 0.0
+    times = {name: float(CostModel(LLAMA_70B, h100, tp=2, host_link=name).swap_time(100, 0, 16))
+             for name in HOST_LINKS}
+    assert times["pcie-gen4-x16"] == pytest.approx(2 * times["pcie-gen5-x16"], rel=1e-6)
+    assert times["nvlink-c2c"] == pytest.approx(times["pcie-gen5-x16"] * 50.4 / 360, rel=1e-6)
+    assert times["unpriced"] == 0.0
+    disk = float(cm.swap_time(100, 0, 16, disk_blocks=100)) - float(cm.swap_time(100, 0, 16))
+    assert disk == pytest.approx(100 * 16 * 320 * KIB / DISK_BYTES_PER_S, rel=1e-5)
+    batched = cm.swap_time(jnp.asarray([0, 10, 20]), jnp.asarray([5, 0, 0]), 16)  # jnp: jit/vmap-friendly
+    assert batched.shape == (3,) and float(batched[2]) == pytest.approx(2 * float(batched[1]), rel=1e-6)
+    with pytest.raises(ValueError, match="host_link"):
+        CostModel(LLAMA_70B, h100, tp=2, host_link="usb-2")
+    with pytest.raises(ValueError, match="host_link"):
+        dataclasses.replace(h100, host_link="usb-2")
+    with pytest.raises(ValueError, match="disk_bytes_per_s"):
+        CostModel(LLAMA_70B, h100, tp=2, disk_bytes_per_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def starved():
+    """Llama-3.1-8B on an A100 with 40 KV blocks of 16 for 12 requests arriving at once: preemption happens."""
+    from skvs_jax import scheduler as sc
+    from skvs_jax import workloads
+    from skvs_jax.config import CacheConfig
+    from skvs_jax.sim import simulate as sim
+
+    trace = workloads.make("sharegpt", 12, seed=3, rate=None, max_prompt_len=160, max_output_len=96)
+    cache = CacheConfig(num_blocks=41, block_size=16, max_seqs=8, max_blocks_per_seq=16)
+
+    def run(preemption: str, host_link: str):
+        cfg = sc.SchedulerConfig(cache=cache, policy=policies.vllm_default().replace(preemption=preemption),
+                                 max_running=8, token_budget=256, prefill_chunk=128, swap_blocks=400)
+        cost = CostModel(LLAMA_8B, A100, host_link=host_link)
+        st, log = sim.simulate(sim.make_trace(trace, cfg), cfg.policy.knobs(), cfg=cfg, cost=cost, max_steps=600)
+        act = np.asarray(log.active)
+        return jax.device_get(st.counters), float(np.asarray(log.duration, np.float64)[act].sum())
+
+    return run
+
+
+def test_the_simulator_prices_swaps_and_nothing_else(starved):
+    """Arrivals at t = 0, so the schedule does not depend on the clock: swap runs schedule the same on every link,
+    and their simulated time grows by the transfer time, twice as much on PCIe Gen4 as on Gen5. (A policy that
+    recomputes never reaches the pricing: it is traced only under preemption="swap" with a swap space.)"""
+    unpriced, t0 = starved("swap", "unpriced")
+    gen4, t4 = starved("swap", "pcie-gen4-x16")
+    gen5, t5 = starved("swap", "pcie-gen5-x16")
+    assert int(unpriced.preempt_swap) > 0 and int(unpriced.swap_ins) > 0
+    for field in unpriced.__dataclass_fields__:
+        assert int(getattr(unpriced, field)) == int(getattr(gen4, field)) == int(getattr(gen5, field)), field
+    assert t4 - t0 > 0 and (t4 - t0) == pytest.approx(2 * (t5 - t0), rel=1e-3)

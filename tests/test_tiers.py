@@ -137,3 +137,74 @@ def test_bad_inputs_raise_naming_the_argument(call, error, match):
     pages = random_pages("float32", 2)
     with pytest.raises(error, match=match):
         call(pages, tiers.Tier(pages, 4))
+
+
+# ------------------------------------------------------------------- SwapSpace: a host tier spilling to disk
+
+
+@given(ops=hs.lists(hs.tuples(hs.sampled_from(["out", "in", "release"]), hs.integers(1, 6), hs.integers(0, 9)),
+                    min_size=1, max_size=12),
+       host=hs.integers(0, 5), disk=hs.integers(0, 8))
+def test_a_swap_space_spills_least_recently_swapped_first_and_every_swap_comes_back_bit_identical(ops, host, disk):
+    """Against a model: a swap is refused exactly when host + disk lack room; it goes to the host after the least
+    recently swapped sequences' blocks moved to disk; a swapped-in sequence is bit-identical; slots add up."""
+    pages = random_pages("bfloat16", 3)
+    space = tiers.SwapSpace(pages, host, disk)
+    live = []  # (handle, source block ids), least recently swapped first
+    for kind, size, pick in ops:
+        if kind == "out":
+            ids = np.arange(1, 1 + size, dtype=np.int32)
+            before_host = [sum(p.num_blocks for _, p in h.parts if p.tier is space.host) for h, _ in live]
+            handle = space.swap_out(pages, ids)
+            used = sum(h.num_blocks for h, _ in live)
+            assert handle.ok == (used + size <= host + disk)
+            if not handle.ok:
+                assert handle.parts == [] and space.free_blocks == host + disk - used
+                continue
+            after_host = [sum(p.num_blocks for _, p in h.parts if p.tier is space.host) for h, _ in live]
+            moved = [b - a for b, a in zip(before_host, after_host)]
+            # Least recently swapped first: a sequence lost host blocks only if every older one has none left.
+            for i, m in enumerate(moved):
+                if m:
+                    assert all(a == 0 for a in after_host[:i])
+            on_host = sum(p.num_blocks for _, p in handle.parts if p.tier is space.host)
+            assert on_host == min(size, host - sum(after_host))
+            assert [s for s, _ in handle.parts] == sorted(s for s, _ in handle.parts)
+            live.append((handle, ids))
+        elif live:
+            handle, ids = live.pop(pick % len(live))
+            if kind == "in":
+                dst = np.arange(N - handle.num_blocks, N, dtype=np.int32)
+                poisoned = tuple(p.at[dst].set(jnp.zeros((), p.dtype)) for p in pages)
+                back = space.swap_in(poisoned, handle, dst)
+                assert as_bytes(back, dst) == as_bytes(pages, ids)
+            else:
+                space.release(handle)
+            with pytest.raises(ValueError, match="already swapped in or released"):
+                space.release(handle)
+        assert space.free_blocks == host + disk - sum(h.num_blocks for h, _ in live)
+        assert space.host.free_blocks + (space.disk.free_blocks if space.disk else 0) == space.free_blocks
+    space.close()
+
+
+def test_a_swap_space_without_a_directory_uses_a_temporary_one_and_removes_it():
+    import os
+
+    pages = random_pages("float32", 4)
+    space = tiers.SwapSpace(pages, 2, 4)
+    directory = os.path.dirname(space.disk.paths[0])
+    first = space.swap_out(pages, np.asarray([1, 2], np.int32))
+    second = space.swap_out(pages, np.asarray([3, 4, 5], np.int32))  # the host holds 2: `first` spills to disk
+    assert space.spilled_blocks == 2 and [p.tier for _, p in first.parts] == [space.disk]
+    assert [(s, p.tier.kind, p.num_blocks) for s, p in second.parts] == [(0, tiers.HOST, 2), (2, tiers.DISK, 1)]
+    assert not space.swap_out(pages, np.asarray([6, 7], np.int32)).ok  # 1 slot left of 6
+    back = space.swap_in(pages, first, np.asarray([8, 9], np.int32))
+    assert as_bytes(back, [8, 9]) == as_bytes(pages, [1, 2]) and space.disk_in_blocks == 2
+    with pytest.raises(ValueError, match="dst_block_ids has"):
+        space.swap_in(pages, second, np.asarray([8], np.int32))
+    with pytest.raises(ValueError, match="disk_blocks"):
+        tiers.SwapSpace(pages, 1, -1)
+    with pytest.raises(ValueError, match="disk_dir"):
+        tiers.SwapSpace(pages, 1, 1, "/nonexistent/dir")
+    space.close()
+    assert not os.path.exists(directory)

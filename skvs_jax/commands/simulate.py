@@ -28,6 +28,7 @@ from skvs_jax import scheduler as sc
 from skvs_jax.commands import policy_flags
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
+from skvs_jax.sim.specs import HOST_LINKS
 
 SCHEMA_VERSION = 1
 
@@ -39,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-mode", default="auto", choices=cost_model.COST_MODES,
                         help="how steps are priced (cost_model.COST_MODES): auto = measured kernels where profiled "
                              "(llama-3.1-8b on a100-80gb), else the roofline")
+    parser.add_argument("--host-link", default=None, choices=sorted(HOST_LINKS),
+                        help="the link swapped KV crosses to host memory, priced per swapped block (specs.HOST_LINKS: "
+                             "effective bandwidths from the PCIe / GH200 specifications); default: the device's "
+                             "(a100-80gb: pcie-gen4-x16, h100-sxm and h200: pcie-gen5-x16)")
     parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs",
                         help="comma-separated presets, each with optional overrides of its fields "
@@ -164,7 +169,8 @@ def _cost(args) -> cost_model.CostModel:
     if args.kv_precision is not None:
         dtype = policies.resolve_kv_dtype(args.kv_precision, args.draft_len)
         model = dataclasses.replace(model, kv_dtype_bytes=KV_BYTES[dtype])
-    return cost_model.CostModel(model, cost_model.DEVICES[args.device], tp=args.tp, mode=args.cost_mode)
+    return cost_model.CostModel(model, cost_model.DEVICES[args.device], tp=args.tp, mode=args.cost_mode,
+                                host_link=args.host_link)
 
 
 def _lanes(args, cfg, rates: list[float], draft_len: int | None = None):
@@ -273,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
     spec = cost.model
     print(f"skvs simulate: {args.requests} requests ({args.workload}, seeds 0..{args.seeds - 1}, scale {args.scale}), "
-          f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}), acceptance {args.acceptance} "
+          f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}; swaps over {cost.host_link}), "
+          f"acceptance {args.acceptance} "
           f"(K={args.draft_len}, "
           f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
           f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "

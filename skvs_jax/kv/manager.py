@@ -42,12 +42,15 @@ class KVConfig:
       spec: what the allocator needs of the policy (K, release mode, speculative pool).
       prefix: the prefix index's geometry (C slots in buckets of `ways`).
       rows_indexed: R, rows offered to the prefix index per step (see `index_rows`).
+      impl: the block-state kernel `commit` runs (`pallas_kernels.update_block_states`): "xla" (its jnp
+        reference), "pallas" or "auto" (Pallas on a GPU); the engine passes its own `impl`.
     """
 
     cache: CacheConfig
     spec: SpecConfig
     prefix: pc.PrefixCacheConfig
     rows_indexed: int
+    impl: str = "xla"
 
     @property
     def window(self) -> int:
@@ -205,16 +208,17 @@ def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: j
 
 
 def commit(kv: KVState, num_accepted: jax.Array, cfg: KVConfig) -> KVState:
-    """Commit num_accepted int32[B] tokens per row and roll back the rest (`allocator.commit_unchecked`) over a
-    [B, W] window, then over the full table only if some row did not fit it (settled rows are settled again
-    with 0 accepted, which changes nothing)."""
+    """Commit num_accepted int32[B] tokens per row and roll back the rest (`allocator.commit_unchecked`, its block
+    states through the `cfg.impl` kernel) over a [B, W] window, then over the full table only if some row did not
+    fit it (settled rows are settled again with 0 accepted, which changes nothing)."""
     s, alloc = cfg.cache.block_size, kv.alloc
     fits = alloc.seqs.num_blocks - alloc.seqs.num_committed // s <= cfg.window
-    alloc, _ = allocator.commit_unchecked(alloc, num_accepted, cfg=cfg.cache, spec=cfg.spec, window=cfg.window)
+    alloc, _ = allocator.commit_unchecked(alloc, num_accepted, cfg=cfg.cache, spec=cfg.spec, window=cfg.window,
+                                          impl=cfg.impl)
 
     def full(alloc):
         return allocator.commit_unchecked(alloc, jnp.where(fits, 0, num_accepted), cfg=cfg.cache, spec=cfg.spec,
-                                          window=None)[0]
+                                          window=None, impl=cfg.impl)[0]
 
     return kv.replace(alloc=vmap_flow.when(jnp.any(~fits), full, alloc, identity_when_false=True))
 

@@ -13,6 +13,9 @@ so the round trip is bit-identical whatever the dtype (NaN payloads included). C
 tier's free slots are a host-side bitmap. A tier that cannot hold a request returns a handle with ok=False and
 moves nothing: failure is data, the scheduler decides (recompute instead, or try the next tier).
 
+`SwapSpace` is what the engine swaps into: a host tier backed by a bounded disk tier, spilling the least recently
+swapped-out sequences' blocks to disk when the host is full, and reading them back on swap-in.
+
 Tiers are mutable host objects (they own host memory or a file) and are never traced. Jitted gathers and
 scatters are compiled per power-of-two bucket of the block count (padding gathers the null block and scatters
 out of range, where it is dropped), so the number of compilations grows with log2 of the largest swap.
@@ -249,3 +252,140 @@ def release(handle: SwapHandle) -> None:
     _check_handle(handle)
     handle.tier.owner[handle.slots] = 0
     handle.tier.live.discard(handle.serial)
+
+
+# ------------------------------------------------------------------------------- host tier backed by a disk tier
+
+
+@dataclasses.dataclass(eq=False)
+class TieredHandle:
+    """Where a sequence swapped into a `SwapSpace` lives: parts[i] = (index of its first block in the sequence's
+    block order, the `SwapHandle` of that run of blocks), in block order; a spill can leave a sequence split over
+    the host and the disk tier. ok is False (and parts empty) when the swap was refused."""
+
+    parts: list[tuple[int, SwapHandle]]
+    num_blocks: int
+    ok: bool
+
+
+class SwapSpace:
+    """A host tier of `host_blocks` backed by a disk tier of `disk_blocks` (0: none): what the engine swaps into.
+
+    `swap_out` puts a sequence in the host tier. When the host lacks room, blocks of the least recently swapped-out
+    sequences move to the disk tier first (their last blocks first, so a sequence may end up split over both
+    tiers), as many as the disk takes; whatever still does not fit the host (a sequence larger than the host's free
+    room after the spill) goes to disk directly. A swap is refused (ok False, nothing moved) only when the two
+    tiers together have fewer free slots than it needs, so a scheduler that counts host + disk blocks is never
+    refused. `swap_in` reads each part back from its tier. Every move is of raw bytes: bit-identical.
+
+    disk_dir: the directory of the disk tier's files (None: a fresh temporary directory, removed by `close`).
+    Counters: spilled_blocks (moved host -> disk), disk_in_blocks (swapped in from disk), disk_out_blocks
+    (swapped out straight to disk).
+    """
+
+    def __init__(self, kv_pages, host_blocks: int, disk_blocks: int = 0, disk_dir: str | None = None):
+        for name, value in (("host_blocks", host_blocks), ("disk_blocks", disk_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if disk_dir is not None and not os.path.isdir(disk_dir):
+            raise ValueError(f"disk_dir must be an existing directory, got {disk_dir!r}")
+        self._tmp = tempfile.mkdtemp(prefix="skvs_kv_disk_") if disk_blocks and disk_dir is None else None
+        self.host = Tier(kv_pages, host_blocks, HOST)
+        self.disk = Tier(kv_pages, disk_blocks, DISK, disk_dir or self._tmp) if disk_blocks else None
+        self._order: dict[int, TieredHandle] = {}  # id -> handle of every live swap, least recently swapped first
+        self.spilled_blocks = self.disk_in_blocks = self.disk_out_blocks = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.host.capacity + (self.disk.capacity if self.disk else 0)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.host.free_blocks + (self.disk.free_blocks if self.disk else 0)
+
+    def _move_tail(self, handle: SwapHandle, count: int, dst: Tier) -> tuple[SwapHandle | None, SwapHandle]:
+        """Move the last `count` blocks of `handle` into `dst` (which has room). Returns (the blocks left behind,
+        or None when all moved; the moved ones)."""
+        src = handle.tier
+        keep, moved = handle.slots[: handle.num_blocks - count], handle.slots[handle.num_blocks - count:]
+        slots = np.flatnonzero(dst.owner == 0)[:count]
+        for s_store, d_store in zip(src.storage, dst.storage):
+            d_store[slots] = s_store[moved]
+        serial = next(Tier._serials)
+        dst.owner[slots] = serial
+        dst.live.add(serial)
+        src.owner[moved] = 0
+        if not keep.size:
+            src.live.discard(handle.serial)
+        left = SwapHandle(tier=src, slots=keep, ok=True, serial=handle.serial) if keep.size else None
+        return left, SwapHandle(tier=dst, slots=slots, ok=True, serial=serial)
+
+    def _spill(self, need: int) -> None:
+        """Move up to `need` host blocks to disk, least recently swapped sequences first, their tails first."""
+        for entry in list(self._order.values()):
+            if need <= 0 or not self.disk.free_blocks:
+                return
+            parts = []
+            for start, part in entry.parts:
+                count = min(need, part.num_blocks, self.disk.free_blocks) if part.tier is self.host else 0
+                if not count:
+                    parts.append((start, part))
+                    continue
+                left, moved = self._move_tail(part, count, self.disk)
+                parts += ([(start, left)] if left else []) + [(start + part.num_blocks - count, moved)]
+                need -= count
+                self.spilled_blocks += count
+            entry.parts = parts
+
+    def swap_out(self, kv_pages: tuple, block_ids) -> TieredHandle:
+        """Copy a sequence's blocks block_ids (int[X], in table order) out of the device (see the class)."""
+        ids = _check_ids("block_ids", block_ids, kv_pages[0].shape[0])
+        x = int(ids.size)
+        if self.free_blocks < x:
+            return TieredHandle(parts=[], num_blocks=0, ok=False)
+        if self.host.free_blocks < x and self.disk is not None:
+            self._spill(x - self.host.free_blocks)
+        on_host = min(x, self.host.free_blocks)
+        parts = [(0, swap_out(kv_pages, ids[:on_host], self.host))]
+        if on_host < x:
+            parts.append((on_host, swap_out(kv_pages, ids[on_host:], self.disk)))
+            self.disk_out_blocks += x - on_host
+        handle = TieredHandle(parts=parts, num_blocks=x, ok=True)
+        self._order[id(handle)] = handle
+        return handle
+
+    def _take(self, handle: TieredHandle) -> None:
+        if not isinstance(handle, TieredHandle):
+            raise TypeError(f"handle must be a TieredHandle, got {type(handle).__name__}")
+        if not handle.ok:
+            raise ValueError("handle is a failed swap (ok=False): there is nothing to swap in")
+        if self._order.pop(id(handle), None) is None:
+            raise ValueError("handle was already swapped in or released")
+
+    def swap_in(self, kv_pages: tuple, handle: TieredHandle, dst_block_ids) -> tuple:
+        """Copy a swapped-out sequence into device blocks dst_block_ids (int[X]) from wherever its parts are, and
+        free its slots. Returns the new kv_pages."""
+        dst = _check_ids("dst_block_ids", dst_block_ids, kv_pages[0].shape[0])
+        if dst.size != handle.num_blocks:
+            raise ValueError(f"dst_block_ids has {dst.size} blocks, the handle holds {handle.num_blocks}")
+        self._take(handle)
+        for start, part in handle.parts:
+            kv_pages = swap_in(kv_pages, part, dst[start: start + part.num_blocks])
+            if part.tier is self.disk:
+                self.disk_in_blocks += part.num_blocks
+        return kv_pages
+
+    def release(self, handle: TieredHandle) -> None:
+        """Free a swapped-out sequence's slots without swapping it in (it was aborted)."""
+        self._take(handle)
+        for _, part in handle.parts:
+            release(part)
+
+    def close(self) -> None:
+        """Drop both tiers (the disk tier's files, and the temporary directory if this object made it)."""
+        self.host.close()
+        if self.disk is not None:
+            self.disk.close()
+        if self._tmp is not None and os.path.isdir(self._tmp):
+            os.rmdir(self._tmp)
+        self._order.clear()

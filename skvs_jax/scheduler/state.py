@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pallas_kernels import IMPLS
 from skvs_jax import checks
 from skvs_jax.arrays import i32
 from skvs_jax.config import CacheConfig
@@ -92,6 +93,8 @@ class SchedulerConfig:
       draft_reach: per draft bucket, the most drafts a step with that many draft slots can accept (default: the
         buckets themselves, a chain). A draft tree of d nodes reaches only its depth, so adaptive draft length
         compares the expected accepted length with the reach, not with the node count.
+      impl: the kernels' implementation (`pallas_kernels.IMPLS`) the KV manager's commit runs its block-state
+        update with (`KVConfig.impl`); the engine sets it to its own `impl`.
     """
 
     cache: CacheConfig
@@ -106,6 +109,7 @@ class SchedulerConfig:
     prefix_capacity: int | None = None
     prefix_ways: int = 8
     draft_reach: tuple[int, ...] = ()
+    impl: str = "xla"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -122,6 +126,8 @@ class SchedulerConfig:
             raise ValueError(f"victim must be one of {sorted(VICTIM_RULES)} or a function, got {self.victim!r}")
         if self.victim is not None and not isinstance(self.victim, str) and not callable(self.victim):
             raise TypeError(f"victim must be a rule name or a function, got {type(self.victim).__name__}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
         if self.draft_reach and (len(self.draft_reach) != len(buckets) or list(self.draft_reach) != sorted(
                 self.draft_reach) or any(not 0 <= r <= k for r, k in zip(self.draft_reach, buckets))):
@@ -164,7 +170,7 @@ class SchedulerConfig:
     def kv(self) -> manager.KVConfig:
         """What the KV manager needs: the geometry, the policy's allocator switches, the index, R."""
         return manager.KVConfig(cache=self.cache, spec=self.policy.spec_config(), prefix=self.prefix,
-                                rows_indexed=self.rows_indexed)
+                                rows_indexed=self.rows_indexed, impl=self.impl)
 
 
 # ----------------------------------------------------------------------------------------------- state

@@ -118,6 +118,12 @@ class Engine:
     step_cost: a `scheduler.StepCost` the goodput draft controller prices steps with (`draft_control="goodput"`);
     None: every step costs the same (drafts are free, only acceptance decides), the default on this CPU, where a
     step costs about the same at any width (docs/speculation.md, "Draft control").
+    Swap tiers (`preemption="swap"`): swap_blocks host-tier blocks, backed by disk_blocks blocks of a disk tier in
+    disk_dir (None: a temporary directory); a swap that does not fit the host spills the least recently swapped
+    sequences to disk (`kv.tiers.SwapSpace`), and the scheduler counts both tiers' room, recomputing when both are
+    full. impl ("xla" | "pallas" | "reference" | "auto"): the kernels of the step, the paged attention and the
+    speculative-validation kernels (the commit's `update_block_states`, and `invalidate_drafts` when the policy
+    scrubs rejected drafts); "pallas" is interpreted off-GPU, "auto" is Pallas on a GPU and XLA elsewhere.
     """
 
     def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, **kwargs):
@@ -140,11 +146,15 @@ class Engine:
                sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
                posterior_alpha: float = POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None,
-               step_cost: sc.StepCost | None = None) -> None:
+               step_cost: sc.StepCost | None = None, disk_blocks: int = 0, disk_dir: str | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
             raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
+        checks.at_least("swap_blocks", swap_blocks, 0)
+        checks.at_least("disk_blocks", disk_blocks, 0)
+        if disk_dir is not None and not isinstance(disk_dir, str):
+            raise TypeError(f"disk_dir must be a directory path (str) or None, got {type(disk_dir).__name__}")
         if not checks.is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         if not 0 <= seed < 2**32:
@@ -157,7 +167,8 @@ class Engine:
                              f"{runner.max_positions} positions")
         scfg = sc.SchedulerConfig(
             cache=cache_config, policy=policy, max_running=max_running or cache_config.max_seqs,
-            token_budget=token_budget, prefill_chunk=prefill_chunk, swap_blocks=swap_blocks, victim=victim,
+            token_budget=token_budget, prefill_chunk=prefill_chunk, victim=victim, impl=impl,
+            swap_blocks=swap_blocks + disk_blocks,  # the scheduler counts the room of both tiers
             admit_window=min(cache_config.max_seqs, 32),
             draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else ())
         kv_dtype = policy.kv_dtype() if kv_dtype is None else kv_dtype  # an explicit dtype overrides the policy's
@@ -165,7 +176,7 @@ class Engine:
         self.policy, self.knobs = policy, policy.knobs()
         if mesh is not None:
             params, kv_shardings = self._shard(runner, params, mesh, impl, cache_config, kv_dtype,
-                                               policy.preemption == "swap" and swap_blocks > 0)
+                                               policy.preemption == "swap" and swap_blocks + disk_blocks > 0)
             self.knobs = jax.device_put(self.knobs, distributed.replicated(mesh))
         self.cfg = engine_step.EngineConfig(sched=scfg, impl=impl, kv_dtype=kv_dtype, tree=tree, acceptance=acceptance,
                                 sample_drafts=sample_drafts, posterior_threshold=float(posterior_threshold),
@@ -198,9 +209,9 @@ class Engine:
         self.compiled: set[tuple[int, bool]] = set()
         self._next_id = 0
         self.tiers = None
-        if policy.preemption == "swap" and swap_blocks:
-            self.tiers = tiers_mod.Tier(self._kv_pages(), swap_blocks)
-            self.handles: dict[int, tiers_mod.SwapHandle] = {}
+        if policy.preemption == "swap" and scfg.swap_blocks:  # host tier (swap_blocks) backed by disk (disk_blocks)
+            self.tiers = tiers_mod.SwapSpace(self._kv_pages(), swap_blocks, disk_blocks, disk_dir)
+            self.handles: dict[int, tiers_mod.TieredHandle] = {}
 
     def _empty_state(self) -> engine_step.EngineState:
         scfg, runner = self.cfg.sched, self.runner
@@ -437,15 +448,15 @@ class Engine:
         blocks = np.asarray(batch.swap_out_blocks)
         for row in out_rows:  # read before anything is written this step
             ids = blocks[row][blocks[row] != NULL_BLOCK]
-            handle = tiers_mod.swap_out(self._kv_pages(), ids, self.tiers)
+            handle = self.tiers.swap_out(self._kv_pages(), ids)  # spills older swaps to disk when the host is full
             if not handle.ok:
-                raise RuntimeError("host tier full although the scheduler counted room (engine bug)")
+                raise RuntimeError("swap tiers full although the scheduler counted room (engine bug)")
             self.handles[int(row)] = handle
         table = np.asarray(batch.block_table)
         pages = self._kv_pages()
         for row in in_rows:
             handle = self.handles.pop(int(row))
-            pages = tiers_mod.swap_in(pages, handle, table[row, : handle.num_blocks])
+            pages = self.tiers.swap_in(pages, handle, table[row, : handle.num_blocks])
         self._set_kv_pages(pages)
 
     def _collect(self, out: engine_step.StepOut, start: float, end: float) -> list[tuple[int, list[int], bool]]:
@@ -516,7 +527,7 @@ class Engine:
         mask[slot] = True
         self.state = self.state.replace(sched=sc.abort(self.state.sched, self._put(mask), cfg=self.cfg.sched))
         if self.tiers is not None and slot in self.handles:
-            tiers_mod.release(self.handles.pop(slot))
+            self.tiers.release(self.handles.pop(slot))
         self.request_in[slot] = -1
         self._free_slots += 1  # `abort` empties the slot at once
         return True

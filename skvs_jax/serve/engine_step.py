@@ -1,7 +1,8 @@
 """The engine's jitted step: schedule, drafts, one paged forward, verification and update, as named phases.
 
     schedule → _copy_on_write → _assemble_queries → _forward → _verify_drafts → _truncate_at_stop
-    → _hidden_at_last_accepted → _move_accepted_kv → _keep_kv_sharding → update → _next_width_bounds → _step_out
+    → _hidden_at_last_accepted → _move_accepted_kv → _scrub_rejected_drafts → _keep_kv_sharding → update
+    → _next_width_bounds → _step_out
 
 `fused_step` is the whole step in one program; `schedule_only` and `model_only` are its two halves, for the swap
 path (the host copies KV between the tiers between them). `EngineState` is what the step carries; `Engine`
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+import pallas_kernels as pk
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import i32
 from skvs_jax.serve import acceptance
@@ -99,7 +101,9 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
                 width: int):
     """Everything after `schedule`, one phase per call: copy-on-write, the [B, Q] queries (Q = width), the paged
     forward, verification, the stop-token cut, the next hidden state, a tree's accepted K/V moved into place,
-    the cache's sharding, `update`, and what the host needs to pick the next width. Returns (state, StepOut)."""
+    the rejected drafts' K/V scrubbed (when the policy asks), the cache's sharding, `update` (its commit's block
+    states through `pallas_kernels.update_block_states`, `cfg.impl`), and what the host needs to pick the next
+    width. Returns (state, StepOut)."""
     k = cfg.sched.policy.draft_len
     cache = _copy_on_write(runner, st.cache, batch)
     rng, key_draft, key_verify = jax.random.split(st.rng, 3)
@@ -110,6 +114,7 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     new_tokens, accepted, next_token, stop = _truncate_at_stop(accepted, path_tokens, bonus, st.stop_ids, k=k)
     hidden = _hidden_at_last_accepted(hidden, path, accepted, batch, st.hidden)
     cache = _move_accepted_kv(runner, cache, batch, path, accepted, cfg=cfg)
+    cache = _scrub_rejected_drafts(runner, cache, batch, accepted, cfg=cfg)
     cache = _keep_kv_sharding(runner, cache, cfg.kv_shardings)
     view_tokens = None if k == 0 or spec.is_chain(cfg.tree) else queries.nodes  # the drafts in tree-slot order
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
@@ -240,6 +245,40 @@ def _move_accepted_kv(runner: ModelRunner, cache, batch: sc.Batch, path: jax.Arr
     moved = spec.move_accepted(runner.kv_pages(cache), cfg.tree, batch.block_table, batch.start, batch.num_query,
                                path, jnp.where(batch.samples, accepted, 0))
     return runner.with_kv_pages(cache, moved)
+
+
+def _scrub_rejected_drafts(runner: ModelRunner, cache, batch: sc.Batch, accepted: jax.Array, *, cfg: EngineConfig):
+    """The cache with every rejected draft's K/V slot zeroed (`pallas_kernels.invalidate_drafts` with cfg.impl),
+    when the policy asks for it (`Policy.scrub_rejected`); otherwise, or with K = 0, the cache untouched.
+
+    accepted int32[B] after the stop-token cut; a row that samples no token keeps none of its drafts (what `update`
+    commits). Draft slot k of row b sits at position start + num_query + k; the slots k >= accepted are rejected:
+    for a draft tree, after `_move_accepted_kv` the accepted path occupies the first `accepted` slots and every
+    other slot (rejected nodes and the accepted ones' old places) is dead. The runner's `kv_pages` are page
+    arrays [N, S, Hkv, D] (K then V per layer pair-wise; any even count) and, when quantised, their scales
+    [N, S, Hkv] in the same order; each pair goes through the kernel in one call. Runs before `update`, whose
+    commit gives the blocks of rejected drafts back: a block is scrubbed before anyone else can own it."""
+    pol = cfg.sched.policy
+    if pol.draft_len == 0 or not pol.scrub_rejected:
+        return cache
+    kept = jnp.where(batch.samples, jnp.clip(accepted, 0, batch.num_drafts), 0)
+    accept_mask = jnp.arange(pol.draft_len, dtype=i32)[None, :] < kept[:, None]  # [B, K]
+    lens = jnp.where(batch.scheduled, batch.num_drafts, 0)
+    start = batch.start + batch.num_query
+    pages = list(runner.kv_pages(cache))
+    data = [i for i, x in enumerate(pages) if x.ndim == 4]
+    scales = [i for i, x in enumerate(pages) if x.ndim == 3]
+    if len(data) % 2 or (scales and len(scales) != len(data)):
+        raise ValueError(f"runner.kv_pages must be pairs of [N, S, Hkv, D] pages (and as many [N, S, Hkv] scales), "
+                         f"got {len(data)} pages and {len(scales)} scales")
+    for j in range(0, len(data), 2):
+        idx = data[j:j + 2] + scales[j:j + 2]
+        sc_kw = dict(k_scales=pages[idx[2]], v_scales=pages[idx[3]]) if scales else {}
+        out = pk.invalidate_drafts(pages[idx[0]], pages[idx[1]], batch.block_table, start, accept_mask,
+                                   draft_lens=lens, impl=cfg.impl, **sc_kw)
+        for i, x in zip(idx, out):
+            pages[i] = x
+    return runner.with_kv_pages(cache, tuple(pages))
 
 
 def _keep_kv_sharding(runner: ModelRunner, cache, kv_shardings: tuple | None):

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f'    "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s={rate(device.peak_flops_per_s)}, '
           f'hbm_bytes_per_s={rate(device.hbm_bytes_per_s)}, hbm_capacity_bytes=math.inf, compute_efficiency=1.0, '
           f'bandwidth_efficiency=1.0, link_bytes_per_s=math.inf, allreduce_latency_s=0.0, '
-          f'host_overhead_s={device.host_overhead_s:.4g}, compute_memory_overlap=0.0, fitted=True),')
+          f'host_overhead_s={device.host_overhead_s:.4g}, compute_memory_overlap=0.0, fitted=True, '
+          f'host_link="unpriced"),')
     for name, es in runs.items():
         p50s = [float(np.median([r.finish_time - r.arrival_time for r in e.requests.values()])) for e in es]
         eng = float(np.median(p50s))

@@ -29,6 +29,9 @@ Roofline formula, with T = P + D, t the tensor-parallel degree, and everything p
           + [t > 1] * 2 L * (allreduce_latency + 2 (t - 1) / t * T * Dm * act_bytes / link_bandwidth)
           + host_overhead
 and a step with T = R = 0 takes 0 seconds (the simulator advances its clock to the next arrival itself).
+Swaps (`CostModel.swap_time`, added to the step by the simulator): X blocks of S tokens moved over the host link
+take X * S * kv_bytes_per_token / min(t, Hkv) / link bytes/s (presets `specs.HOST_LINKS`: PCIe Gen4 / Gen5 x16,
+NVLink-C2C), plus, for blocks that reach the disk tier, X * S * kv_bytes_per_token / disk bytes/s.
 
 Assumptions (each one a simplification a reader should know about):
 - The attention term uses mean-field sharing of query tokens: sum_i q_i * ctx_i ~ (T / B) * C, exact for decode
@@ -77,7 +80,17 @@ from skvs_jax.sim.kernel_profiles import (
     load_profile,
     nnls,
 )
-from skvs_jax.sim.specs import DEVICES, MODELS, DeviceSpec, ModelSpec, check_float, check_int
+from skvs_jax.sim.specs import (
+    DEVICES,
+    DISK_BYTES_PER_S,
+    HOST_LINKS,
+    MODELS,
+    DeviceSpec,
+    HostLink,  # noqa: F401  (re-exported with the presets)
+    ModelSpec,
+    check_float,
+    check_int,
+)
 
 # How a `CostModel` prices a step (its `mode`):
 #   "roofline": the formula of the module docstring, from datasheet peaks and assumed efficiencies.
@@ -113,6 +126,8 @@ class CostModel:
     device: DeviceSpec
     tp: int | None = None
     mode: str = "auto"
+    host_link: str | None = None  # a name in HOST_LINKS; None: the device's (`DeviceSpec.host_link`)
+    disk_bytes_per_s: float = DISK_BYTES_PER_S  # the disk tier's bandwidth (specs.DISK_BYTES_PER_S: an NVMe SSD)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, ModelSpec):
@@ -132,6 +147,11 @@ class CostModel:
             raise ValueError(f"tp ({t}) must divide num_kv_heads ({m.num_kv_heads}) or be a multiple of it")
         if self.mode not in COST_MODES:
             raise ValueError(f"mode must be one of {COST_MODES}, got {self.mode!r}")
+        if self.host_link is None:
+            object.__setattr__(self, "host_link", self.device.host_link)
+        if self.host_link not in HOST_LINKS:
+            raise ValueError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
+        check_float("disk_bytes_per_s", self.disk_bytes_per_s, 0.0, open_low=True)
         if self.device.fitted and self.mode in ("roofline", "measured-vidur"):
             raise ValueError(f"mode {self.mode!r} needs datasheet peaks or a kernel profile; device "
                              f"{self.device.name!r} is fitted to measured steps (use mode 'auto' or 'measured')")
@@ -336,6 +356,24 @@ class CostModel:
         """
         return self.breakdown(prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)["step_s"]
 
+    def swap_time(self, blocks_out: jax.Array, blocks_in: jax.Array, block_size: int,
+                  disk_blocks: jax.Array | int = 0) -> jax.Array:
+        """Seconds a step spends moving swapped KV, float32 of the inputs' broadcast shape [...].
+
+        blocks_out, blocks_in: KV blocks of block_size tokens swapped out to / in from the host tier this step;
+        each device moves its share (`kv_bytes_per_token_per_device`) over its own host link (`host_link`),
+        out and in one after the other and not overlapped with the forward (vLLM swaps before it runs the model).
+        disk_blocks: of those, blocks that also go to or come from the disk tier (a spill host -> disk, or a
+        swap-in from disk): the whole model's KV of each such block, through the host's one disk at
+        `disk_bytes_per_s`. Zero blocks cost zero; linear in the bytes.
+        """
+        link = HOST_LINKS[self.host_link].bytes_per_s
+        per_device = block_size * self.kv_bytes_per_token_per_device
+        blocks_out, blocks_in, disk_blocks = (jnp.asarray(x, jnp.float32) for x in (blocks_out, blocks_in,
+                                                                                   disk_blocks))
+        return ((blocks_out + blocks_in) * (per_device / link)
+                + disk_blocks * (block_size * self.model.kv_bytes_per_token / self.disk_bytes_per_s))
+
     def knee_tokens(self) -> float:
         """Tokens per step at which matmul compute time equals weight-read time (efficiencies included).
 
@@ -421,7 +459,7 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
                       hbm_bytes_per_s=1.0 / s_per_byte if s_per_byte > 0 else math.inf,
                       hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                       link_bytes_per_s=math.inf, allreduce_latency_s=0.0, tp_degree=1,
-                      host_overhead_s=float(overhead), compute_memory_overlap=0.0, fitted=True)
+                      host_overhead_s=float(overhead), compute_memory_overlap=0.0, fitted=True, host_link="unpriced")
 
 
 # ------------------------------------------------------------------------------- the scheduler's step cost

@@ -4,7 +4,8 @@ Each loop iteration is one engine step, exactly as `Engine.step` does it, with t
 
   admit arrived requests into EMPTY slots (in arrival order, as many as there are EMPTY slots)
   → `scheduler.schedule_unchecked` → accepted drafts from the trace's acceptance table → `scheduler.update_unchecked`
-  → step time from `CostModel.step_time(scheduler.step_shape(batch))` → simulated clock.
+  → step time from `CostModel.step_time(scheduler.step_shape(batch))`, plus the swaps' transfer time
+  (`swap_seconds`: `CostModel.swap_time` over the host link) under preemption="swap" → simulated clock.
 
 It calls the *same* `add_unchecked` / `schedule_unchecked` / `update_unchecked` as the engine (no second copy
 of the scheduler), so with the same trace, output tokens and acceptance the scheduling is the engine's, step for
@@ -34,6 +35,7 @@ from flax import struct
 from skvs_jax import checks, metrics, vmap_flow, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import count_leading
+from skvs_jax.config import NULL_BLOCK
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel, step_cost
 
@@ -186,6 +188,17 @@ def with_kv_budget(st: sc.SchedState, kv_blocks: jax.Array) -> sc.SchedState:
     return st.replace(kv=st.kv.replace(alloc=alloc))
 
 
+def swap_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig) -> jax.Array:
+    """float32[] the step's swap traffic priced by `CostModel.swap_time`: the victims' committed blocks swapped out
+    (batch.swap_out_blocks) and the restored rows' blocks swapped in (ceil(batch.restore / S)). Every swapped block
+    is priced over the host link; the scheduler counts one swap space (`SchedulerConfig.swap_blocks`), so a disk
+    tier behind the host is not told apart here (`swap_time`'s disk_blocks stays 0)."""
+    s = cfg.cache.block_size
+    out_blocks = jnp.sum(batch.swap_out_blocks != NULL_BLOCK, dtype=i32)
+    in_blocks = jnp.sum(jnp.where(batch.swap_in, -(-batch.restore // s), 0), dtype=i32)
+    return cost.swap_time(out_blocks, in_blocks, s).astype(f32)
+
+
 def _gather(table, rows, cols):
     cols = jnp.clip(cols, 0, table.shape[1] - 1)
     return table[rows[:, None], cols] if cols.ndim == 2 else table[rows, cols]
@@ -274,6 +287,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         shape = sc.step_shape(batch)
         dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,
                             shape.drafting_rows).astype(f32)
+        if cfg.policy.preemption == "swap" and cfg.swap_blocks > 0:  # static: programs that cannot swap are unchanged
+            dt = dt + swap_seconds(batch, cost, cfg)
         # Kahan summation: end + end_err is the clock to float32 precision however many steps came before.
         y = dt - err
         end = clock + y

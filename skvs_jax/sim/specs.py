@@ -179,6 +179,47 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# -------------------------------------------------------------------------------------------- host link, disk
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLink:
+    """The link a device's swapped KV crosses to host memory: effective bytes/s per direction, per device (each
+    GPU has its own link in the systems below)."""
+
+    name: str
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty string, got {self.name!r}")
+        check_float("bytes_per_s", self.bytes_per_s, 0.0, open_low=True)
+
+
+# Effective = the specification's raw per-direction rate x HOST_LINK_EFFICIENCY. The efficiency is an assumption
+# (not measured here): pinned-memory cudaMemcpy of MB-sized buffers typically reaches ~80% of a PCIe link's raw
+# rate (the rest is TLP/DLLP packet overhead and flow control); GPU runs should refine it.
+HOST_LINK_EFFICIENCY = 0.8
+HOST_LINKS: dict[str, HostLink] = {
+    # PCI Express Base Specification 4.0: 16 GT/s per lane, 128b/130b encoding -> 15.75 GB/s x 16 lanes = 31.5 GB/s
+    # per direction (NVIDIA A100 datasheet: "PCIe Gen4: 64 GB/s", both directions). x 0.8 = 25.2 GB/s.
+    "pcie-gen4-x16": HostLink("pcie-gen4-x16", 31.5e9 * HOST_LINK_EFFICIENCY),
+    # PCI Express Base Specification 5.0: 32 GT/s per lane -> 63 GB/s per direction at x16 (NVIDIA H100 datasheet:
+    # "PCIe Gen5: 128 GB/s", both directions). x 0.8 = 50.4 GB/s.
+    "pcie-gen5-x16": HostLink("pcie-gen5-x16", 63e9 * HOST_LINK_EFFICIENCY),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, both directions
+    # (450 GB/s each way). x 0.8 = 360 GB/s (the same assumed efficiency; not measured).
+    "nvlink-c2c": HostLink("nvlink-c2c", 450e9 * HOST_LINK_EFFICIENCY),
+    # Swaps cost nothing: what the simulator charged before swaps were priced; the fitted CPU device's default (its
+    # fit has no swap steps, and its "host link" is a memcpy inside one memory).
+    "unpriced": HostLink("unpriced", math.inf),
+}
+# The disk tier: one NVMe PCIe Gen4 x4 SSD per host. Samsung 990 PRO datasheet: sequential read 7,450 MB/s,
+# sequential write 6,900 MB/s; the lower, since a spill writes what a swap-in reads back. Shared by the host's
+# devices (the whole model's KV goes through it, not one device's share).
+DISK_BYTES_PER_S = 6.9e9
+
+
 # ----------------------------------------------------------------------------------------------------- device
 
 
@@ -201,6 +242,7 @@ class DeviceSpec:
         sum (what `fit_cpu_device` fits: the CPU engine's time is additive in its terms).
       fitted: the constants are fitted to measured step times (`fit_cpu_device`), not datasheet peaks times
         assumed efficiencies: a `CostModel` on it is in the "measured" mode (see `COST_MODES`).
+      host_link: the link its swaps cross to host memory, a name in `HOST_LINKS` (a `CostModel` may override it).
     """
 
     name: str
@@ -215,6 +257,7 @@ class DeviceSpec:
     host_overhead_s: float = 0.0
     compute_memory_overlap: float = 1.0
     fitted: bool = False
+    host_link: str = "pcie-gen4-x16"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -229,6 +272,8 @@ class DeviceSpec:
         check_int("tp_degree", self.tp_degree, 1)
         if not isinstance(self.fitted, bool):
             raise ValueError(f"fitted must be a bool, got {self.fitted!r}")
+        if self.host_link not in HOST_LINKS:
+            raise ValueError(f"host_link must be one of {sorted(HOST_LINKS)}, got {self.host_link!r}")
 
 
 # Efficiency assumptions shared by the GPU presets (none of them measured here; GPU runs should refine them).
@@ -263,13 +308,15 @@ DEVICES: dict[str, DeviceSpec] = {
     "h100-sxm": DeviceSpec("h100-sxm", peak_flops_per_s=989e12, hbm_bytes_per_s=3.35e12,
                            hbm_capacity_bytes=81559 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
                            bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
-                           allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
+                           allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S,
+                           host_link="pcie-gen5-x16"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS BF16 dense, 4.8 TB/s HBM3e, 141GB,
     # NVLink 900 GB/s (450 GB/s each way).
     "h200": DeviceSpec("h200", peak_flops_per_s=989e12, hbm_bytes_per_s=4.8e12,
                        hbm_capacity_bytes=143771 * MIB, compute_efficiency=COMPUTE_EFFICIENCY,
                        bandwidth_efficiency=BANDWIDTH_EFFICIENCY, link_bytes_per_s=450e9,
-                       allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S),
+                       allreduce_latency_s=ALLREDUCE_LATENCY_S, host_overhead_s=HOST_OVERHEAD_S,
+                       host_link="pcie-gen5-x16"),
     # This machine's CPU running the real engine on the shipped tiny model (2 cores, jax 0.10.2, XLA defaults),
     # fitted 2026-11-30 by `python -m skvs_jax.sim.calibrate --repeats 3` on a quiet machine: 309 steps of
     # vllm_default, naive_spec and skvs, three runs each (each engine warmed up first): 2.2 ms per step (the host
@@ -278,5 +325,5 @@ DEVICES: dict[str, DeviceSpec] = {
     "cpu-measured": DeviceSpec("cpu-measured", peak_flops_per_s=2.095e10, hbm_bytes_per_s=8.949e8,
                                hbm_capacity_bytes=math.inf, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                                link_bytes_per_s=math.inf, allreduce_latency_s=0.0, host_overhead_s=2.206e-3,
-                               compute_memory_overlap=0.0, fitted=True),
+                               compute_memory_overlap=0.0, fitted=True, host_link="unpriced"),
 }

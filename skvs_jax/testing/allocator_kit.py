@@ -176,6 +176,7 @@ class AllocateSpeculative:
 class Commit:
     accept: tuple[int, ...]  # accept min(accept, pending) per slot
     window: int | None = None  # table columns examined per sequence (None = all)
+    impl: str = "xla"  # the block-state kernel's implementation (`allocator.commit(impl=)`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +248,7 @@ def apply(
     elif isinstance(op, Commit):
         pending = [a - c for a, c in zip(oracle.allocated, oracle.committed)]
         accept = tuple(min(a, p) for a, p in zip(op.accept, pending))
-        st, res = allocator.commit(st, jnp.asarray(accept, i32), cfg=cfg, spec=spec, window=op.window)
+        st, res = allocator.commit(st, jnp.asarray(accept, i32), cfg=cfg, spec=spec, window=op.window, impl=op.impl)
         ok, released = oracle.commit(accept, op.window)
         _same("commit ok", res.ok, ok)
         assert int(res.released) == released, "commit released counts differ"

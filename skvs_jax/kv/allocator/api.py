@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+import pallas_kernels as pk
 from skvs_jax import checks
 from skvs_jax.config import CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.grow import allocate_unchecked
@@ -106,6 +107,7 @@ def commit(
     cfg: CacheConfig,
     spec: SpecConfig = SpecConfig(),
     window: int | None = None,
+    impl: str = "xla",
 ) -> tuple[AllocatorState, CommitResult]:
     """Settle every pending slot: the first num_accepted[B] become committed, the rest are rolled back.
 
@@ -118,9 +120,13 @@ def commit(
     into counts. `window` (static, default M) bounds the table columns examined per sequence, from its
     first non-full committed block: a decode step with windowed allocations needs ceil((1 + K) / S) + 1.
     A sequence whose span (num_blocks - num_committed // S) exceeds it is left untouched with ok=False
-    (commit it again with a wider window); with the default every sequence fits.
+    (commit it again with a wider window); with the default every sequence fits. `impl` (static) picks the
+    block-state kernel (`pallas_kernels.update_block_states`): "xla" / "reference" its jnp reference, "pallas"
+    the Pallas kernel (interpreted off-GPU), "auto" Pallas on a GPU.
     """
     check_state(st, cfg)
+    if impl not in pk.IMPLS:
+        raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
     checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
     checks.array("num_accepted", num_accepted, (cfg.max_seqs,), "i")
     if checks.is_concrete(num_accepted) and checks.is_concrete(st.seqs.num_allocated):
@@ -129,7 +135,7 @@ def commit(
         if (acc < 0).any() or (acc > pending).any():
             b = int(np.nonzero((acc < 0) | (acc > pending))[0][0])
             raise ValueError(f"num_accepted[{b}] = {acc[b]} is outside [0, pending = {pending[b]}]")
-    return commit_unchecked(st, num_accepted, cfg=cfg, spec=spec, window=window)
+    return commit_unchecked(st, num_accepted, cfg=cfg, spec=spec, window=window, impl=impl)
 
 
 def free(

@@ -7,13 +7,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
 from skvs_jax import vmap_flow
 from skvs_jax.arrays import cdiv, count_leading, i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
     SPECULATIVE,
-    STALE,
     VALIDATED,
     AllocatorState,
     BlockPool,
@@ -31,9 +31,10 @@ def accepted_lengths(accept_mask: jax.Array) -> jax.Array:
     return count_leading(accept_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "impl"))
 def commit_unchecked(
-    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None
+    st: AllocatorState, num_accepted: jax.Array, *, cfg: CacheConfig, spec: SpecConfig, window: int | None,
+    impl: str = "xla",
 ) -> tuple[AllocatorState, CommitResult]:
     # Works on the [B, W] table columns from each sequence's first non-full committed block; a sequence
     # whose span (num_blocks - num_committed // S) exceeds W is left untouched and flagged. W = M always fits.
@@ -60,8 +61,13 @@ def commit_unchecked(
     rejected = in_table & (col >= keep[:, None])
     wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
 
-    state = blocks.state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
-    state = state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
+    # The block-state transition is the article's kernel, `pallas_kernels.update_block_states` (impl "pallas"; "xla"
+    # is its jnp reference): entries of committed tokens -> VALIDATED, entries past them -> STALE. Generations
+    # stay what `allocate_speculative` stamped (the step that allocated the block), so its generation output is
+    # not used. A block named by an accepted and a rejected entry stays VALIDATED (never happens: blocks past the
+    # committed prefix are never shared).
+    state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, validate | rejected, 0,
+                                         impl=impl)
     blocks = blocks.replace(state=state)
     table = seqs.block_table
     if spec.release == "immediate":
