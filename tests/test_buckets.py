@@ -137,3 +137,41 @@ def test_a_tree_without_a_reach_table_reaches_what_its_buckets_reach():
     assert cfg.reach_of[7] == 3 and cfg.reach_of[6] == 0 and cfg.reach_of[15] == 4
     with pytest.raises(ValueError, match="reach_table"):
         sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, reach_table=(0, 2))
+
+
+# ---------------------------------------------------------------------------------- the engine's programs
+
+
+@pytest.mark.slow  # three engine programs compile (~20 s each on a 2-core CPU)
+def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drift(shipped):
+    """Warmed up with a histogram, the engine compiles the prompt width and the chosen widths only; when the draft
+    length knob drops mid-run (a drift of the bounds) it re-chooses once, compiles the one new width once, and
+    every program compiled over the run is a width it had: 1 + budget * (1 + re-choices) at most. Greedy output
+    is unchanged, and the scheduler's state holds the chooser's widths."""
+    from reference_models import greedy_generate
+    from skvs_jax.serve import engine, engine_step
+
+    model, heads = shipped
+    cache = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+    policy = policies.skvs(4).replace(bucket_budget=3)
+    e = engine.Engine(model, heads, policy, cache, token_budget=96, prefill_chunk=32)
+    e.chooser.every = 6
+    before = engine_step.fused_step._cache_size()
+    assert e.warmup({4: 40}) == [e.prompt_width, 5] and e.decode_widths == (5,)  # only K was ever wanted
+    assert engine_step.fused_step._cache_size() - before == 2
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(32, 127, size=int(rng.integers(6, 20))).tolist() for _ in range(3)]
+    ids = [e.add_request(p, engine.SamplingParams(max_tokens=48)) for p in prompts]
+    steps = 0
+    while e.has_work():
+        if steps == 8:
+            e.knobs = e.knobs.replace(draft_len=jnp.asarray(2, jnp.int32))
+        e.step()
+        steps += 1
+    for rid, p in zip(ids, prompts):
+        assert e.requests[rid].tokens == greedy_generate(model, np.asarray([p]), 48)[0, len(p):].tolist()
+    compiled = engine_step.fused_step._cache_size() - before
+    assert e.chooser.rechoices == 1 and e.decode_widths == (3, 5)  # bounds of 2 drafts: width 1 + 2 joins K's
+    assert compiled == len(e.widths) == 3 <= 1 + policy.bucket_budget * (1 + e.chooser.rechoices)
+    assert np.asarray(e.state.sched.draft_widths).tolist() == [2, 4, 4]
+    assert e.width_hist[3] > 0 and e.padding >= 0 and e.bucket_hist

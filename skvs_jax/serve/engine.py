@@ -10,7 +10,9 @@ One step is one jitted program, with no host round trip inside:
 The host loop around it admits arrived requests into free slots, picks the query width Q from a small ladder of
 buckets (decode-only steps use Q = 1 + K, steps with prompt work use Q = the prefill chunk), calls the step, and
 streams the new tokens. Q is an upper bound computed from state the host already read, so the scheduler's
-decisions never depend on it; the number of compiled programs is (number of buckets) per engine.
+decisions never depend on it; the number of compiled programs is (number of buckets) per engine. Under the
+policy's `bucket_budget` the draft widths are chosen from the observed histogram (`warmup(draft_hist)`, and
+re-chosen as it drifts, `scheduler.buckets`): at most 1 + budget * (1 + re-choices) programs over its life.
 
 Verification is lossless for both greedy and temperature sampling: Medusa's drafts are deterministic (a point
 mass q = δ(draft)), for which the rule "accept with probability min(1, p/q), else resample from the normalised
@@ -373,7 +375,8 @@ class Engine:
         if not widths or widths[-1] != k or widths[0] < 0 or len(widths) > slots:
             raise ValueError(f"widths must hold 1..{slots} draft counts in [0, {k}], {k} among them, got {widths}")
         self.decode_widths = tuple(1 + w for w in widths)
-        self.widths = tuple(sorted(set(self.widths) | set(self.decode_widths)))
+        had = set(self.widths) if self.compiled else {self.prompt_width}  # before any program: a fresh choice
+        self.widths = tuple(sorted(had | set(self.decode_widths)))
         if self.chooser is not None:
             self.chooser.widths = widths
         sched = self.state.sched
