@@ -69,8 +69,14 @@ def _serve(policy, cache, trace, args, draft_hist=None):
 
 def _engine_part(args, k: int) -> dict:
     chosen_policies, _, _, _, trace, cache = bench._setup(args)
+    if len(chosen_policies) != 1:
+        raise SystemExit(f"skvs micro buckets: --policies must name one policy, got {args.policies!r}")
     (name, policy), = chosen_policies.items()
     fixed = policy.replace(bucket_budget=0)
+    try:
+        policy = policy.replace(bucket_budget=args.budget)
+    except ValueError as err:
+        raise SystemExit(f"skvs micro buckets: --budget {args.budget}: {err}") from None
     t0 = time.perf_counter()
     e, per_row, compiled = _serve(fixed, cache, trace, args)
     steps = [s for s in e.step_log if s["bound"] >= 0]
@@ -92,7 +98,7 @@ def _engine_part(args, k: int) -> dict:
         width = down[down <= s["bound"]].max(initial=0)
         cut_padding += int(on.sum()) * int(width) - int(cut.sum())
     accepted = int(sum(int(np.sum(a[o])) for _, a, o in per_row))
-    e2, _, compiled2 = _serve(policy.replace(bucket_budget=args.budget), cache, trace, args,
+    e2, _, compiled2 = _serve(policy, cache, trace, args,
                               draft_hist={d: w for d, w in enumerate(hist) if w})
     same = {r: x.tokens for r, x in e.requests.items()} == {r: x.tokens for r, x in e2.requests.items()}
     print(f"engine ({name}, K={k}, {len(trace.requests)} requests of skvs bench's trace, {len(e.step_log)} steps, "
