@@ -117,6 +117,10 @@ class Policy:
         pool or the free stack never carries a rejected draft's K/V to its next owner. Attention never reads past
         a sequence's length either way; this is the scrub that makes a stale read impossible, not just masked.
         Only the engine reads it (the simulator has no KV).
+      bucket_budget: 0: the draft widths compiled are `draft_buckets`, fixed. n >= 1: at most n draft widths,
+        K among them, chosen by the engine from the observed draft-length histogram to minimise padding and
+        re-chosen when it drifts (`scheduler.buckets`; `draft_buckets` is the set it starts from, so n must be
+        >= its length). The widths reach the scheduler as data (`SchedState.draft_widths`).
     """
 
     name: str
@@ -141,6 +145,7 @@ class Policy:
     draft_memory: str = "opportunistic"
     spec_hit_trim: bool = False
     scrub_rejected: bool = False
+    bucket_budget: int = 0
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
@@ -182,6 +187,17 @@ class Policy:
                              f"got {self.draft_buckets}")
         if self.prefix_barrier and not self.prefix_cache:
             raise ValueError("prefix_barrier needs prefix_cache")
+        nb = self.bucket_budget
+        if isinstance(nb, bool) or not isinstance(nb, int) or nb < 0:
+            raise ValueError(f"bucket_budget must be an int >= 0, got {nb!r}")
+        if nb and (not self.speculation or nb < len(self.draft_buckets or (self.draft_len,))):
+            raise ValueError(f"bucket_budget must be 0 without speculation and otherwise >= the "
+                             f"{len(self.draft_buckets or (self.draft_len,))} draft buckets it starts from, got {nb}")
+
+    @property
+    def width_slots(self) -> int:
+        """W: the draft widths the engine may have at once (`bucket_budget`, or the fixed buckets' count)."""
+        return self.bucket_budget or len(self.draft_buckets or (self.draft_len,))
 
     @property
     def goodput_control(self) -> bool:

@@ -6,6 +6,7 @@
   skvs generate TEXT     stream a continuation, showing accepted drafts
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
+  skvs micro buckets     padding with draft widths chosen from the histogram vs the fixed {0, K/2, K}
   skvs micro precision   Medusa acceptance with the KV cache in float32 / bfloat16 / fp8 / int8, K = 1..4
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
@@ -66,6 +67,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     micro_attention.add_arguments(
         micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)"))
+    from skvs_jax.commands import micro_buckets
+
+    micro_buckets.add_arguments(
+        micro_commands.add_parser("buckets", help="padding: draft widths chosen from the histogram vs {0, K/2, K}"))
     return parser
 
 
@@ -112,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         from skvs_jax.commands import micro_attention
 
         return micro_attention.run(args)
+    if args.command == "micro" and args.target == "buckets":
+        from skvs_jax.commands import micro_buckets
+
+        return micro_buckets.run(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

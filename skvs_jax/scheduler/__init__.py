@@ -38,12 +38,13 @@ functions drive the engine (a real model between them) and the simulator (a cost
 Priority order: (priority, arrival number, slot), lower first; FCFS within a priority. Counters are int32.
 
 Modules: `state` (config, state pytrees, Batch, StepCost, victim rules, `init`), `schedule` (the schedule phases),
-`draft_control` (the goodput draft controller: acceptance estimates, survival, the decision),
+`draft_control` (the goodput draft controller: acceptance estimates, survival, the decision), `buckets` (which
+draft widths to compile, chosen from the draft-length histogram; the one snapping rule),
 `update` (the update phases, `add`, `abort`), `api` (the checked public transitions). Everything public is
 re-exported here: `from skvs_jax import scheduler; scheduler.schedule(...)`.
 """
 
-from skvs_jax.scheduler import draft_control
+from skvs_jax.scheduler import buckets, draft_control
 from skvs_jax.scheduler.api import abort, add, check_step_cost, schedule, update
 from skvs_jax.scheduler.schedule import (
     RANK_BY_COUNTING,
@@ -54,6 +55,7 @@ from skvs_jax.scheduler.schedule import (
     priority_order,
     schedule_unchecked,
     verify_cap,
+    width_bounds,
 )
 from skvs_jax.scheduler.state import (
     EMPTY,
@@ -84,9 +86,9 @@ from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unc
 __all__ = [
     "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",
     "SchedulerConfig", "SeqTable", "SchedCounters", "SchedState", "Batch", "StepShape", "StepResult", "StepCost",
-    "flat_step_cost", "check_step_cost", "draft_control",
+    "flat_step_cost", "check_step_cost", "draft_control", "buckets",
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "lowest_priority", "least_progress", "most_blocks",
     "most_progress",
-    "schedule_unchecked", "update_unchecked", "add_unchecked", "abort_unchecked",
+    "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked",
 ]

@@ -22,7 +22,7 @@ from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
-from skvs_jax.scheduler import draft_control
+from skvs_jax.scheduler import buckets, draft_control
 from skvs_jax.scheduler.state import (
     EMPTY,
     FINISHED,
@@ -64,14 +64,17 @@ def in_order(x: jax.Array, order: jax.Array, rank: jax.Array) -> jax.Array:
     return jnp.cumsum(x[order], dtype=i32)[rank]
 
 
-def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int, ...] | None = None) -> jax.Array:
+def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int, ...] | None = None,
+                  widths: jax.Array | None = None, reach_of: tuple[int, ...] | None = None) -> jax.Array:
     """int32[B] drafts each sequence would propose (before memory and room limits).
 
     Fixed: knobs.draft_len. Adaptive: the smallest draft bucket whose reach (`SchedulerConfig.draft_reach`;
     for a chain the bucket itself) is >= round(1.5 * mean accepted count) of the request's histogram, which
     holds one prior observation of full acceptance (so a new request starts at the largest bucket). Drafting
     half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
-    slots every step; a request whose drafts keep failing drops to 0 (no speculation).
+    slots every step; a request whose drafts keep failing drops to 0 (no speculation). The buckets are the
+    policy's `draft_buckets` (reach: per bucket), or, given widths int32[W] (`SchedState.draft_widths`, data),
+    those widths, each reaching reach_of[w] (`SchedulerConfig.reach_of`, per count 0..K; default a chain).
     Goodput control (`policy.draft_control`): knobs.draft_len, the cap below which `plan_drafts` decides.
     """
     k_max = jnp.clip(knobs.draft_len, 0, policy.draft_len).astype(i32)
@@ -80,14 +83,16 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     if not policy.adaptive_draft_len or policy.goodput_control:
         return jnp.broadcast_to(k_max, seqs.num_tokens.shape)
     k = policy.draft_len
-    reach = reach or policy.draft_buckets or (k,)
-    hist = seqs.accept_hist.at[:, reach[-1]].add(1).astype(jnp.float32)  # the prior: everything reachable accepted
+    if widths is None:
+        reach = reach or policy.draft_buckets or (k,)
+        widths, reach_arr, top = jnp.asarray(policy.draft_buckets or (k,), i32), jnp.asarray(reach, i32), reach[-1]
+    else:
+        reach_of = reach_of or tuple(range(k + 1))
+        reach_arr, top = jnp.asarray(reach_of, i32)[widths], reach_of[k]
+    hist = seqs.accept_hist.at[:, top].add(1).astype(jnp.float32)  # the prior: everything reachable accepted
     mean = jnp.sum(hist * jnp.arange(k + 1, dtype=jnp.float32)[None, :], axis=1) / jnp.sum(hist, axis=1)
     target = jnp.floor(mean * 1.5 + 0.5).astype(i32)
-    buckets, reach_arr = jnp.asarray(policy.draft_buckets or (k,), i32), jnp.asarray(reach, i32)
-    fits = reach_arr[None, :] >= jnp.minimum(target, reach[-1])[:, None]
-    chosen = jnp.where(jnp.any(fits, axis=1), buckets[jnp.argmax(fits, axis=1)], k)
-    return jnp.minimum(chosen, k_max)
+    return jnp.minimum(buckets.snap_up(jnp.minimum(target, top), widths, reach_arr), k_max)
 
 
 def decoding_rows(status: jax.Array, num_tokens: jax.Array, num_committed: jax.Array,
@@ -216,7 +221,8 @@ def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: S
     # let drafts claim blocks the allocator then refuses, so it is clamped here (NaN -> 0, no opportunistic drafts).
     spec_ratio = jnp.where(knobs.max_spec_ratio >= 0, jnp.minimum(knobs.max_spec_ratio, 1), 0).astype(jnp.float32)
     out_room = seqs.max_new_tokens - (num_tokens - seqs.prompt_len) - 1
-    decode = jnp.clip(jnp.minimum(draft_lengths(seqs, knobs, pol, cfg.reach), out_room), 0, cfg.max_len - num_tokens)
+    want = draft_lengths(seqs, knobs, pol, widths=st.draft_widths, reach_of=cfg.reach_of)
+    decode = jnp.clip(jnp.minimum(want, out_room), 0, cfg.max_len - num_tokens)
     decoding = decoding_rows(seqs.status, num_tokens, committed, seqs.prompt_len)
     decode = jnp.minimum(jnp.where(decoding, decode, 0), verify_cap(decoding, knobs))
     if pol.goodput_control or pol.priced_drafts:
@@ -596,3 +602,31 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     st, grant, room, admission = admit(st, grant, room, plan, preemption, order, cfg)
     st, res, alloc_ok = evict_and_allocate(st, grant, room, restored, order, cfg)
     return st, make_batch(st, grant, preemption, restored, admission, res, alloc_ok, cfg)
+
+
+def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: StepCost | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What picks the next step's query width, from the state the next `schedule` will see (the engine calls it
+    after `update`, the simulator before `schedule`; between them only `add` writes, and only to empty rows).
+
+    Returns (prompt_work bool[]: some row is waiting or has more than its last token to compute, so the step
+    needs the wide width; next_drafts int32[]: the most drafts any live row may get, an upper bound (memory and
+    room only lower it); next_want int32[]: the same bound were every width 0..K compiled, the bucket
+    histogram's key (`buckets`): the histogram rule snaps its target to the compiled widths, and a choice made
+    from snapped counts would only ever see them. `buckets.snap_up(next_want, widths)` is next_drafts's width)."""
+    status = st.seqs.status
+    remaining = st.seqs.num_tokens - st.kv.alloc.seqs.num_committed
+    live = (status == RUNNING) | (status == SWAPPED) | (status == WAITING)
+    prompt_work = jnp.any((status == WAITING) | ((status == RUNNING) & (remaining > 1)))
+    if cfg.policy.goodput_control:  # the controller's own choice: a pure function of the state, known now
+        bound = jnp.max(plan_drafts(st, knobs, cfg, step_cost).decode)
+        return prompt_work, bound, bound
+    # The next schedule caps drafts by its decode rows (`verify_cap` of `decoding_rows`), known now.
+    cap = verify_cap(decoding_rows(status, st.seqs.num_tokens, st.kv.alloc.seqs.num_committed, st.seqs.prompt_len),
+                     knobs)
+
+    def bound(widths):
+        want = draft_lengths(st.seqs, knobs, cfg.policy, widths=widths, reach_of=cfg.reach_of)
+        return jnp.minimum(jnp.max(jnp.where(live, want, 0)), cap)
+
+    return prompt_work, bound(st.draft_widths), bound(jnp.arange(cfg.policy.draft_len + 1, dtype=i32))

@@ -95,6 +95,9 @@ class SchedulerConfig:
         compares the expected accepted length with the reach, not with the node count.
       impl: the kernels' implementation (`pallas_kernels.IMPLS`) the KV manager's commit runs its block-state
         update with (`KVConfig.impl`); the engine sets it to its own `impl`.
+      reach_table: per draft count d in 0..K, the most drafts d slots can accept (default: d itself, a chain; the
+        engine sets it for a tree). The draft widths are data (`SchedState.draft_widths`), so their reach is
+        looked up here; without it, a tree's `draft_reach` gives each count the reach of the largest bucket <= it.
     """
 
     cache: CacheConfig
@@ -110,6 +113,7 @@ class SchedulerConfig:
     prefix_ways: int = 8
     draft_reach: tuple[int, ...] = ()
     impl: str = "xla"
+    reach_table: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -133,11 +137,27 @@ class SchedulerConfig:
                 self.draft_reach) or any(not 0 <= r <= k for r, k in zip(self.draft_reach, buckets))):
             raise ValueError(f"draft_reach must give, per draft bucket {buckets}, a non-decreasing reach <= the "
                              f"bucket, got {self.draft_reach}")
+        k = self.policy.draft_len
+        if self.reach_table and (len(self.reach_table) != k + 1 or list(self.reach_table) != sorted(self.reach_table)
+                                 or any(not 0 <= r <= d for d, r in enumerate(self.reach_table))):
+            raise ValueError(f"reach_table must give, per draft count 0..{k}, a non-decreasing reach <= the count, "
+                             f"got {self.reach_table}")
 
     @property
     def reach(self) -> tuple[int, ...]:
         """Per draft bucket, the most drafts it can accept (see `draft_reach`)."""
         return self.draft_reach or self.policy.draft_buckets or (self.policy.draft_len,)
+
+    @property
+    def reach_of(self) -> tuple[int, ...]:
+        """Per draft count 0..K, the most drafts it can accept (see `reach_table`)."""
+        k = self.policy.draft_len
+        if self.reach_table:
+            return self.reach_table
+        if not self.draft_reach:
+            return tuple(range(k + 1))
+        pairs = list(zip(self.policy.draft_buckets or (k,), self.draft_reach))
+        return tuple(max((r for b, r in pairs if b <= d), default=0) for d in range(k + 1))
 
     @property
     def chunk(self) -> int:
@@ -234,6 +254,7 @@ class SchedState:
     swap_used: jax.Array  # int32[] host-tier blocks held by SWAPPED sequences
     pop_tried: jax.Array  # int32[K] the population's draft_tried totals (halved together past POP_HALVE_AT)
     pop_passed: jax.Array  # int32[K] the population's draft_passed totals
+    draft_widths: jax.Array  # int32[W] the draft widths compiled (sorted, padded with the largest; `buckets`)
 
 
 @struct.dataclass
@@ -333,5 +354,8 @@ def init(cfg: SchedulerConfig) -> SchedState:
         draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), index_pending=jnp.zeros((b,), bool),
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
+    widths = cfg.policy.draft_buckets or (k,)
+    widths = widths + widths[-1:] * (cfg.policy.width_slots - len(widths))
     return SchedState(kv=manager.init(cfg.kv), seqs=seqs, counters=counters, step=zero, next_arrival=zero,
-                      swap_used=zero, pop_tried=jnp.zeros((k,), i32), pop_passed=jnp.zeros((k,), i32))
+                      swap_used=zero, pop_tried=jnp.zeros((k,), i32), pop_passed=jnp.zeros((k,), i32),
+                      draft_widths=jnp.asarray(widths, i32))

@@ -10,7 +10,9 @@ One step is one jitted program, with no host round trip inside:
 The host loop around it admits arrived requests into free slots, picks the query width Q from a small ladder of
 buckets (decode-only steps use Q = 1 + K, steps with prompt work use Q = the prefill chunk), calls the step, and
 streams the new tokens. Q is an upper bound computed from state the host already read, so the scheduler's
-decisions never depend on it; the number of compiled programs is (number of buckets) per engine.
+decisions never depend on it; the number of compiled programs is (number of buckets) per engine. Under the
+policy's `bucket_budget` the draft widths are chosen from the observed histogram (`warmup(draft_hist)`, and
+re-chosen as it drifts, `scheduler.buckets`): at most 1 + budget * (1 + re-choices) programs over its life.
 
 Verification is lossless for both greedy and temperature sampling: Medusa's drafts are deterministic (a point
 mass q = δ(draft)), for which the rule "accept with probability min(1, p/q), else resample from the normalised
@@ -170,7 +172,8 @@ class Engine:
             token_budget=token_budget, prefill_chunk=prefill_chunk, victim=victim, impl=impl,
             swap_blocks=swap_blocks + disk_blocks,  # the scheduler counts the room of both tiers
             admit_window=min(cache_config.max_seqs, 32),
-            draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else ())
+            draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else (),
+            reach_table=spec.reach(tree, tuple(range(policy.draft_len + 1))) if tree else ())
         kv_dtype = policy.kv_dtype() if kv_dtype is None else kv_dtype  # an explicit dtype overrides the policy's
         kv_shardings, self.mesh = None, mesh
         self.policy, self.knobs = policy, policy.knobs()
@@ -191,11 +194,15 @@ class Engine:
                              "tree use draft_control='histogram' (e.g. the skvs_article preset)")
         self.step_cost = step_cost
         self.state = self._empty_state()
-        # Compile buckets: one decode width per draft bucket (1 + drafts), one wide width for steps with prompt work.
+        # Compile buckets: one decode width per draft width (1 + drafts; the state's `draft_widths`, chosen from
+        # the histogram under `bucket_budget`), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
         self.decode_widths = tuple(1 + x for x in buckets)
         self.prompt_width = max(scfg.chunk, 1 + policy.draft_len)  # scfg.chunk: prefill_chunk 0 = the budget
-        self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))
+        self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))  # every width had so far
+        self.chooser = (sc.buckets.BucketChooser(policy.draft_len, policy.bucket_budget, tuple(buckets))
+                        if policy.bucket_budget else None)
+        self.padding = 0  # draft slots verified without a draft, over decode steps (`scheduler.buckets`)
         self.draft_hist: collections.Counter[int] = collections.Counter()  # steps by most drafts in the step
         self.width_hist: collections.Counter[int] = collections.Counter()  # steps by query width
         self._next_drafts, self._drafts_knobs = policy.draft_len, None  # the bound, and the knobs it was made with
@@ -362,29 +369,52 @@ class Engine:
     def _width(self) -> int:
         """The query bucket, from what the previous step reported (no state is read back between steps): the wide
         width when some row has prompt work (or requests were just added); otherwise 1 + the smallest draft
-        bucket holding the most drafts any live row may get (an upper bound: memory and room only lower it). The
-        bound was made with the knobs of the previous step; if `knobs` was replaced since, the widest bucket."""
+        width holding the most drafts any live row may get (an upper bound: memory and room only lower it;
+        `scheduler.buckets.snap_up` of the bound were every width compiled, which is the bound under the current
+        widths, even just after a re-choice). The bound was made with the knobs of the previous step; if `knobs`
+        was replaced since, the widest bucket."""
         if self._prompt_work:
             return self.prompt_width
         if self.knobs is not self._drafts_knobs:
             return self.decode_widths[-1]
-        return next((w for w in self.decode_widths if w - 1 >= self._next_drafts), self.decode_widths[-1])
+        return 1 + int(sc.buckets.snap_up(self._next_drafts, [w - 1 for w in self.decode_widths]))
+
+    def set_draft_widths(self, widths) -> None:
+        """Replace the draft widths (data in the scheduler's state: nothing compiled is recompiled; a new width
+        compiles its program when first run). widths: 1..W draft counts in [0, K], K among them."""
+        k, slots = self.policy.draft_len, self.policy.width_slots
+        widths = tuple(sorted(set(int(w) for w in widths)))
+        if not widths or widths[-1] != k or widths[0] < 0 or len(widths) > slots:
+            raise ValueError(f"widths must hold 1..{slots} draft counts in [0, {k}], {k} among them, got {widths}")
+        self.decode_widths = tuple(1 + w for w in widths)
+        had = set(self.widths) if self.compiled else {self.prompt_width}  # before any program: a fresh choice
+        self.widths = tuple(sorted(had | set(self.decode_widths)))
+        if self.chooser is not None:
+            self.chooser.widths = widths
+        sched = self.state.sched
+        self.state = self.state.replace(sched=sched.replace(
+            draft_widths=self._put(sc.buckets.padded(widths, slots))))
 
     def warmup(self, draft_hist: dict[int, int] | None = None) -> list[int]:
         """Compile every query bucket now, hottest first, so no request waits for a compilation.
 
         draft_hist maps a step's most drafts -> steps (default: this engine's own `draft_hist`, e.g. from an
-        earlier run; pass another engine's to warm up in the order a workload needs). The prompt width comes
+        earlier run; pass another engine's to warm up in the order a workload needs; `bucket_hist` weighs each
+        step by its decode rows, the padding's weight). Under `bucket_budget` a non-empty histogram first
+        chooses the draft widths (`scheduler.buckets.choose_widths`). The prompt width comes
         first (every request is prefilled with it), then the draft buckets in order of the observed steps that
         fall into them. Runs each program once on a copy of the state with no requests, so the engine's state is
         unchanged; an engine warmed up before its first request restarts its clock afterwards (times are measured
         from when it was ready to serve). Returns the widths in the order compiled.
         """
         hist = self.draft_hist if draft_hist is None else draft_hist
+        if self.chooser is not None and any(hist.values()):  # choose the programs from the histogram first
+            self.set_draft_widths(sc.buckets.choose_widths(sc.buckets.as_hist(hist, self.policy.draft_len),
+                                                           self.policy.bucket_budget, self.policy.draft_len))
         heat: collections.Counter[int] = collections.Counter()
         for drafts, steps in hist.items():
-            heat[next((w for w in self.decode_widths if w - 1 >= drafts), self.decode_widths[-1])] += steps
-        decode = sorted(set(self.widths) - {self.prompt_width}, key=lambda w: (-heat[w], w))
+            heat[1 + int(sc.buckets.snap_up(drafts, [w - 1 for w in self.decode_widths]))] += steps
+        decode = sorted(set(self.decode_widths) - {self.prompt_width}, key=lambda w: (-heat[w], w))
         order = [self.prompt_width] + decode
         empty = self._empty_state()
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
@@ -421,6 +451,7 @@ class Engine:
         """One engine step. Returns (request_id, new tokens, finished) for every request that produced tokens."""
         self._admit_queue()
         width = self._width()
+        bound = self._next_drafts if not self._prompt_work and self.knobs is self._drafts_knobs else None
         start = self.now()
         args = (self.runner, self.params)
         if self.tiers is None:
@@ -434,11 +465,36 @@ class Engine:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
         self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
-        self._next_drafts, self._drafts_knobs = int(out.next_drafts), self.knobs
+        self._next_drafts, self._drafts_knobs = int(out.next_want), self.knobs
         self.width_hist[width] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
-        return self._collect(out, start, end)
+        results = self._collect(out, start, end)
+        self._account_padding(out, width, bound)
+        return results
+
+    def _account_padding(self, out: engine_step.StepOut, width: int, bound: int | None) -> None:
+        """A decode-only step's padding (its rows' draft slots without a draft) into the step log and the
+        engine's total; with `bucket_budget`, its bound into the bucket chooser, which may re-choose the widths.
+        bound: what picked the width (None: a prompt-width step, or the widest after the knobs changed)."""
+        rows, drafted = int(np.sum(out.scheduled)), int(np.sum(out.num_drafts))
+        pad = rows * (width - 1) - drafted if bound is not None else 0
+        self.padding += pad
+        self.step_log[-1].update(width=width, bound=-1 if bound is None else bound, padding=pad)
+        if bound is None or self.chooser is None or not rows:
+            return
+        self.chooser.observe(bound, rows, drafted)
+        widths = self.chooser.rechoose()
+        if widths is not None:
+            self.set_draft_widths(widths)
+
+    @property
+    def bucket_hist(self) -> dict[int, int]:
+        """Decode rows by their step's draft bound, over this engine's decode-only steps (with `bucket_budget`;
+        empty otherwise): what `warmup` of a later engine chooses its widths from."""
+        if self.chooser is None:
+            return {}
+        return {d: w for d, w in enumerate(self.chooser.hist) if w}
 
     def _swap(self, batch) -> None:
         out_rows = np.flatnonzero(np.asarray(batch.swap_out))

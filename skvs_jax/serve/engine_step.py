@@ -80,6 +80,7 @@ class StepOut:
     prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
     next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket)
     shape: sc.StepShape  # the step's work (prefill / decode tokens, context read): cost-model calibration
+    next_want: jax.Array  # int32[] next_drafts were every width 0..K compiled (the bucket histogram's key)
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -291,31 +292,17 @@ def _keep_kv_sharding(runner: ModelRunner, cache, kv_shardings: tuple | None):
 
 
 def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, step_cost=None
-                       ) -> tuple[jax.Array, jax.Array]:
-    """What the host needs to pick the next step's width Q without reading state back (`Engine._width`).
-
-    Returns (prompt_work bool[]: some row is waiting or has more than its last token to compute, so the next
-    step needs the wide bucket; next_drafts int32[]: the most drafts any live row may get next step)."""
-    status = sched.seqs.status
-    remaining = sched.seqs.num_tokens - sched.kv.alloc.seqs.num_committed
-    live = (status == sc.RUNNING) | (status == sc.SWAPPED) | (status == sc.WAITING)
-    if scfg.policy.goodput_control:  # the controller's own choice: a pure function of the state, known now
-        return (jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1))),
-                jnp.max(sc.plan_drafts(sched, knobs, scfg, step_cost).decode))
-    want = sc.draft_lengths(sched.seqs, knobs, scfg.policy, scfg.reach)
-    # The next schedule caps drafts by its decode rows (`sc.verify_cap` of `sc.decoding_rows`), known now.
-    # Between steps only `add` writes, and only to empty rows, so the count cannot change before it is used.
-    cap = sc.verify_cap(sc.decoding_rows(status, sched.seqs.num_tokens, sched.kv.alloc.seqs.num_committed,
-                                         sched.seqs.prompt_len), knobs)
-    prompt_work = jnp.any((status == sc.WAITING) | ((status == sc.RUNNING) & (remaining > 1)))
-    return prompt_work, jnp.minimum(jnp.max(jnp.where(live, want, 0)), cap)
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the host needs to pick the next step's width Q without reading state back (`Engine._width`):
+    `scheduler.width_bounds` of the state after `update` (prompt_work, next_drafts, next_want)."""
+    return sc.width_bounds(sched, knobs, scfg, step_cost)
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,
               cfg: sc.SchedulerConfig, width: int, step_cost=None) -> StepOut:
     """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result and
     new_tokens int32[B, K + 1]."""
-    prompt_work, next_drafts = _next_width_bounds(sched, knobs, cfg, step_cost)
+    prompt_work, next_drafts, next_want = _next_width_bounds(sched, knobs, cfg, step_cost)
     return StepOut(
         num_new=res.num_new, new_tokens=new_tokens, finished=res.finished, scheduled=batch.scheduled,
         num_drafts=batch.num_drafts,
@@ -324,7 +311,7 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
         width_ok=jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= width) & batch.alloc_ok,
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
-        prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch),
+        prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch), next_want=next_want,
     )
 
 

@@ -75,6 +75,8 @@ class SimLog:
     output_tokens: jax.Array  # int32[steps]
     num_seqs: jax.Array  # int32[steps] sequences in the step (`scheduler.step_shape`)
     draft_hist: jax.Array  # int32[steps, K + 1] decoding rows granted 0..K drafts (the draft-length histogram)
+    decode_step: jax.Array  # bool[steps] no prompt work: the engine would run a draft width (`padding`)
+    draft_bound: jax.Array  # int32[steps] the bound that picks that width, were every width compiled
     # Request times are kept relative to the request's arrival: an absolute float32 time near 3,000 s has a
     # resolution of 0.24 ms, a large share of a short TTFT; a difference taken in the loop does not lose it.
     ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
@@ -217,16 +219,22 @@ class SimCarry:
     kv_blocks: jax.Array  # int32[]
 
 
-def start(trace: SimTrace, cfg: sc.SchedulerConfig, kv_blocks: jax.Array | None = None) -> SimCarry:
+def start(trace: SimTrace, cfg: sc.SchedulerConfig, kv_blocks: jax.Array | None = None,
+          draft_widths: jax.Array | None = None) -> SimCarry:
     """The carry before the first step. kv_blocks: int32[] usable KV blocks, 1..cfg.cache.usable_blocks (default
-    all): a budget below the static pool, as data (see `with_kv_budget`)."""
+    all): a budget below the static pool, as data (see `with_kv_budget`). draft_widths: int32[W] the draft widths
+    the scheduler drafts from (`SchedState.draft_widths`, e.g. `scheduler.buckets.padded(chosen, W)`; default the
+    policy's buckets), data like the budget."""
     r_n = trace.prompt_len.shape[0]
     kv_blocks = jnp.asarray(cfg.cache.usable_blocks if kv_blocks is None else kv_blocks, i32)
     nan = jnp.full((r_n,), jnp.nan, f32)
     zr = jnp.zeros((r_n,), i32)
     req = dict(ttft=nan, e2e=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
                req_drafted=zr, req_accepted=zr, req_output=zr, first_cached_tokens=zr)
-    return SimCarry(st=with_kv_budget(sc.init(cfg), kv_blocks), clock=jnp.zeros((), f32),
+    st = sc.init(cfg)
+    if draft_widths is not None:
+        st = st.replace(draft_widths=jnp.asarray(draft_widths, i32).reshape(st.draft_widths.shape))
+    return SimCarry(st=with_kv_budget(st, kv_blocks), clock=jnp.zeros((), f32),
                     clock_err=jnp.zeros((), f32), nxt=jnp.zeros((), i32), req=req, kv_blocks=kv_blocks)
 
 
@@ -270,6 +278,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                                     jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
                                     trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]
 
+        # What the engine picks its width from (`scheduler.width_bounds` of the state after the last update).
+        prompt_work, _, bound = sc.width_bounds(st, knobs, cfg, controller_cost)
         st = vmap_flow.when(jnp.any(ok), admit, st, identity_when_false=True)
         nxt = nxt + jnp.sum(ok, dtype=i32)
 
@@ -320,7 +330,8 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
                    drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
                    verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
                    output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32),
-                   draft_hist=draft_hist(batch, k))
+                   draft_hist=draft_hist(batch, k),
+                   decode_step=~prompt_work & ~jnp.any(ok), draft_bound=bound.astype(i32))
         return c.replace(st=st, clock=end, clock_err=end_err, nxt=nxt, req=req), row
 
     # A while_loop, not a scan over `cond(done, idle, step)`: a cond whose idle branch returns the carry makes
@@ -329,7 +340,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
     idle_row = dict(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
                     blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
                     accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero,
-                    draft_hist=jnp.zeros((k + 1,), i32))
+                    draft_hist=jnp.zeros((k + 1,), i32), decode_step=jnp.asarray(False), draft_bound=zero)
     rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps, *x.shape)), idle_row)
 
     def body(state):
@@ -356,27 +367,49 @@ def finish(carry: SimCarry, rows: dict) -> SimLog:
 
 def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
              kv_blocks: jax.Array | int | None = None,
-             controller_cost: sc.StepCost | None = None) -> tuple[sc.SchedState, SimLog]:
+             controller_cost: sc.StepCost | None = None,
+             draft_widths: jax.Array | None = None) -> tuple[sc.SchedState, SimLog]:
     """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
     and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation;
     checked to lie in [1, cfg.cache.usable_blocks] when concrete (a larger one put blocks that do not exist on
     the free stack). A budget smaller than one request needs stalls that request until max_steps.
     For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done.
-    controller_cost: see `advance`."""
+    controller_cost: see `advance`; draft_widths: see `start`."""
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     if kv_blocks is not None:
         checks.scalar_int("kv_blocks", kv_blocks)
         checks.in_range("kv_blocks", kv_blocks, 1, cfg.cache.usable_blocks)
     return _simulate(trace, knobs, cfg=cfg, cost=cost, max_steps=max_steps, kv_blocks=kv_blocks,
-                     controller_cost=controller_cost)
+                     controller_cost=controller_cost, draft_widths=draft_widths)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
-def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks, controller_cost):
-    carry, rows = advance(start(trace, cfg, kv_blocks), trace, knobs, cfg=cfg, cost=cost, steps=max_steps,
+def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks, controller_cost, draft_widths=None):
+    carry, rows = advance(start(trace, cfg, kv_blocks, draft_widths), trace, knobs, cfg=cfg, cost=cost, steps=max_steps,
                           controller_cost=controller_cost)
     return carry.st, finish(carry, rows)
+
+
+def bucket_hist(log: SimLog, k: int) -> list[int]:
+    """Decode rows by their step's draft bound (`draft_bound`), over the decode-only steps of one run: the
+    histogram `scheduler.buckets.choose_widths` chooses widths from."""
+    log = jax.device_get(log)
+    on = np.asarray(log.active) & np.asarray(log.decode_step)
+    return np.bincount(np.clip(np.asarray(log.draft_bound)[on], 0, k), weights=np.asarray(log.num_seqs)[on],
+                       minlength=k + 1).astype(np.int64).tolist()
+
+
+def padding(log: SimLog, widths) -> int:
+    """Draft slots the engine would verify without a draft over one run's decode-only steps, were its draft widths
+    `widths`: sum of rows * snap_up(bound, widths) - drafted (`scheduler.buckets`). The simulator's clock does not
+    charge padding (its cost model prices the tokens drafted); this counts it. Exact for widths that do not
+    change the schedule (the goodput controller ignores them; the histogram rule drafts from them)."""
+    log = jax.device_get(log)
+    on = np.asarray(log.active) & np.asarray(log.decode_step)
+    bound = np.asarray(log.draft_bound)[on]
+    rows, drafted = np.asarray(log.num_seqs)[on].astype(np.int64), np.asarray(log.drafted)[on].astype(np.int64)
+    return int(np.sum(rows * sc.buckets.snap_up(bound, widths) - drafted))
 
 
 def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:

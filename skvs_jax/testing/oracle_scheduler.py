@@ -169,6 +169,8 @@ class OracleScheduler:
         k = self.pol.draft_len
         self.draft_tried, self.draft_passed = [[0] * k for _ in range(b)], [[0] * k for _ in range(b)]
         self.pop_tried, self.pop_passed = [0] * k, [0] * k
+        buckets = self.pol.draft_buckets or (k,)
+        self.draft_widths = list(buckets) + [buckets[-1]] * (self.pol.width_slots - len(buckets))
         self.pending = [False] * b
         self.step = 0
         self.next_arrival = 0
@@ -190,13 +192,13 @@ class OracleScheduler:
             return 0
         if not pol.adaptive_draft_len or pol.goodput_control:
             return k_max
-        k = pol.draft_len
+        k, reach = pol.draft_len, self.cfg.reach_of
         hist = list(self.hist[b])
-        hist[self.cfg.reach[-1]] += 1
+        hist[reach[k]] += 1
         mean = np.float32(sum(i * h for i, h in enumerate(hist))) / np.float32(sum(hist))
-        reach = self.cfg.reach
-        target = min(int(np.floor(mean * np.float32(1.5) + np.float32(0.5))), reach[-1])
-        chosen = next((x for x, r in zip(pol.draft_buckets or (k,), reach) if r >= target), k)
+        target = min(int(np.floor(mean * np.float32(1.5) + np.float32(0.5))), reach[k])
+        # The smallest draft width (data: `draft_widths`) reaching the target; the largest if none does.
+        chosen = min((w for w in self.draft_widths if reach[w] >= target), default=max(self.draft_widths))
         return min(chosen, k_max)
 
     def _evictable(self) -> int:

@@ -50,6 +50,11 @@ class Harness:
 
     # ------------------------------------------------------------------------------------------ operations
 
+    def set_draft_widths(self, widths: list[int]) -> None:
+        """Both schedulers' draft widths replaced (data; what the engine's bucket re-choice does)."""
+        self.st = self.st.replace(draft_widths=jnp.asarray(widths, jnp.int32))
+        self.oracle.draft_widths = list(widths)
+
     def add(self, prompts: list[list[int]], max_new: list[int], priority: list[int] | None = None):
         # Padded to a fixed shape (rows of length 0 are ignored), so that `add` compiles once per config.
         a = len(prompts)
@@ -146,6 +151,8 @@ class Harness:
                 self.step(np.random.default_rng(op[1]), abort_mid=True)
             elif kind == "abort":
                 self.abort(np.random.default_rng(op[1]).random(self.cfg.cache.max_seqs) < 0.3)
+            elif kind == "widths":  # a bucket re-choice: draft widths as data
+                self.set_draft_widths(list(op[1]))
             else:
                 raise ValueError(f"unknown operation {kind!r}")
         del rng
@@ -186,6 +193,7 @@ class Harness:
         assert np.asarray(st.pop_tried).tolist() == o.pop_tried, "pop_tried"
         assert np.asarray(st.pop_passed).tolist() == o.pop_passed, "pop_passed"
         assert int(st.step) == o.step and int(st.next_arrival) == o.next_arrival
+        assert np.asarray(st.draft_widths).tolist() == o.draft_widths, "draft_widths"
 
         # Ground truth: tables hold the sequences' tokens; the index holds validated content only.
         committed = np.asarray(st.kv.alloc.seqs.num_committed)
