@@ -136,7 +136,7 @@ def penalise(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: Sa
     repeated = jnp.where(logits > 0, logits / r, logits * r)
     logits = jnp.where(seen & (r != 1), repeated, logits)
     counts = out_counts.astype(f32)
-    return (logits - rows.presence_penalty[:, None, None] * (counts > 0)
+    return (logits - rows.presence_penalty[:, None, None] * (counts > 0).astype(f32)
             - rows.frequency_penalty[:, None, None] * counts)
 
 
@@ -155,7 +155,7 @@ def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     asc = jnp.take_along_axis(scaled, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(asc, axis=-1), axis=-1)
     p = rows.top_p[:, None, None]
-    drop_sorted = (cum <= 1 - p) & (jnp.arange(v) < v - 1) & (p < 1)
+    drop_sorted = (cum <= 1 - p) & (jnp.arange(v)[None, None, :] < v - 1) & (p < 1)
     drop = jnp.zeros_like(drop_sorted).at[
         jnp.arange(scaled.shape[0])[:, None, None], jnp.arange(scaled.shape[1])[None, :, None], order].set(drop_sorted)
     scaled = _masked(scaled, drop)
