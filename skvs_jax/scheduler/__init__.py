@@ -78,7 +78,7 @@ from skvs_jax.scheduler.state import (
     most_blocks,
     step_shape,
 )
-from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unchecked
+from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, fork_unchecked, update_unchecked
 
 __all__ = [
     "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",
@@ -86,5 +86,5 @@ __all__ = [
     "flat_step_cost", "check_step_cost", "draft_control",
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "lowest_priority", "least_progress", "most_blocks",
-    "schedule_unchecked", "update_unchecked", "add_unchecked", "abort_unchecked",
+    "schedule_unchecked", "update_unchecked", "add_unchecked", "abort_unchecked", "fork_unchecked",
 ]

@@ -65,8 +65,9 @@ class SamplingParams:
     penalty > 0 (over prompt and output), presence / frequency penalties in [-2, 2] (over the output), stop
     strings (UTF-8 bytes of a byte-level model's text; the output ends before them unless
     include_stop_str_in_output), logprobs (None, or the top-N raw logprobs of every emitted token, N <=
-    `sampling.MAX_LOGPROBS`). At most `engine_step.MAX_STOP` stop ids and strings together, each string of at most
-    `sampling.MAX_STOP_LEN` bytes.
+    `sampling.MAX_LOGPROBS`), and n outputs of the prompt (1 <= n <= `sampling.MAX_N`; outputs 1.. fork off
+    output 0 once it has its first token, sharing the prompt's blocks, each with its own stream). At most
+    `engine_step.MAX_STOP` stop ids and strings together, each string of at most `sampling.MAX_STOP_LEN` bytes.
 
     Fields are normalised to Python types (numpy scalars are accepted); stop ids are checked against the
     model's vocabulary when the request is added.
@@ -85,6 +86,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
@@ -130,8 +132,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= sampling_mod.MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {sampling_mod.MAX_LOGPROBS}], got "
                              f"{self.logprobs!r}")
-        for name, value in (("seed", None if self.seed is None else int(self.seed)), ("top_k", max(int(self.top_k), 0)),
-                            ("top_p", top_p), ("min_p", min_p), ("repetition_penalty", repetition),
+        if not checks.is_int(self.n) or not 1 <= self.n <= sampling_mod.MAX_N:
+            raise ValueError(f"n must be an int in [1, {sampling_mod.MAX_N}], got {self.n!r}")
+        for name, value in (("n", int(self.n)), ("seed", None if self.seed is None else int(self.seed)),
+                            ("top_k", max(int(self.top_k), 0)), ("top_p", top_p), ("min_p", min_p),
+                            ("repetition_penalty", repetition),
                             ("presence_penalty", presence), ("frequency_penalty", frequency), ("stop", stop),
                             ("logprobs", None if self.logprobs is None else int(self.logprobs))):
             object.__setattr__(self, name, value)
@@ -172,6 +177,8 @@ class RequestLog:
     aborted: bool = False  # ended by `Engine.abort_request` before it finished
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per token: raw logprobs of the token and the top-N (if asked)
+    sample_index: int = 0  # which of the prompt's n outputs this is (output 0: the request itself)
+    sample_ids: tuple[int, ...] = ()  # output 0 of n > 1: the ids of the n outputs in order (consecutive)
 
     @property
     def output_tokens(self) -> list[int]:
@@ -276,6 +283,7 @@ class Engine:
         self._free_slots, self._prompt_work = b, False  # what the last step reported (see `_width`)
         self.compiled: set[tuple[int, bool]] = set()
         self._next_id = 0
+        self._unforked: dict[int, int] = {}  # n > 1 requests not forked yet -> empty slots held for their outputs 1..
         self.tiers = None
         if policy.preemption == "swap" and swap_blocks:
             self.tiers = tiers_mod.Tier(self._kv_pages(), swap_blocks)
@@ -389,11 +397,27 @@ class Engine:
             raise ValueError(f"request_id must lie in [0, {engine_step.MAX_REQUEST_ID}], got {rid}")
         if rid in self.requests:
             raise ValueError(f"request_id {rid} is already in use")
-        self._next_id = max(self._next_id, rid + 1)
+        n = sampling.n
+        if n > self.cfg.sched.cache.max_seqs:
+            raise ValueError(f"sampling.n ({n}) exceeds the cache's {self.cfg.sched.cache.max_seqs} slots (each output "
+                             "takes one)")
+        ids = tuple(range(rid, rid + n))
+        if n > 1 and (ids[-1] > engine_step.MAX_REQUEST_ID or any(i in self.requests for i in ids)):
+            raise ValueError(f"n = {n} outputs take the request ids {rid} .. {ids[-1]}; some are in use or too large")
+        self._next_id = max(self._next_id, rid + n)
         now = self.now() if arrival_time is None else float(arrival_time)
-        self.requests[rid] = RequestLog(rid, prompt, sampling, now)
+        self.requests[rid] = RequestLog(rid, prompt, sampling, now, sample_ids=ids if n > 1 else ())
+        for i in range(1, n):  # forked off output 0 once it has sampled its first token
+            self.requests[rid + i] = RequestLog(rid + i, prompt, sampling, now, sample_index=i)
+        if n > 1:
+            self._unforked[rid] = 0  # slots held for its outputs 1.. (set at admission)
         self.queue.append(rid)
         return rid
+
+    def completions(self, request_id: int) -> list[list[int]]:
+        """The outputs of a request in order: its n outputs (`SamplingParams.n`), each as `RequestLog.output_tokens`."""
+        r = self.requests[request_id]
+        return [self.requests[i].output_tokens for i in (r.sample_ids or (request_id,))]
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -403,7 +427,15 @@ class Engine:
 
     def _admit_queue(self) -> None:
         # Slots finished last step are EMPTY only after the next schedule, so the step reports the EMPTY count.
-        take = self.queue[: self._free_slots]
+        take, need = [], 0
+        for rid in self.queue:  # in order: a request whose n outputs do not fit yet waits, and so do later ones
+            n = self.requests[rid].sampling.n
+            if need + n > self._free_slots:
+                break
+            take.append(rid)
+            need += n
+            if n > 1:
+                self._unforked[rid] = n - 1  # empty slots held until it forks
         if not take:
             return
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
@@ -423,7 +455,7 @@ class Engine:
             assert slots[row] >= 0, "a free slot was expected"
             self.slot_of[rid], self.request_in[int(slots[row])] = int(slots[row]), rid
         self.queue = self.queue[len(take):]
-        self._free_slots -= len(take)
+        self._free_slots -= need
         self._prompt_work = True  # the new requests wait to be prefilled
 
     def _sampling_rows(self, logs: list[RequestLog]) -> sampling_mod.SamplingRows:
@@ -440,9 +472,11 @@ class Engine:
             rows.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
             for x, seq in enumerate(sp.stop_sequences()):
                 rows.stops[row, x, : len(seq)], rows.stop_len[row, x] = seq[::-1], len(seq)
-            seeds[row] = sp.seed if sp.seed is not None else self._unseeded(r.request_id)
+            seeds[row] = sp.seed if sp.seed is not None else self._unseeded(r.request_id - r.sample_index)
+            index[row] = r.sample_index
+            rows.siblings[row] = sp.n - 1 if r.sample_index == 0 else 0
         if logs:
-            rows = rows.replace(stream=np.asarray(sampling_mod.stream_keys(seeds, index)))
+            rows = rows.replace(stream=np.asarray(sampling_mod.stream_keys(seeds, index)), seed=seeds)
         return rows
 
     def _unseeded(self, request_id: int) -> int:
@@ -525,12 +559,59 @@ class Engine:
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
-        self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
+        self._free_slots = int(out.free_slots) - sum(self._unforked.values())
+        self._prompt_work = bool(out.prompt_work)
         self._next_drafts, self._drafts_knobs = int(out.next_drafts), self.knobs
         self.width_hist[width] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
-        return self._collect(out, start, end)
+        forking = {rid: self.slot_of[rid] for rid in self._unforked if rid in self.slot_of}
+        results = self._collect(out, start, end)
+        return results + self._fork(out, forking, end)
+
+    def _fork(self, out: engine_step.StepOut, forking: dict[int, int], end: float) -> list[tuple[int, list[int], bool]]:
+        """Outputs 1.. of the n > 1 requests whose output 0 sampled its first token this step: each takes the
+        token its own stream drew there (`StepOut.sibling_tokens`) and forks off output 0's slot, sharing the
+        prompt's blocks; one that ends with that token (max_tokens 1, a stop) finishes without a slot."""
+        results, forks = [], []
+        for rid, slot in forking.items():
+            if not out.num_new[slot]:
+                continue
+            parent = self.requests[rid]
+            for cid in parent.sample_ids[1:]:
+                r = self.requests[cid]
+                token = int(out.sibling_tokens[slot, r.sample_index - 1])
+                r.tokens, r.first_token_time = [token], end
+                if r.sampling.logprobs is not None:
+                    top = r.sampling.logprobs
+                    entry = {int(t): float(lp) for t, lp in zip(out.top_ids[slot, 0, :top],
+                                                                out.top_logprobs[slot, 0, :top])}
+                    entry[token] = float(out.sibling_logprob[slot, r.sample_index - 1])
+                    r.logprobs = [entry]
+                stops = {seq[0] for seq in r.sampling.stop_sequences() if len(seq) == 1}
+                if r.sampling.max_tokens == 1 or token in stops:
+                    r.finished, r.finish_time = True, end
+                    results.append((cid, [token], True))
+                else:
+                    forks.append((slot, cid, token))
+            self._free_slots += self._unforked.pop(rid)
+        if forks:
+            b = self.cfg.sched.cache.max_seqs
+            parent, ids, first = (np.full(b, -1, np.int32) for _ in range(3))
+            for row, (slot, cid, token) in enumerate(forks):
+                parent[row], ids[row], first[row] = slot, cid, token
+            put = self._put
+            rows = jax.tree.map(put, self._sampling_rows([self.requests[cid] for _, cid, _ in forks]))
+            self.state, slots = engine_step.fork_requests(self.state, put(parent), put(ids), put(first), rows,
+                                                          cfg=self.cfg)
+            slots = np.asarray(slots)
+            for row, (_, cid, token) in enumerate(forks):
+                if slots[row] < 0:
+                    raise RuntimeError("engine bug: a fork found no empty slot or an unsettled parent")
+                self.slot_of[cid], self.request_in[int(slots[row])] = int(slots[row]), cid
+                results.append((cid, [token], False))
+            self._free_slots -= len(forks)
+        return results
 
     def _swap(self, batch) -> None:
         out_rows = np.flatnonzero(np.asarray(batch.swap_out))
@@ -620,6 +701,9 @@ class Engine:
         if r is None or r.finished or r.aborted:
             return False
         r.aborted = True
+        for cid in r.sample_ids[1:] if rid in self._unforked else ():  # outputs not forked yet end with it
+            self.requests[cid].aborted = True
+        self._free_slots += self._unforked.pop(rid, 0)
         if rid in self.queue:
             self.queue.remove(rid)
             return True

@@ -83,6 +83,8 @@ class StepOut:
     token_logprob: jax.Array  # float32[B, K+1] raw logprob of each new token (0 unless some row asks for logprobs)
     top_ids: jax.Array  # int32[B, K+1, MAX_LOGPROBS] the most likely tokens at each new token's position
     top_logprobs: jax.Array  # float32[B, K+1, MAX_LOGPROBS] their raw logprobs
+    sibling_tokens: jax.Array  # int32[B, MAX_N - 1] first tokens of a prompt's outputs 1.. (`sampling.siblings`)
+    sibling_logprob: jax.Array  # float32[B, MAX_N - 1] their raw logprobs
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -124,8 +126,9 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
                                      view_tokens=view_tokens)
     st = st.replace(sched=sched, cache=cache, hidden=hidden)
-    return st, _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
-                         logprobs=logprobs)
+    out = _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
+                    logprobs=logprobs)
+    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1])
 
 
 def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
@@ -239,6 +242,7 @@ class _Targets:
     temperature: jax.Array  # float32[B] effective temperature of the processed logits: 1 sampled, 0 greedy
     target: jax.Array  # int32[B, Q] the target's token after each sampling slot, from the row's stream
     rule_keys: jax.Array  # typed keys [B] for the acceptance rule's own draws (the row's stream at its root)
+    siblings: tuple  # `sampling.sibling_tokens` at the root: (int32[B, MAX_N - 1], float32[B, MAX_N - 1])
 
 
 def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows,
@@ -266,7 +270,8 @@ def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows
     full = logits.astype(jnp.float32).at[b_idx, into].set(processed, mode="drop")
     target = jnp.zeros((b, width), i32).at[b_idx, into].set(drawn, mode="drop")
     rule_keys = sampling.position_keys(rows.stream, pos0[:, None], sampling.RULE)[:, 0]
-    return _Targets(raw=raw, logits=full, temperature=temp, target=target, rule_keys=rule_keys)
+    siblings = sampling.sibling_tokens(processed[:, 0], temp, raw[:, 0], rows, pos0)
+    return _Targets(raw=raw, logits=full, temperature=temp, target=target, rule_keys=rule_keys, siblings=siblings)
 
 
 def _verify_drafts(targets: _Targets, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows, *,
@@ -410,6 +415,8 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
         prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch),
         token_logprob=logprobs[0], top_ids=logprobs[1], top_logprobs=logprobs[2],
+        sibling_tokens=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), i32),
+        sibling_logprob=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), jnp.float32),
     )
 
 
@@ -436,3 +443,18 @@ def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, reques
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows)), slots
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
+def fork_requests(st: EngineState, parent, request_id, first_token, rows, *, cfg):
+    """Fork outputs 1.. of n > 1 requests off their parents' slots (`sc.fork_unchecked`: the prompt's blocks
+    shared) with their sampling rows (`sampling.SamplingRows`, one per fork); a child starts from its parent's
+    hidden state, and a parent that forked has no siblings left. Returns (state, slots int32[B'], -1 = not
+    placed)."""
+    sched, slots = sc.fork_unchecked(st.sched, parent, request_id, first_token, cfg=cfg.sched)
+    b = cfg.sched.cache.max_seqs
+    dst = jnp.where(slots >= 0, slots, b)
+    p = jnp.clip(parent, 0, b - 1)
+    rows_all = sampling.set_rows(st.sampling, dst, rows)
+    rows_all = rows_all.replace(siblings=rows_all.siblings.at[jnp.where(parent >= 0, p, b)].set(0, mode="drop"))
+    return st.replace(sched=sched, sampling=rows_all, hidden=st.hidden.at[dst].set(st.hidden[p], mode="drop")), slots

@@ -39,6 +39,7 @@ f32 = jnp.float32
 MAX_STOPS = 16  # stop sequences per request: stop token ids (length 1) and stop strings together
 MAX_STOP_LEN = 32  # tokens per stop sequence
 MAX_LOGPROBS = 20  # top-N logprobs per emitted token (vLLM's default cap)
+MAX_N = 8  # outputs per prompt (n); each takes a slot
 TARGET, DRAFT, RULE = 0, 1, 2  # purposes folded into a position's key
 
 
@@ -57,6 +58,8 @@ class SamplingRows:
     stops: jax.Array  # int32[B, X, W] stop sequences, each reversed (last token first), -1 past its length
     stop_len: jax.Array  # int32[B, X] tokens in each stop sequence, 0 = unused
     logprobs: jax.Array  # int32[B] top-N logprobs wanted per emitted token, -1 = none
+    seed: jax.Array  # uint32[B] the request's seed (stream = `stream_keys(seed, sample index)`)
+    siblings: jax.Array  # int32[B] outputs 1 .. siblings of the prompt still to fork off this row (n > 1), else 0
 
 
 def key_words() -> int:
@@ -70,7 +73,7 @@ def default_rows(b: int) -> SamplingRows:
         min_p=jnp.zeros((b,), f32), repetition_penalty=jnp.ones((b,), f32), presence_penalty=jnp.zeros((b,), f32),
         frequency_penalty=jnp.zeros((b,), f32), stream=jnp.zeros((b, key_words()), jnp.uint32),
         stops=jnp.full((b, MAX_STOPS, MAX_STOP_LEN), -1, i32), stop_len=jnp.zeros((b, MAX_STOPS), i32),
-        logprobs=jnp.full((b,), -1, i32))
+        logprobs=jnp.full((b,), -1, i32), seed=jnp.zeros((b,), jnp.uint32), siblings=jnp.zeros((b,), i32))
 
 
 def set_rows(rows: SamplingRows, dst: jax.Array, new: SamplingRows) -> SamplingRows:
@@ -209,6 +212,31 @@ def stop_hits(history: jax.Array, history_ok: jax.Array, new: jax.Array, new_ok:
     inside = jnp.arange(w)[None, None, None, :] < lengths
     match = (tok[:, :, None, :] == rows.stops[:, None, :, :]) & good[:, :, None, :]
     return jnp.any(jnp.all(match | ~inside, axis=-1) & (lengths[..., 0] > 0), axis=-1) & new_ok
+
+
+def sibling_tokens(processed: jax.Array, temperature: jax.Array, raw: jax.Array, rows: SamplingRows,
+                   pos0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The first tokens of outputs 1 .. MAX_N - 1 of each row's prompt, drawn from the row's processed root
+    distribution with each output's own stream (`stream_keys(seed, j)`) at position pos0 int32[B], as if each
+    were a request of its own; and their raw logprobs. processed, raw float32[B, V] at the root; temperature
+    float32[B] effective. Computed only when some row has siblings (zeros otherwise). Returns (int32[B, MAX_N -
+    1], float32[B, MAX_N - 1])."""
+    b, v = processed.shape
+
+    def draw(_):
+        j = jnp.arange(1, MAX_N, dtype=i32)
+        streams = jax.vmap(lambda s: stream_keys(jnp.broadcast_to(s, j.shape), j))(rows.seed)  # [B, N-1, words]
+        keys = jax.vmap(lambda words, pos: jax.vmap(
+            lambda w: jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(w), pos), TARGET))(words))(
+            streams, pos0)
+        tokens = sample(keys, jnp.broadcast_to(processed[:, None], (b, MAX_N - 1, v)), temperature)
+        logp = jax.nn.log_softmax(raw, axis=-1)
+        return tokens, jnp.take_along_axis(logp, tokens, axis=1)
+
+    def nothing(_):
+        return jnp.zeros((b, MAX_N - 1), i32), jnp.zeros((b, MAX_N - 1), f32)
+
+    return jax.lax.cond(jnp.any(rows.siblings > 0), draw, nothing, None)
 
 
 def top_logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
