@@ -143,6 +143,13 @@ def share(kv: KVState, block_ids: jax.Array, num_tokens: jax.Array, cfg: KVConfi
     return kv.replace(alloc=alloc)
 
 
+def fork(kv: KVState, parent: jax.Array, cfg: KVConfig) -> tuple[KVState, jax.Array]:
+    """Row b becomes a child of row parent[b] (int32[B], -1 = no fork), sharing its committed blocks by reference
+    (`allocator.fork`: the parent must be settled, and the child row empty). Returns (kv, ok bool[B])."""
+    alloc, ok = allocator.fork_unchecked(kv.alloc, parent, cfg=cfg.cache)
+    return kv.replace(alloc=alloc), ok
+
+
 IN_USE = jnp.iinfo(jnp.int32).max  # the recency of a block some sequence holds: it is being used now
 
 

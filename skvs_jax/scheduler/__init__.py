@@ -81,7 +81,7 @@ from skvs_jax.scheduler.state import (
     most_progress,
     step_shape,
 )
-from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, update_unchecked
+from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, fork_unchecked, update_unchecked
 
 __all__ = [
     "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",
@@ -90,5 +90,5 @@ __all__ = [
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "lowest_priority", "least_progress", "most_blocks",
     "most_progress",
-    "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked",
+    "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked", "fork_unchecked",
 ]

@@ -204,6 +204,53 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, *, cfg
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
+def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, first_token: jax.Array, *,
+                   cfg: SchedulerConfig) -> tuple[SchedState, jax.Array]:
+    """New sequences that continue other slots' committed tokens with a token of their own (n > 1 outputs of one
+    prompt): request i (parent int32[B'] a slot, -1 = padding) goes into an EMPTY slot, shares its parent's
+    committed blocks (`manager.fork`, by reference: the prompt is stored once), and is RUNNING with known tokens
+    = the parent's committed ones + first_token[i]. It inherits the parent's prompt length, max_new_tokens,
+    priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each request's slot, -1
+    where it was not placed (padding, no empty slot, or a parent the allocator cannot fork: unsettled, or nothing
+    committed))."""
+    b = cfg.cache.max_seqs
+    seqs = st.seqs
+    valid = (parent >= 0) & (parent < b)
+    empty = seqs.status == EMPTY
+    free_slots = jnp.nonzero(empty, size=b, fill_value=b)[0]
+    rank = jnp.cumsum(valid, dtype=i32) - 1
+    slot = jnp.where(valid & (rank < jnp.sum(empty, dtype=i32)), free_slots[jnp.clip(rank, 0, b - 1)], b)
+    p = jnp.clip(parent, 0, b - 1)
+    parent_of = jnp.full((b,), -1, i32).at[slot].set(p, mode="drop")
+    kv, ok = manager.fork(st.kv, parent_of, cfg.kv)
+    placed = (slot < b) & ok[jnp.clip(slot, 0, b - 1)]
+    slot = jnp.where(placed, slot, b)
+    committed = st.kv.alloc.seqs.num_committed[p]
+    col = jnp.arange(cfg.max_len, dtype=i32)[None, :]
+    tokens = jnp.where(col < committed[:, None], seqs.tokens[p],
+                       jnp.where(col == committed[:, None], first_token[:, None], 0))
+    z = jnp.zeros_like(parent)
+    seqs = seqs.replace(
+        status=seqs.status.at[slot].set(RUNNING, mode="drop"),
+        tokens=seqs.tokens.at[slot].set(tokens, mode="drop"),
+        num_tokens=seqs.num_tokens.at[slot].set(committed + 1, mode="drop"),
+        prompt_len=seqs.prompt_len.at[slot].set(seqs.prompt_len[p], mode="drop"),
+        max_new_tokens=seqs.max_new_tokens.at[slot].set(seqs.max_new_tokens[p], mode="drop"),
+        priority=seqs.priority.at[slot].set(seqs.priority[p], mode="drop"),
+        arrival=seqs.arrival.at[slot].set(seqs.arrival[p], mode="drop"),
+        request_id=seqs.request_id.at[slot].set(request_id, mode="drop"),
+        swapped_len=seqs.swapped_len.at[slot].set(z, mode="drop"),
+        num_preemptions=seqs.num_preemptions.at[slot].set(z, mode="drop"),
+        num_cached=seqs.num_cached.at[slot].set(z, mode="drop"),
+        accept_hist=seqs.accept_hist.at[slot].set(0, mode="drop"),
+        draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
+        draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
+        index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
+    )
+    return st.replace(kv=kv, seqs=seqs), jnp.where(placed, slot, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def abort_unchecked(st: SchedState, mask: jax.Array, *, cfg: SchedulerConfig) -> SchedState:
     """`abort` without the boundary checks."""
     seqs = st.seqs

@@ -25,7 +25,8 @@ Conventions shared by every rule (dimension names as in `skvs_jax/__init__.py`):
   num_drafts     int32[B]          in [0, K]
   temperature    float32[B]        T <= 0 means greedy: every rule then returns exactly `greedy`'s verdict, and no
                                    division by T happens on such rows
-  key            one PRNG key for the whole batch
+  key            one PRNG key for the whole batch, or a typed key array [B] with a key per row (per-request
+                 random streams, `sampling`): row b's draws then depend on its key alone
 K is static (a shape). Everything is pure and jittable. Shapes and dtypes are checked on every call (at trace time
 under jit, so for free); values only when the inputs are concrete, i.e. in eager calls. Under jit, bad values
 become rejections (num_drafts is clipped into [0, K]) instead of errors.
@@ -118,11 +119,36 @@ def _at(x, index):
     return jnp.take_along_axis(x, index, axis=1)[:, 0]
 
 
+def _per_row(key) -> bool:
+    return getattr(key, "ndim", 0) == 1
+
+
+def _split(key):
+    """Two independent keys: of one key, or row by row of a key per row."""
+    if _per_row(key):
+        pair = jax.vmap(jax.random.split)(key)
+        return pair[:, 0], pair[:, 1]
+    return tuple(jax.random.split(key))
+
+
+def _categorical(key, logits):
+    """int32[B, ...]: categorical samples of logits [B, ..., V], with one key, or row b's from key[b]."""
+    if _per_row(key):
+        return jax.vmap(lambda k, x: jax.random.categorical(k, x, axis=-1))(key, logits).astype(i32)
+    return jax.random.categorical(key, logits, axis=-1).astype(i32)
+
+
+def _uniform(key, shape):
+    if _per_row(key):
+        return jax.vmap(lambda k: jax.random.uniform(k, shape[1:], f32))(key)
+    return jax.random.uniform(key, shape, f32)
+
+
 def _sample(key, logits, temperature):
     """int32[...]: a sample of softmax(logits / T) per row, the argmax where T <= 0. logits [..., V], T [...]."""
     t = temperature.astype(f32)[..., None]
     scaled = logits.astype(f32) / jnp.where(t > 0, t, 1.0)
-    sampled = jax.random.categorical(key, scaled, axis=-1).astype(i32)
+    sampled = _categorical(key, scaled)
     return jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))
 
 
@@ -206,7 +232,7 @@ def lossless(target_logits, draft_logits, drafts, num_drafts, key, temperature) 
     sequential rule because a slot's coin only matters once every earlier slot was accepted.
     """
     b, k, v = check_inputs(target_logits, drafts, num_drafts, temperature, draft_logits)
-    key_accept, key_next = jax.random.split(key)
+    key_accept, key_next = _split(key)
     hot = temperature > 0
     t = jnp.where(hot, temperature.astype(f32), 1.0)[:, None, None]  # greedy rows divide by 1, their result unused
     scaled = target_logits.astype(f32) / t  # [B, K+1, V]
@@ -219,7 +245,7 @@ def lossless(target_logits, draft_logits, drafts, num_drafts, key, temperature) 
     else:
         q = jax.nn.softmax(draft_logits.astype(f32) / t, axis=-1)  # [B, K, V]
         q_x = jnp.take_along_axis(q, x, axis=-1)[:, :, 0]
-    u = jax.random.uniform(key_accept, (b, k), f32)
+    u = _uniform(key_accept, (b, k))
     accepted = count_leading((u * q_x < p_x) & real)
 
     # Slot `accepted` (padded so that K is a valid index) either lost its coin, and the row needs the residual
@@ -234,7 +260,7 @@ def lossless(target_logits, draft_logits, drafts, num_drafts, key, temperature) 
     residual = jnp.maximum(p_a - q_a, 0.0)
     use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)
     logits_next = jnp.where(use_residual[:, None], jnp.log(residual), _at(scaled, accepted))  # log 0 = -inf: never
-    sampled = jax.random.categorical(key_next, logits_next, axis=-1).astype(i32)
+    sampled = _categorical(key_next, logits_next)
 
     exact = _greedy(target_logits, drafts, num_drafts)
     return Verdict(accepted=jnp.where(hot, accepted, exact.accepted),

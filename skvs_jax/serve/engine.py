@@ -40,20 +40,36 @@ import numpy as np
 import pallas_kernels as pk
 from skvs_jax import checks, distributed
 from skvs_jax import scheduler as sc
-from skvs_jax.arrays import i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.kv import manager
 from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
 from skvs_jax.serve import engine_step
+from skvs_jax.serve import sampling as sampling_mod
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import LlamaMedusaRunner, ModelRunner
 
 
+def _real(name: str, value, lo: float, hi: float, *, open_lo: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < lo or value > hi or (open_lo and value == lo)):
+        raise ValueError(f"{name} must be a finite float in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """max_tokens >= 1 new tokens; temperature 0 = greedy; generation stops after any of stop_token_ids.
+
+    The other fields follow vLLM (docs/sampling.md): seed (a request's own random stream; None: one derived from
+    the engine's seed and the request id), top_k (0 or -1 = off), top_p in (0, 1], min_p in [0, 1], repetition
+    penalty > 0 (over prompt and output), presence / frequency penalties in [-2, 2] (over the output), stop
+    strings (UTF-8 bytes of a byte-level model's text; the output ends before them unless
+    include_stop_str_in_output), logprobs (None, or the top-N raw logprobs of every emitted token, N <=
+    `sampling.MAX_LOGPROBS`), and n outputs of the prompt (1 <= n <= `sampling.MAX_N`; outputs 1.. fork off
+    output 0 once it has its first token, sharing the prompt's blocks, each with its own stream). At most
+    `engine_step.MAX_STOP` stop ids and strings together, each string of at most `sampling.MAX_STOP_LEN` bytes.
 
     Fields are normalised to Python types (numpy scalars are accepted); stop ids are checked against the
     model's vocabulary when the request is added.
@@ -62,6 +78,17 @@ class SamplingParams:
     max_tokens: int = 32
     temperature: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
@@ -79,6 +106,51 @@ class SamplingParams:
         object.__setattr__(self, "max_tokens", int(self.max_tokens))  # frozen: normalise once, here
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        if self.seed is not None and (not checks.is_int(self.seed) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        if not checks.is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
+        top_p = _real("top_p", self.top_p, 0.0, 1.0, open_lo=True)
+        min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        repetition = _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, open_lo=True)
+        presence = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        frequency = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        stop = (self.stop,) if isinstance(self.stop, (str, bytes)) else self.stop
+        if not isinstance(stop, Iterable) or not all(isinstance(x, (str, bytes)) and x for x in stop):
+            raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}")
+        stop = tuple(stop)
+        for x in stop:
+            if len(stop_bytes(x)) > sampling_mod.MAX_STOP_LEN:
+                raise ValueError(f"stop strings hold at most {sampling_mod.MAX_STOP_LEN} UTF-8 bytes, got {x!r}")
+        if len(stop) + len(self.stop_token_ids) > engine_step.MAX_STOP:
+            raise ValueError(f"stop and stop_token_ids hold at most {engine_step.MAX_STOP} entries together, got "
+                             f"{len(stop) + len(self.stop_token_ids)}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise TypeError("include_stop_str_in_output must be a bool")
+        if self.logprobs is not None and (not checks.is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= sampling_mod.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {sampling_mod.MAX_LOGPROBS}], got "
+                             f"{self.logprobs!r}")
+        if not checks.is_int(self.n) or not 1 <= self.n <= sampling_mod.MAX_N:
+            raise ValueError(f"n must be an int in [1, {sampling_mod.MAX_N}], got {self.n!r}")
+        for name, value in (("n", int(self.n)), ("seed", None if self.seed is None else int(self.seed)),
+                            ("top_k", max(int(self.top_k), 0)), ("top_p", top_p), ("min_p", min_p),
+                            ("repetition_penalty", repetition),
+                            ("presence_penalty", presence), ("frequency_penalty", frequency), ("stop", stop),
+                            ("logprobs", None if self.logprobs is None else int(self.logprobs))):
+            object.__setattr__(self, name, value)
+
+    def stop_sequences(self) -> list[tuple[int, ...]]:
+        """Every stop as token ids: each stop id alone, then each stop string's UTF-8 bytes."""
+        return [(t,) for t in self.stop_token_ids] + [tuple(stop_bytes(x)) for x in self.stop]
+
+
+def stop_bytes(stop: str | bytes) -> bytes:
+    """A stop string as the byte-level model's tokens: its UTF-8 bytes."""
+    return stop if isinstance(stop, bytes) else stop.encode("utf-8")
 
 
 # ------------------------------------------------------------------------------------------------ the host
@@ -107,6 +179,21 @@ class RequestLog:
     aborted: bool = False  # ended by `Engine.abort_request` before it finished
     error: str | None = None
     first_cached_tokens: int = 0  # of cached_tokens, those of the first admission (metrics' kv_hit_rate_first)
+    logprobs: list[dict[int, float]] | None = None  # per token: raw logprobs of the token and the top-N (if asked)
+    sample_index: int = 0  # which of the prompt's n outputs this is (output 0: the request itself)
+    sample_ids: tuple[int, ...] = ()  # output 0 of n > 1: the ids of the n outputs in order (consecutive)
+
+    @property
+    def output_tokens(self) -> list[int]:
+        """The output as a vLLM user reads it: `tokens` without a stop string that ended it (unless
+        include_stop_str_in_output); stop token ids stay."""
+        tail = self.tokens
+        if self.finished and not self.sampling.include_stop_str_in_output:
+            for stop in self.sampling.stop:
+                seq = list(stop_bytes(stop))
+                if len(tail) >= len(seq) and tail[len(tail) - len(seq):] == seq:
+                    return tail[: len(tail) - len(seq)]
+        return list(tail)
 
 
 class Engine:
@@ -215,6 +302,7 @@ class Engine:
         self._free_slots, self._prompt_work = b, False  # what the last step reported (see `_width`)
         self.compiled: set[tuple[int, bool]] = set()
         self._next_id = 0
+        self._unforked: dict[int, int] = {}  # n > 1 requests not forked yet -> empty slots held for their outputs 1..
         self.tiers = None
         if policy.preemption == "swap" and scfg.swap_blocks:  # host tier (swap_blocks) backed by disk (disk_blocks)
             self.tiers = tiers_mod.SwapSpace(self._kv_pages(), swap_blocks, disk_blocks, disk_dir)
@@ -232,8 +320,7 @@ class Engine:
                                                                            self.cfg.kv_shardings))()
         state = engine_step.EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
-            temperature=jnp.zeros((b,), jnp.float32), stop_ids=jnp.full((b, engine_step.MAX_STOP), -1, i32),
-            rng=jax.random.key(self._seed), step_cost=self.step_cost)
+            sampling=sampling_mod.default_rows(b), step_cost=self.step_cost)
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:
@@ -315,6 +402,9 @@ class Engine:
             raise ValueError(f"prompt_tokens must lie in [0, {vocab})")
         if any(t >= vocab for t in sampling.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids must lie in [0, {vocab}), got {sampling.stop_token_ids}")
+        if any(t >= vocab for seq in sampling.stop_sequences() for t in seq):
+            raise ValueError(f"sampling.stop strings are UTF-8 bytes, which must lie in this model's vocabulary "
+                             f"[0, {vocab})")
         max_len = self.cfg.sched.max_len
         if len(prompt) + sampling.max_tokens > max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
@@ -326,11 +416,27 @@ class Engine:
             raise ValueError(f"request_id must lie in [0, {engine_step.MAX_REQUEST_ID}], got {rid}")
         if rid in self.requests:
             raise ValueError(f"request_id {rid} is already in use")
-        self._next_id = max(self._next_id, rid + 1)
+        n = sampling.n
+        if n > self.cfg.sched.cache.max_seqs:
+            raise ValueError(f"sampling.n ({n}) exceeds the cache's {self.cfg.sched.cache.max_seqs} slots (each output "
+                             "takes one)")
+        ids = tuple(range(rid, rid + n))
+        if n > 1 and (ids[-1] > engine_step.MAX_REQUEST_ID or any(i in self.requests for i in ids)):
+            raise ValueError(f"n = {n} outputs take the request ids {rid} .. {ids[-1]}; some are in use or too large")
+        self._next_id = max(self._next_id, rid + n)
         now = self.now() if arrival_time is None else float(arrival_time)
-        self.requests[rid] = RequestLog(rid, prompt, sampling, now)
+        self.requests[rid] = RequestLog(rid, prompt, sampling, now, sample_ids=ids if n > 1 else ())
+        for i in range(1, n):  # forked off output 0 once it has sampled its first token
+            self.requests[rid + i] = RequestLog(rid + i, prompt, sampling, now, sample_index=i)
+        if n > 1:
+            self._unforked[rid] = 0  # slots held for its outputs 1.. (set at admission)
         self.queue.append(rid)
         return rid
+
+    def completions(self, request_id: int) -> list[list[int]]:
+        """The outputs of a request in order: its n outputs (`SamplingParams.n`), each as `RequestLog.output_tokens`."""
+        r = self.requests[request_id]
+        return [self.requests[i].output_tokens for i in (r.sample_ids or (request_id,))]
 
     def now(self) -> float:
         return self.clock() - self.t0
@@ -340,31 +446,64 @@ class Engine:
 
     def _admit_queue(self) -> None:
         # Slots finished last step are EMPTY only after the next schedule, so the step reports the EMPTY count.
-        take = self.queue[: self._free_slots]
+        take, need = [], 0
+        for rid in self.queue:  # in order: a request whose n outputs do not fit yet waits, and so do later ones
+            n = self.requests[rid].sampling.n
+            if need + n > self._free_slots:
+                break
+            take.append(rid)
+            need += n
+            if n > 1:
+                self._unforked[rid] = n - 1  # empty slots held until it forks
         if not take:
             return
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
         prompts = np.zeros((b, max_len), np.int32)
         lens, new, prio, ids = (np.zeros(b, np.int32) for _ in range(4))
         new[:] = 1
-        temp = np.zeros(b, np.float32)
-        stops = np.full((b, engine_step.MAX_STOP), -1, np.int32)
         for row, rid in enumerate(take):
             r = self.requests[rid]
             prompts[row, : len(r.prompt)], lens[row], new[row], ids[row] = r.prompt, len(r.prompt), \
                 r.sampling.max_tokens, rid
-            temp[row] = r.sampling.temperature
-            stops[row, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
         put = self._put
+        rows = jax.tree.map(put, self._sampling_rows([self.requests[rid] for rid in take]))
         self.state, slots = engine_step.add_requests(self.state, put(prompts), put(lens), put(new), put(prio), put(ids),
-                                              put(temp), put(stops), cfg=self.cfg)
+                                                     rows, cfg=self.cfg)
         slots = np.asarray(slots)
         for row, rid in enumerate(take):
             assert slots[row] >= 0, "a free slot was expected"
             self.slot_of[rid], self.request_in[int(slots[row])] = int(slots[row]), rid
         self.queue = self.queue[len(take):]
-        self._free_slots -= len(take)
+        self._free_slots -= need
         self._prompt_work = True  # the new requests wait to be prefilled
+
+    def _sampling_rows(self, logs: list[RequestLog]) -> sampling_mod.SamplingRows:
+        """B sampling rows (numpy) for these requests in order, defaults past them. A request's stream: its seed's
+        (without one: a seed mixed from the engine's and the request id), folded with sample index 0."""
+        b = self.cfg.sched.cache.max_seqs
+        rows = jax.tree.map(np.array, sampling_mod.default_rows(b))
+        seeds, index = np.zeros(b, np.uint32), np.zeros(b, np.int32)
+        for row, r in enumerate(logs):
+            sp = r.sampling
+            for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty"):
+                getattr(rows, name)[row] = getattr(sp, name)
+            rows.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+            for x, seq in enumerate(sp.stop_sequences()):
+                rows.stops[row, x, : len(seq)], rows.stop_len[row, x] = seq[::-1], len(seq)
+            seeds[row] = sp.seed if sp.seed is not None else self._unseeded(r.request_id - r.sample_index)
+            index[row] = r.sample_index
+            rows.siblings[row] = sp.n - 1 if r.sample_index == 0 else 0
+        if logs:
+            rows = rows.replace(stream=np.asarray(sampling_mod.stream_keys(seeds, index)), seed=seeds)
+        return rows
+
+    def _unseeded(self, request_id: int) -> int:
+        """A seed for a request without one: the engine's seed and the request id, mixed (splitmix32)."""
+        x = (self._seed * 0x9E3779B9 + request_id + 1) & 0xFFFFFFFF
+        for shift, mult in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            x = ((x ^ (x >> shift)) * mult) & 0xFFFFFFFF
+        return x ^ (x >> 16)
 
     def _width(self) -> int:
         """The query bucket, from what the previous step reported (no state is read back between steps): the wide
@@ -421,8 +560,7 @@ class Engine:
         zeros, put = np.zeros((b,), np.int32), self._put  # all-padding rows: compiles `add` without adding anything
         jax.block_until_ready(engine_step.add_requests(
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
-            put(zeros), put(zeros - 1), put(np.zeros((b,), np.float32)),
-            put(np.full((b, engine_step.MAX_STOP), -1, np.int32)), cfg=self.cfg))
+            put(zeros), put(zeros - 1), jax.tree.map(put, self._sampling_rows([])), cfg=self.cfg))
         for w in order:
             state = jax.tree.map(lambda x: x.copy(), empty)
             if self.tiers is None:
@@ -464,14 +602,16 @@ class Engine:
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
-        self._free_slots, self._prompt_work = int(out.free_slots), bool(out.prompt_work)
+        self._free_slots = int(out.free_slots) - sum(self._unforked.values())
+        self._prompt_work = bool(out.prompt_work)
         self._next_drafts, self._drafts_knobs = int(out.next_want), self.knobs
         self.width_hist[width] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
+        forking = {rid: self.slot_of[rid] for rid in self._unforked if rid in self.slot_of}
         results = self._collect(out, start, end)
         self._account_padding(out, width, bound)
-        return results
+        return results + self._fork(out, forking, end)
 
     def _account_padding(self, out: engine_step.StepOut, width: int, bound: int | None) -> None:
         """A decode-only step's padding (its rows' draft slots without a draft) into the step log and the
@@ -495,6 +635,50 @@ class Engine:
         if self.chooser is None:
             return {}
         return {d: w for d, w in enumerate(self.chooser.hist) if w}
+
+    def _fork(self, out: engine_step.StepOut, forking: dict[int, int], end: float) -> list[tuple[int, list[int], bool]]:
+        """Outputs 1.. of the n > 1 requests whose output 0 sampled its first token this step: each takes the
+        token its own stream drew there (`StepOut.sibling_tokens`) and forks off output 0's slot, sharing the
+        prompt's blocks; one that ends with that token (max_tokens 1, a stop) finishes without a slot."""
+        results, forks = [], []
+        for rid, slot in forking.items():
+            if not out.num_new[slot]:
+                continue
+            parent = self.requests[rid]
+            for cid in parent.sample_ids[1:]:
+                r = self.requests[cid]
+                token = int(out.sibling_tokens[slot, r.sample_index - 1])
+                r.tokens, r.first_token_time = [token], end
+                if r.sampling.logprobs is not None:
+                    top = r.sampling.logprobs
+                    entry = {int(t): float(lp) for t, lp in zip(out.top_ids[slot, 0, :top],
+                                                                out.top_logprobs[slot, 0, :top])}
+                    entry[token] = float(out.sibling_logprob[slot, r.sample_index - 1])
+                    r.logprobs = [entry]
+                stops = {seq[0] for seq in r.sampling.stop_sequences() if len(seq) == 1}
+                if r.sampling.max_tokens == 1 or token in stops:
+                    r.finished, r.finish_time = True, end
+                    results.append((cid, [token], True))
+                else:
+                    forks.append((slot, cid, token))
+            self._free_slots += self._unforked.pop(rid)
+        if forks:
+            b = self.cfg.sched.cache.max_seqs
+            parent, ids, first = (np.full(b, -1, np.int32) for _ in range(3))
+            for row, (slot, cid, token) in enumerate(forks):
+                parent[row], ids[row], first[row] = slot, cid, token
+            put = self._put
+            rows = jax.tree.map(put, self._sampling_rows([self.requests[cid] for _, cid, _ in forks]))
+            self.state, slots = engine_step.fork_requests(self.state, put(parent), put(ids), put(first), rows,
+                                                          cfg=self.cfg)
+            slots = np.asarray(slots)
+            for row, (_, cid, token) in enumerate(forks):
+                if slots[row] < 0:
+                    raise RuntimeError("engine bug: a fork found no empty slot or an unsettled parent")
+                self.slot_of[cid], self.request_in[int(slots[row])] = int(slots[row]), cid
+                results.append((cid, [token], False))
+            self._free_slots -= len(forks)
+        return results
 
     def _swap(self, batch) -> None:
         out_rows = np.flatnonzero(np.asarray(batch.swap_out))
@@ -536,6 +720,8 @@ class Engine:
                 if not r.tokens:
                     r.first_token_time = end
                 r.tokens.extend(new)
+                if r.sampling.logprobs is not None:
+                    self._record_logprobs(r, out, slot, new)
             if out.finished[slot]:
                 r.finished, r.finish_time = True, end
                 self.request_in[slot] = -1
@@ -553,6 +739,15 @@ class Engine:
         ))
         return results
 
+    @staticmethod
+    def _record_logprobs(r: RequestLog, out: engine_step.StepOut, slot: int, new: list[int]) -> None:
+        top = r.sampling.logprobs
+        r.logprobs = [] if r.logprobs is None else r.logprobs
+        for i, token in enumerate(new):
+            entry = {int(t): float(lp) for t, lp in zip(out.top_ids[slot, i, :top], out.top_logprobs[slot, i, :top])}
+            entry[int(token)] = float(out.token_logprob[slot, i])
+            r.logprobs.append(entry)
+
     def stream(self) -> Iterator[tuple[int, list[int], bool]]:
         """Step until every queued request finished, yielding (request_id, new tokens, finished)."""
         while self.has_work():
@@ -562,7 +757,7 @@ class Engine:
         """Step until done; returns every request's output tokens."""
         for _ in self.stream():
             pass
-        return {rid: list(r.tokens) for rid, r in self.requests.items()}
+        return {rid: r.output_tokens for rid, r in self.requests.items()}
 
     def abort_request(self, request_id: int) -> bool:
         """End a request wherever it is: still queued (it leaves the queue) or in a slot (`scheduler.abort` releases
@@ -575,6 +770,9 @@ class Engine:
         if r is None or r.finished or r.aborted:
             return False
         r.aborted = True
+        for cid in r.sample_ids[1:] if rid in self._unforked else ():  # outputs not forked yet end with it
+            self.requests[cid].aborted = True
+        self._free_slots += self._unforked.pop(rid, 0)
         if rid in self.queue:
             self.queue.remove(rid)
             return True

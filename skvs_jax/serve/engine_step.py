@@ -1,8 +1,11 @@
 """The engine's jitted step: schedule, drafts, one paged forward, verification and update, as named phases.
 
-    schedule → _copy_on_write → _assemble_queries → _forward → _verify_drafts → _truncate_at_stop
-    → _hidden_at_last_accepted → _move_accepted_kv → _scrub_rejected_drafts → _keep_kv_sharding → update
-    → _next_width_bounds → _step_out
+    schedule → _copy_on_write → _penalty_context → _assemble_queries → _forward → _process_targets
+    → _verify_drafts → _truncate_at_stop → _emitted_logprobs → _hidden_at_last_accepted → _move_accepted_kv
+    → _scrub_rejected_drafts → _keep_kv_sharding → update → _next_width_bounds → _step_out
+
+Sampling is per request (`sampling`): every row's parameters and random stream are data in `EngineState.sampling`,
+and verification runs against each row's processed distribution.
 
 `fused_step` is the whole step in one program; `schedule_only` and `model_only` are its two halves, for the swap
 path (the host copies KV between the tiers between them). `EngineState` is what the step carries; `Engine`
@@ -23,12 +26,12 @@ from flax import struct
 import pallas_kernels as pk
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import i32
-from skvs_jax.serve import acceptance
+from skvs_jax.serve import sampling
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import ModelRunner
 
-MAX_STOP = 4
+MAX_STOP = sampling.MAX_STOPS  # stop token ids and stop strings together, per request
 MAX_REQUEST_ID = 2**31 - 2  # ids live in int32 device arrays, and the next free id must fit too
 
 
@@ -52,9 +55,7 @@ class EngineState:
     sched: sc.SchedState
     cache: Any  # the runner's paged KV cache
     hidden: jax.Array  # float32[B, Dm] base-model hidden state at each slot's last accepted position
-    temperature: jax.Array  # float32[B]
-    stop_ids: jax.Array  # int32[B, MAX_STOP], -1 = none
-    rng: jax.Array
+    sampling: sampling.SamplingRows  # per-slot sampling parameters and random streams
     step_cost: sc.StepCost | None = None  # what the goodput draft controller prices a step with (None: flat)
 
 
@@ -81,6 +82,11 @@ class StepOut:
     next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket)
     shape: sc.StepShape  # the step's work (prefill / decode tokens, context read): cost-model calibration
     next_want: jax.Array  # int32[] next_drafts were every width 0..K compiled (the bucket histogram's key)
+    token_logprob: jax.Array  # float32[B, K+1] raw logprob of each new token (0 unless some row asks for logprobs)
+    top_ids: jax.Array  # int32[B, K+1, MAX_LOGPROBS] the most likely tokens at each new token's position
+    top_logprobs: jax.Array  # float32[B, K+1, MAX_LOGPROBS] their raw logprobs
+    sibling_tokens: jax.Array  # int32[B, MAX_N - 1] first tokens of a prompt's outputs 1.. (`sampling.siblings`)
+    sibling_logprob: jax.Array  # float32[B, MAX_N - 1] their raw logprobs
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -106,13 +112,17 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     states through `pallas_kernels.update_block_states`, `cfg.impl`), and what the host needs to pick the next
     width. Returns (state, StepOut)."""
     k = cfg.sched.policy.draft_len
+    rows = st.sampling
     cache = _copy_on_write(runner, st.cache, batch)
-    rng, key_draft, key_verify = jax.random.split(st.rng, 3)
-    queries = _assemble_queries(runner, params, st.hidden, st.temperature, st.sched.seqs.tokens, batch, key_draft,
-                                cfg=cfg, width=width)
+    context = _penalty_context(st.sched.seqs, batch, rows, runner.vocab_size)
+    queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs.tokens, batch, cfg=cfg,
+                                width=width)
     logits, hidden, cache = _forward(runner, params, queries, cache, batch, impl=cfg.impl)
-    accepted, path, path_tokens, bonus = _verify_drafts(logits, queries, batch, st.temperature, key_verify, cfg=cfg)
-    new_tokens, accepted, next_token, stop = _truncate_at_stop(accepted, path_tokens, bonus, st.stop_ids, k=k)
+    targets = _process_targets(logits, queries, batch, rows, context, cfg=cfg)
+    accepted, path, path_tokens, bonus = _verify_drafts(targets, queries, batch, rows, cfg=cfg)
+    new_tokens, accepted, next_token, stop = _truncate_at_stop(accepted, path_tokens, bonus, rows,
+                                                               st.sched.seqs, batch, k=k)
+    logprobs = _emitted_logprobs(targets.raw, path, new_tokens, rows)
     hidden = _hidden_at_last_accepted(hidden, path, accepted, batch, st.hidden)
     cache = _move_accepted_kv(runner, cache, batch, path, accepted, cfg=cfg)
     cache = _scrub_rejected_drafts(runner, cache, batch, accepted, cfg=cfg)
@@ -120,8 +130,10 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     view_tokens = None if k == 0 or spec.is_chain(cfg.tree) else queries.nodes  # the drafts in tree-slot order
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
                                      view_tokens=view_tokens)
-    st = st.replace(sched=sched, cache=cache, hidden=hidden, rng=rng)
-    return st, _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost)
+    st = st.replace(sched=sched, cache=cache, hidden=hidden)
+    out = _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
+                    logprobs=logprobs)
+    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1])
 
 
 def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
@@ -131,12 +143,63 @@ def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
     return runner.copy_blocks(cache, batch.cow_src, batch.cow_dst)
 
 
-def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, temperature: jax.Array, seq_tokens: jax.Array,
-                      batch: sc.Batch, key: jax.Array, *, cfg: EngineConfig, width: int) -> _Queries:
+@struct.dataclass
+class _PenaltyContext:
+    """What the penalties read at each row's root (the token after its known ones): token counts so far."""
+
+    seen: jax.Array  # bool[B, V] the token occurs in the prompt or the output so far
+    out_counts: jax.Array  # int32[B, V] occurrences in the output so far
+
+
+def _penalty_context(seqs: sc.SeqTable, batch: sc.Batch, rows: sampling.SamplingRows, vocab: int) -> _PenaltyContext:
+    """Counts over each row's known tokens [0, start + num_query) (output: from prompt_len), computed only when
+    some row has a penalty (all zeros otherwise: then nothing reads them)."""
+    known = batch.start + batch.num_query
+
+    def counts(_):
+        everything = sampling.token_counts(seqs.tokens, jnp.zeros_like(known), known, vocab)
+        return everything > 0, sampling.token_counts(seqs.tokens, seqs.prompt_len, known, vocab)
+
+    b = known.shape[0]
+    any_penalty = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0))
+    seen, out = jax.lax.cond(any_penalty, counts, lambda _: (jnp.zeros((b, vocab), bool), jnp.zeros((b, vocab), i32)),
+                             None)
+    return _PenaltyContext(seen=seen, out_counts=out)
+
+
+def _with_drafts(context: _PenaltyContext, drafted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(seen bool[B, R, V], out_counts int32[B, R, V]) at R sampling slots whose paths hold drafted int32[B, R, V]
+    more tokens (drafts are output tokens)."""
+    return context.seen[:, None] | (drafted > 0), context.out_counts[:, None] + drafted
+
+
+def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context: _PenaltyContext, pos0: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """A chain of drafts sampled from the heads' distributions processed like the target's (each draft's
+    penalties count the drafts before it). head_logits float32[B, K, V]; pos0 int32[B] the first draft's position.
+    Returns (drafts int32[B, K], processed draft logits float32[B, K, V]: what `acceptance.lossless` takes as q,
+    at the effective temperature `sampling.process` gives)."""
+    b, k, v = head_logits.shape
+    drafts, processed = [], []
+    drafted = jnp.zeros((b, v), i32)
+    for i in range(k):  # K is static and small; draft i's penalties depend on drafts < i
+        seen, out = _with_drafts(context, drafted[:, None])
+        logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows)
+        keys = sampling.position_keys(rows.stream, (pos0 + i)[:, None], sampling.DRAFT)
+        draft = sampling.sample(keys, logits_i, temp)[:, 0]
+        drafted = drafted + jax.nn.one_hot(draft, v, dtype=i32)
+        drafts.append(draft)
+        processed.append(logits_i[:, 0])
+    return jnp.stack(drafts, axis=1), jnp.stack(processed, axis=1)
+
+
+def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: sampling.SamplingRows,
+                      context: _PenaltyContext, seq_tokens: jax.Array, batch: sc.Batch, *, cfg: EngineConfig,
+                      width: int) -> _Queries:
     """Row b's query: its known tokens [start, start + num_query), then its first num_drafts draft-tree nodes.
 
-    hidden float32[B, Dm] at each row's last accepted position feeds the draft heads (K > 0 only); temperature
-    float32[B] and key are used only for sampled drafts; seq_tokens int32[B, M * S] the scheduler's known tokens.
+    hidden float32[B, Dm] at each row's last accepted position feeds the draft heads (K > 0 only); rows and
+    context are used only for sampled drafts; seq_tokens int32[B, M * S] the scheduler's known tokens.
     Reads batch.start, num_query, num_drafts, scheduled. Q = width query slots per row.
     """
     scfg = cfg.sched
@@ -147,8 +210,7 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, temperatur
     if k > 0:
         head_logits = runner.draft_logits(params, hidden)  # [B, draft heads, V] for positions n + 1, n + 2, ...
         if cfg.sample_drafts:
-            draft_logits = head_logits[:, :k]
-            nodes = acceptance.sample_drafts(draft_logits, key, temperature)
+            nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, batch.start + num_query)
         else:
             nodes = spec.node_tokens(head_logits, cfg.tree)  # [B, K] in slot order
         _, positions, tree_mask = spec.layout(cfg.tree, batch.start, num_query, width)
@@ -175,50 +237,115 @@ def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Ba
                           tree_mask=queries.tree_mask)
 
 
-def _verify_drafts(logits: jax.Array, queries: _Queries, batch: sc.Batch, temperature: jax.Array, key: jax.Array, *,
+@struct.dataclass
+class _Targets:
+    """The target's distributions at each row's R = K + 1 sampling slots (the root, then node u at query slot
+    num_query - 1 + u), processed per row, and the [B, Q] views verification reads."""
+
+    raw: jax.Array  # float32[B, R, V] raw logits at the sampling slots (logprobs read these)
+    logits: jax.Array  # float32[B, Q, V] the forward's logits with the sampling slots' replaced by processed ones
+    temperature: jax.Array  # float32[B] effective temperature of the processed logits: 1 sampled, 0 greedy
+    target: jax.Array  # int32[B, Q] the target's token after each sampling slot, from the row's stream
+    rule_keys: jax.Array  # typed keys [B] for the acceptance rule's own draws (the row's stream at its root)
+    siblings: tuple  # `sampling.sibling_tokens` at the root: (int32[B, MAX_N - 1], float32[B, MAX_N - 1])
+
+
+def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows,
+                     context: _PenaltyContext, *, cfg: EngineConfig) -> _Targets:
+    """Process the target's logits at every sampling slot with its row's parameters (`sampling.process`; node u's
+    penalties count the drafts on its path) and draw its token from the row's stream at the position it lands at
+    (start + num_query + depth(u)). Slots past the query are dropped from the [B, Q] views."""
+    b, width, vocab = logits.shape
+    k = cfg.sched.policy.draft_len
+    tree = cfg.tree if k > 0 else None
+    depth = jnp.asarray(tree.depth if tree is not None else [0], i32)  # [R]
+    r = depth.shape[0]
+    at = batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :]  # [B, R] query slot of each node
+    b_idx = jnp.arange(b, dtype=i32)[:, None]
+    raw = logits[b_idx, jnp.clip(at, 0, width - 1)].astype(jnp.float32)
+    if tree is not None:
+        drafted = sampling.path_counts(queries.nodes, jnp.asarray(tree.mask), vocab)
+    else:
+        drafted = jnp.zeros((b, 1, vocab), i32)
+    processed, temp = sampling.process(raw, *_with_drafts(context, drafted), rows)
+    pos0 = batch.start + batch.num_query  # where the root's token lands
+    drawn = sampling.sample(sampling.position_keys(rows.stream, pos0[:, None] + depth[None, :], sampling.TARGET),
+                            processed, temp)
+    into = jnp.where((at >= 0) & (at < width), at, width)  # out of range: dropped
+    full = logits.astype(jnp.float32).at[b_idx, into].set(processed, mode="drop")
+    target = jnp.zeros((b, width), i32).at[b_idx, into].set(drawn, mode="drop")
+    rule_keys = sampling.position_keys(rows.stream, pos0[:, None], sampling.RULE)[:, 0]
+    siblings = sampling.sibling_tokens(processed[:, 0], temp, raw[:, 0], rows, pos0)
+    return _Targets(raw=raw, logits=full, temperature=temp, target=target, rule_keys=rule_keys, siblings=siblings)
+
+
+def _verify_drafts(targets: _Targets, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows, *,
                    cfg: EngineConfig) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Accept the longest run of drafts along one tree path; the target's token after them is the bonus token.
 
-    logits float[B, Q, V] after each query slot; temperature float32[B] (0 = greedy). Returns (accepted int32[B]
-    drafts; path int32[B, depth + 1] node indices of the chosen root-to-leaf path; path_tokens int32[B, K] its
-    tokens, the accepted ones first; bonus int32[B] the token after them). With K = 0 nothing was drafted:
-    accepted is 0, path and path_tokens are int32[B, 1] zeros, and bonus is sampled (argmax at temperature 0)
-    from the logits after the row's last query token.
+    Verification reads the processed distributions and tokens of `_process_targets` (lossless against what each
+    row samples from). Returns (accepted int32[B] drafts; path int32[B, depth + 1] node indices of the chosen
+    root-to-leaf path; path_tokens int32[B, K] its tokens, the accepted ones first; bonus int32[B] the token
+    after them). With K = 0 nothing was drafted: accepted is 0, path and path_tokens are int32[B, 1] zeros, and
+    bonus is the target's token after the row's last query token.
     """
     k = cfg.sched.policy.draft_len
     num_query = batch.num_query
     if k > 0:
-        v = spec.verify(cfg.tree, logits, queries.nodes, num_query, batch.num_drafts, key, temperature,
-                        rule=cfg.acceptance, draft_logits=queries.draft_logits,
-                        posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha)
+        v = spec.verify(cfg.tree, targets.logits, queries.nodes, num_query, batch.num_drafts, targets.rule_keys,
+                        targets.temperature, rule=cfg.acceptance, draft_logits=queries.draft_logits,
+                        posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
+                        target=targets.target)
         return v.accepted, v.path_nodes, v.path_tokens, v.next_token
-    b, width = logits.shape[:2]
-    last = jnp.clip(num_query - 1, 0, width - 1)[:, None]
-    row_logits = jnp.take_along_axis(logits, last[:, :, None], axis=1)[:, 0]  # [B, V]
-    temp = temperature[:, None]
-    sampled = jax.random.categorical(key, row_logits / jnp.maximum(temp, 1e-6), axis=-1).astype(i32)
-    bonus = jnp.where(temperature > 0, sampled, jnp.argmax(row_logits, axis=-1).astype(i32))
+    b, width = targets.target.shape
+    bonus = jnp.take_along_axis(targets.target, jnp.clip(num_query - 1, 0, width - 1)[:, None], axis=1)[:, 0]
     return jnp.zeros((b,), i32), jnp.zeros((b, 1), i32), jnp.zeros((b, 1), i32), bonus
 
 
-def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Array, stop_ids: jax.Array, *,
-                      k: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The step's new tokens (path_tokens[:accepted], then bonus), cut at the first stop token among them.
+def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Array, rows: sampling.SamplingRows,
+                      seqs: sc.SeqTable, batch: sc.Batch, *, k: int
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The step's new tokens (path_tokens[:accepted], then bonus), cut at the first one that ends a stop sequence
+    (a stop token id, or a stop string's last token; matched on output tokens, the earlier ones included).
 
-    accepted int32[B]; path_tokens int32[B, K] (int32[B, 1] if K = 0); bonus int32[B]; stop_ids int32[B, MAX_STOP]
-    (-1 = none). Returns (new_tokens int32[B, K + 1], of which the first accepted + 1 are new; accepted int32[B],
-    lowered to the index of the first stop token; next_token int32[B] = new_tokens[accepted], the last new one;
-    stop bool[B]: a stop token ends the row).
+    accepted int32[B]; path_tokens int32[B, K] (int32[B, 1] if K = 0); bonus int32[B]. Returns (new_tokens
+    int32[B, K + 1], of which the first accepted + 1 are new; accepted int32[B], lowered to the index of the
+    first stop; next_token int32[B] = new_tokens[accepted], the last new one; stop bool[B]: a stop ends the row).
     """
     kk = jnp.arange(k + 1, dtype=i32)[None, :]  # [1, K + 1]
     new = jnp.where(kk < accepted[:, None], jnp.pad(path_tokens[:, :k], ((0, 0), (0, 1))) if k else 0, 0)
     new = jnp.where(kk == accepted[:, None], bonus[:, None], new)
-    is_stop = jnp.any(new[:, :, None] == stop_ids[:, None, :], axis=-1) & (kk <= accepted[:, None])
+    w = rows.stops.shape[-1]
+    pos0 = batch.start + batch.num_query  # the first new token's position
+    before = pos0[:, None] - (w - 1) + jnp.arange(w - 1, dtype=i32)[None, :]  # [B, W - 1]
+    history = jnp.take_along_axis(seqs.tokens, jnp.clip(before, 0, seqs.tokens.shape[1] - 1), axis=1)
+    history_ok = (before >= seqs.prompt_len[:, None]) & (before >= 0)
+    is_stop = sampling.stop_hits(history, history_ok, new, kk <= accepted[:, None], rows)
     first_stop = jnp.argmax(is_stop, axis=1).astype(i32)
     stop = jnp.any(is_stop, axis=1)
     accepted = jnp.where(stop, first_stop, accepted)
     next_token = jnp.take_along_axis(new, accepted[:, None], axis=1)[:, 0]
     return new, accepted, next_token, stop
+
+
+def _emitted_logprobs(raw: jax.Array, path: jax.Array, new_tokens: jax.Array, rows: sampling.SamplingRows
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`sampling.top_logprobs` of each new token (new token i is scored at path node min(i, depth)'s sampling
+    slot), computed only when some row asks for logprobs (zeros otherwise). raw float32[B, R, V]; path
+    int32[B, depth + 1]; new_tokens int32[B, K + 1]."""
+    b, r1 = new_tokens.shape
+    n = sampling.MAX_LOGPROBS
+
+    def compute(_):
+        node = path[:, jnp.minimum(jnp.arange(r1), path.shape[1] - 1)]  # [B, K + 1]
+        scored = jnp.take_along_axis(raw, jnp.clip(node, 0, raw.shape[1] - 1)[:, :, None], axis=1)
+        return sampling.top_logprobs(scored, new_tokens, min(n, raw.shape[-1]))
+
+    def nothing(_):
+        m = min(n, raw.shape[-1])
+        return jnp.zeros((b, r1), jnp.float32), jnp.zeros((b, r1, m), i32), jnp.zeros((b, r1, m), jnp.float32)
+
+    return jax.lax.cond(jnp.any(rows.logprobs >= 0), compute, nothing, None)
 
 
 def _hidden_at_last_accepted(hidden: jax.Array, path: jax.Array, accepted: jax.Array, batch: sc.Batch,
@@ -299,9 +426,9 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, st
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,
-              cfg: sc.SchedulerConfig, width: int, step_cost=None) -> StepOut:
-    """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result and
-    new_tokens int32[B, K + 1]."""
+              cfg: sc.SchedulerConfig, width: int, step_cost=None, logprobs: tuple) -> StepOut:
+    """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result,
+    new_tokens int32[B, K + 1] and `_emitted_logprobs`."""
     prompt_work, next_drafts, next_want = _next_width_bounds(sched, knobs, cfg, step_cost)
     return StepOut(
         num_new=res.num_new, new_tokens=new_tokens, finished=res.finished, scheduled=batch.scheduled,
@@ -312,6 +439,9 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         width_ok=jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= width) & batch.alloc_ok,
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
         prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch), next_want=next_want,
+        token_logprob=logprobs[0], top_ids=logprobs[1], top_logprobs=logprobs[2],
+        sibling_tokens=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), i32),
+        sibling_logprob=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), jnp.float32),
     )
 
 
@@ -333,11 +463,23 @@ def model_only(runner, params, st, batch, knobs, *, cfg, width):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
-def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, temperature, stop_ids, *, cfg):
+def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, *, cfg):
+    """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request)."""
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
-    return st.replace(
-        sched=sched,
-        temperature=st.temperature.at[dst].set(temperature, mode="drop"),
-        stop_ids=st.stop_ids.at[dst].set(stop_ids, mode="drop"),
-    ), slots
+    return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows)), slots
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
+def fork_requests(st: EngineState, parent, request_id, first_token, rows, *, cfg):
+    """Fork outputs 1.. of n > 1 requests off their parents' slots (`sc.fork_unchecked`: the prompt's blocks
+    shared) with their sampling rows (`sampling.SamplingRows`, one per fork); a child starts from its parent's
+    hidden state, and a parent that forked has no siblings left. Returns (state, slots int32[B'], -1 = not
+    placed)."""
+    sched, slots = sc.fork_unchecked(st.sched, parent, request_id, first_token, cfg=cfg.sched)
+    b = cfg.sched.cache.max_seqs
+    dst = jnp.where(slots >= 0, slots, b)
+    p = jnp.clip(parent, 0, b - 1)
+    rows_all = sampling.set_rows(st.sampling, dst, rows)
+    rows_all = rows_all.replace(siblings=rows_all.siblings.at[jnp.where(parent >= 0, p, b)].set(0, mode="drop"))
+    return st.replace(sched=sched, sampling=rows_all, hidden=st.hidden.at[dst].set(st.hidden[p], mode="drop")), slots

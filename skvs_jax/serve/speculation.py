@@ -114,22 +114,27 @@ class Verified:
 def verify(tree: DraftTree, logits: jax.Array, nodes: jax.Array, qn: jax.Array, num_drafts: jax.Array,
            key: jax.Array, temperature: jax.Array, *, rule: str = "lossless", draft_logits: jax.Array | None = None,
            posterior_threshold: float = acceptance.POSTERIOR_THRESHOLD,
-           posterior_alpha: float = acceptance.POSTERIOR_ALPHA) -> Verified:
+           posterior_alpha: float = acceptance.POSTERIOR_ALPHA, target: jax.Array | None = None) -> Verified:
     """Accept the longest run of drafts along one path of the (first num_drafts nodes of the) tree.
 
     logits float[B, Q, V] the target's logits after each query slot; nodes int32[B, K] node tokens in slot order;
     qn, num_drafts int32[B]; temperature float32[B] (0 = greedy); draft_logits float32[B, K, V]: the distribution
     the drafts were sampled from (a chain with sampled drafts: the general lossless rule), or None (point masses).
+    target int32[B, Q]: the target's token after each query slot, drawn by the caller (per-request streams,
+    `sampling`; then `key` is the rule's alone, one key or a key per row); None: drawn here from `key`.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     b, w, _ = logits.shape
     k = tree.num_slots - 1
-    key_target, key_rule = jax.random.split(key)
     temp = temperature.astype(jnp.float32)
-    scaled = logits.astype(jnp.float32) / jnp.maximum(temp, 1e-6)[:, None, None]
-    sampled = jax.random.categorical(key_target, scaled, axis=-1).astype(i32)
-    target = jnp.where(temp[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, Q]
+    if target is None:
+        key_target, key_rule = jax.random.split(key)
+        scaled = logits.astype(jnp.float32) / jnp.maximum(temp, 1e-6)[:, None, None]
+        sampled = jax.random.categorical(key_target, scaled, axis=-1).astype(i32)
+        target = jnp.where(temp[:, None] > 0, sampled, jnp.argmax(logits, axis=-1).astype(i32))  # [B, Q]
+    else:
+        key_rule = key
     b_idx = jnp.arange(b, dtype=i32)[:, None]
     slot_of = lambda u: jnp.clip(qn[:, None] - 1 + u, 0, w - 1)  # noqa: E731  node index -> query slot
 
