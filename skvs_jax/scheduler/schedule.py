@@ -411,7 +411,8 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     if pol.prefix_cache:
         # The speculative barrier keeps the last blocks a row's drafts could reach out of its hit.
         window = jnp.full((a,), plan.k_max if (pol.prefix_barrier and pol.speculation) else 0, i32)
-        hit_blocks, hit_ids = manager.lookup(st.kv, seqs.tokens[cand_slot], cand_len, window, plan.spec_ratio, cfg.kv)
+        hit_blocks, hit_ids = manager.lookup(st.kv, seqs.tokens[cand_slot], cand_len, window, plan.spec_ratio, cfg.kv,
+                                             seqs.cache_salt[cand_slot])
     else:
         hit_blocks, hit_ids = jnp.zeros((a,), i32), jnp.zeros((a, m), i32)
     hit = hit_blocks * s

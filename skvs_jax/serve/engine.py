@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import math
 import numbers
 import time
@@ -104,6 +105,16 @@ class RequestLog:
     finished: bool = False
     aborted: bool = False  # ended by `Engine.abort_request` before it finished
     error: str | None = None
+    cache_salt: str | None = None  # the tenant's salt: its prompt shares cached blocks only with this salt
+
+
+def salt_id(cache_salt: str | None) -> int:
+    """The int32 the scheduler stores for a cache salt: 0 for None (no salt), else 31 bits of the salt's BLAKE2b
+    digest, never 0. Two different salts share cached blocks only if these collide (p = 2^-31 per pair)."""
+    if cache_salt is None:
+        return 0
+    digest = int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+    return digest or 1
 
 
 class Engine:
@@ -277,8 +288,15 @@ class Engine:
     # --------------------------------------------------------------------------------------------- requests
 
     def add_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, request_id: int | None = None) -> int:
-        """Queue a request; returns its id. A request the cache can never hold is rejected with ValueError."""
+                    arrival_time: float | None = None, request_id: int | None = None,
+                    cache_salt: str | None = None) -> int:
+        """Queue a request; returns its id. A request the cache can never hold is rejected with ValueError.
+
+        cache_salt (vLLM's): requests with different salts never share a prefix-cache block, so one tenant cannot
+        learn another's prompts from hit timing; requests with the same salt share as unsalted ones do (None = no
+        salt, shared with every other unsalted request)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise TypeError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -309,7 +327,7 @@ class Engine:
             raise ValueError(f"request_id {rid} is already in use")
         self._next_id = max(self._next_id, rid + 1)
         now = self.now() if arrival_time is None else float(arrival_time)
-        self.requests[rid] = RequestLog(rid, prompt, sampling, now)
+        self.requests[rid] = RequestLog(rid, prompt, sampling, now, cache_salt=cache_salt)
         self.queue.append(rid)
         return rid
 
@@ -326,7 +344,7 @@ class Engine:
             return
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
         prompts = np.zeros((b, max_len), np.int32)
-        lens, new, prio, ids = (np.zeros(b, np.int32) for _ in range(4))
+        lens, new, prio, ids, salts = (np.zeros(b, np.int32) for _ in range(5))
         new[:] = 1
         temp = np.zeros(b, np.float32)
         stops = np.full((b, engine_step.MAX_STOP), -1, np.int32)
@@ -334,11 +352,11 @@ class Engine:
             r = self.requests[rid]
             prompts[row, : len(r.prompt)], lens[row], new[row], ids[row] = r.prompt, len(r.prompt), \
                 r.sampling.max_tokens, rid
-            temp[row] = r.sampling.temperature
+            temp[row], salts[row] = r.sampling.temperature, salt_id(r.cache_salt)
             stops[row, : len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
         put = self._put
         self.state, slots = engine_step.add_requests(self.state, put(prompts), put(lens), put(new), put(prio), put(ids),
-                                              put(temp), put(stops), cfg=self.cfg)
+                                              put(temp), put(stops), put(salts), cfg=self.cfg)
         slots = np.asarray(slots)
         for row, rid in enumerate(take):
             assert slots[row] >= 0, "a free slot was expected"

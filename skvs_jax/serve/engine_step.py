@@ -307,8 +307,10 @@ def model_only(runner, params, st, batch, knobs, *, cfg, width):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
-def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, temperature, stop_ids, *, cfg):
-    sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
+def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, temperature, stop_ids,
+                 cache_salt=None, *, cfg):
+    sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
+                                    cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     return st.replace(
         sched=sched,
