@@ -7,7 +7,9 @@ in this same layout, so `transformers.LlamaForCausalLM.from_pretrained` reads th
 
 Medusa: a directory with `config.json` (`medusa_num_heads`, `medusa_num_layers`, `base_model_name_or_path`) and
 `medusa_lm_head.safetensors` holding `{i}.{j}.linear.weight|bias` (residual block j of head i) and
-`{i}.{num_layers}.weight` (its LM head), optionally prefixed `medusa_head.` (FasterDecoding/Medusa).
+`{i}.{num_layers}.weight` (its LM head), optionally prefixed `medusa_head.` (FasterDecoding/Medusa); or the
+safetensors file itself, whose heads and layers are read from a Medusa `config.json` beside it or else from its
+tensor names. `medusa_base_model` finds the base model a Medusa config names, when it is a local directory.
 
 Loading is strict: an unknown tensor, a missing one or a shape mismatch raises ValueError naming the tensor.
 """
@@ -153,19 +155,70 @@ def save_llama(model: Llama, directory: str | pathlib.Path, max_shard_params: in
 _MEDUSA_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 
-def load_medusa(directory: str | pathlib.Path) -> MedusaHeads:
-    """A Medusa checkpoint directory (`config.json` + `medusa_lm_head.safetensors`) -> `MedusaHeads` in fp32."""
-    directory = pathlib.Path(directory)
-    hf = json.loads((directory / "config.json").read_text())
-    if "medusa_num_heads" not in hf:
-        raise ValueError(f"{directory}/config.json: missing 'medusa_num_heads'")
+def _medusa_layout(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
+    """(weights file, Medusa config) of a checkpoint directory or of its safetensors file."""
+    if path.is_dir():
+        config = path / "config.json"
+        hf = json.loads(config.read_text())
+        if "medusa_num_heads" not in hf:
+            raise ValueError(f"{path}/config.json: missing 'medusa_num_heads'")
+        return path / MEDUSA_WEIGHTS, hf
+    if path.suffix != ".safetensors":
+        raise ValueError(f"{path}: a Medusa checkpoint is a directory or a .safetensors file (pickled .pt files "
+                         "are not read: convert them with safetensors)")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    beside = path.parent / "config.json"
+    hf = json.loads(beside.read_text()) if beside.exists() else {}
+    if "medusa_num_heads" in hf:  # a base model's config.json may lie beside heads saved into its directory
+        return path, hf
+    keys = [_MEDUSA_KEY.match(key) for key in _tensor_names(path)]
+    if not keys or None in keys:
+        raise ValueError(f"{path}: not a Medusa head file (its tensors are not named like '0.0.linear.weight')")
+    lm_layers = {int(m[2]) for m in keys if m[3] == "weight"}
+    if len(lm_layers) != 1:
+        raise ValueError(f"{path}: cannot tell medusa_num_layers from its tensors (LM heads at layers "
+                         f"{sorted(lm_layers)}); put a Medusa config.json beside it")
+    return path, {"medusa_num_heads": 1 + max(int(m[1]) for m in keys), "medusa_num_layers": lm_layers.pop()}
+
+
+def _tensor_names(file: pathlib.Path) -> list[str]:
+    with safe_open(str(file), framework="flax") as f:
+        return list(f.keys())
+
+
+def medusa_base_model(path: str | pathlib.Path) -> pathlib.Path | None:
+    """The base model a Medusa checkpoint's config.json names (`base_model_name_or_path`), as a local directory:
+    the name as given (absolute, or relative to the working directory), else relative to the directory holding
+    the Medusa checkpoint (the shipped heads name their sibling "tiny_llama"). None when it names none; ValueError
+    when it names something that is not a local directory (a hub id: nothing is downloaded)."""
+    path = pathlib.Path(path)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    hf = json.loads(config.read_text()) if config.exists() else {}
+    name = hf.get("base_model_name_or_path") if "medusa_num_heads" in hf else None
+    if not name:
+        return None
+    root = path.parent if path.is_dir() else path.parent.parent
+    for candidate in (pathlib.Path(name).expanduser(), root / name):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ValueError(f"{config}: base_model_name_or_path {name!r} is not a local model directory (nothing is "
+                     "downloaded); give the base model's directory explicitly")
+
+
+def load_medusa(path: str | pathlib.Path) -> MedusaHeads:
+    """A Medusa checkpoint -> `MedusaHeads` in fp32: a directory (`config.json` + `medusa_lm_head.safetensors`)
+    or the safetensors file itself (heads and layers from a Medusa `config.json` beside it, else from the tensor
+    names)."""
+    directory = pathlib.Path(path)
+    weights, hf = _medusa_layout(directory)
     num_heads, num_layers = int(hf["medusa_num_heads"]), int(hf.get("medusa_num_layers", 1))
-    raw = _read_safetensors([directory / MEDUSA_WEIGHTS])
+    raw = _read_safetensors([weights])
     tensors, source = {}, {}
     for key, value in raw.items():
         match = _MEDUSA_KEY.match(key)
         if match is None:
-            raise ValueError(f"{directory}: unknown tensor {key!r} in {MEDUSA_WEIGHTS}")
+            raise ValueError(f"{directory}: unknown tensor {key!r} in {weights.name}")
         head, layer, kind = int(match[1]), int(match[2]), match[3]
         if kind == "weight" and layer == num_layers:
             name = f"heads.{head}.lm_head.weight"

@@ -38,6 +38,9 @@ if _CACHE != "0":
         atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# The `skvs` commands the CLI tests run in this process use the same cache (or none): never ~/.cache/skvs_jax/xla,
+# their default (skvs_jax/commands/startup.py).
+os.environ["SKVS_COMPILE_CACHE"] = "off" if _CACHE == "0" else _CACHE
 
 import jax  # noqa: E402
 

@@ -4,6 +4,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -525,3 +526,99 @@ def test_the_ablation_verdict_rule():
     assert loose(ratio=1.3, paired=[1.3]) == ("hurts", f"one repeat, beyond {bench.THROUGHPUT_NOISE:.0%}")
     assert effect(steps=(60, 50), ratio=1.0, paired=[1.0], identical=True) == ("none", "schedule identical")
     assert effect(steps=(60, 50), ratio=1.0, paired=[None], measured=False)[0] == "not measured"
+
+
+# ------------------------------------------------------------------------- real checkpoints and the compile cache
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """A tiny Llama written by transformers' `save_pretrained` (byte vocabulary, 128 positions) and 3 Medusa heads
+    saved by our own code, side by side: (llama dir, medusa dir, the Llama as we load it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch = pytest.importorskip("torch", reason='needs the hf extra: pip install -e ".[test,hf]"')
+        transformers = pytest.importorskip("transformers", reason='needs the hf extra: pip install -e ".[test,hf]"')
+    from reference_models import checkpoint
+    from reference_models.medusa import MedusaConfig, MedusaHeads
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    model = checkpoint.load_llama(root / "llama")
+    lm_head = checkpoint.param_dict(model)["lm_head.weight"]
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=256, num_heads=3), lm_head_init=lm_head)
+    checkpoint.save_medusa(heads, root / "medusa", base_model="llama")  # a sibling: found without --model
+    return root / "llama", root / "medusa", model
+
+
+def test_generate_serves_a_transformers_checkpoint_with_our_medusa_heads(hf_checkpoint, capsys):
+    """`skvs generate --model DIR --medusa DIR`: skvs drafts with all 3 heads by default (K = 3, not the 4 that
+    the heads could not serve), the cache spans the model's 128 positions, and the greedy continuation is the base
+    model's own (reference_models.greedy_generate), however the heads are given."""
+    import jax
+
+    from reference_models import checkpoint, greedy_generate
+
+    llama, medusa, model = hf_checkpoint
+    prompt = b"Once upon "
+    want = greedy_generate(model, np.asarray([list(prompt)]), 8)[0].tolist()
+    text = bytes(want).decode("utf-8", errors="replace").replace("[", "").replace("]", "")
+    argv = ["generate", prompt.decode(), "--max-tokens", "8", "--plain", "--model", str(llama), "--medusa", str(medusa)]
+    assert commands.main(argv) == 0
+    body, summary = capsys.readouterr().out.rsplit("\n-- ", 1)
+    assert body.replace("[", "").replace("]", "") == text
+    assert summary.startswith("8 tokens in") and "policy skvs" in summary
+    from skvs_jax.commands import checkpoints
+
+    parser = argparse.ArgumentParser()
+    checkpoints.add_arguments(parser)
+    both = checkpoints.load(parser.parse_args(["--model", str(llama), "--medusa", str(medusa)]))
+    for flags in (["--medusa", str(medusa)],  # the heads' config names the base model
+                  ["--medusa", str(medusa / "medusa_lm_head.safetensors")]):  # the weights file itself
+        got = checkpoints.load(parser.parse_args(flags))
+        assert got.model.config == both.model.config and got.num_heads == 3, flags
+        for a, b in ((got.model, both.model), (got.heads, both.heads)):
+            jax.tree.map(np.testing.assert_array_equal, checkpoint.param_dict(a), checkpoint.param_dict(b))
+    for flags, says in ((["--draft-len", "4"], "the model has 3 draft heads"),
+                        (["--max-model-len", "129"], "--max-model-len must lie in [1, 128]"),
+                        (["--max-tokens", "200"], "exceeds the 128 tokens a sequence can hold")):
+        assert commands.main(["generate", "hi", "--medusa", str(medusa), *flags]) == 2
+        assert says in capsys.readouterr().err
+    assert commands.main(["generate", "hi", "--model", str(llama)]) == 2  # skvs without heads
+    assert "needs Medusa heads: pass --medusa" in capsys.readouterr().err
+    assert commands.main(["generate", "hi", "--model", str(llama / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_the_commands_cache_compilations_where_told_and_never_in_home(hf_checkpoint, tmp_path):
+    """A `skvs generate` process with --compile-cache DIR fills DIR and writes nothing under $HOME; the choice
+    of directory follows flag > SKVS_COMPILE_CACHE > JAX_COMPILATION_CACHE_DIR > ~/.cache/skvs_jax/xla."""
+    from skvs_jax.commands import startup
+
+    llama, medusa, _ = hf_checkpoint
+    home, cache = tmp_path / "home", tmp_path / "xla"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in (startup.ENV, "JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME")}
+    env |= {"HOME": str(home), "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-m", "skvs_jax.commands", "generate", "hi", "--max-tokens", "3", "--policy",
+            "vllm_default", "--model", str(llama), "--compile-cache", str(cache)]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert any(cache.iterdir()) and not any(home.iterdir())
+
+    assert startup.resolve("off", {startup.ENV: "/x"}) is None
+    assert startup.resolve("/a", {startup.ENV: "/x"}) == "/a"
+    assert startup.resolve(None, {startup.ENV: "OFF", "JAX_COMPILATION_CACHE_DIR": "/j"}) is None
+    assert startup.resolve(None, {startup.ENV: "/x", "JAX_COMPILATION_CACHE_DIR": "/j"}) == "/x"
+    assert startup.resolve(None, {"JAX_COMPILATION_CACHE_DIR": "/j"}) == "/j"
+    assert startup.resolve(None, {"XDG_CACHE_HOME": "/c"}) == "/c/skvs_jax/xla"
+    with pytest.raises(ValueError, match="--compile-cache must be a directory or 'off'"):
+        startup.resolve(" ", {})

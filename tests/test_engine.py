@@ -466,3 +466,23 @@ def test_swaps_spill_to_a_bounded_disk_tier_and_come_back(shipped, trace, refere
     c = e.state.sched.counters
     assert int(c.preempt_swap) > 0 and int(c.preempt_recompute) > 0 and e.tiers.disk_in_blocks > 0
     e.tiers.close()
+
+
+def test_cache_salt_isolates_tenants_and_equal_salts_share(shipped, trace, reference):
+    """vLLM's `cache_salt`: a prompt served under salt "a" gives no hit to the same prompt under salt "b" or
+    unsalted, and the hit an unsalted repeat gets to the same prompt under "a" again. Outputs never change."""
+    model, heads = shipped
+    r = trace.requests[0]
+    e = engine.Engine(model, heads, policies.vllm_default(), CACHE, token_budget=96, prefill_chunk=32)
+    hits = {}
+    for name, salt in (("first", "a"), ("other", "b"), ("unsalted", None), ("same", "a"), ("unsalted again", None)):
+        rid = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), cache_salt=salt)
+        assert e.run()[rid] == reference[r.request_id]
+        hits[name] = e.requests[rid].cached_tokens
+    assert hits["same"] > 0 and hits["same"] == hits["unsalted again"], hits  # as an unsalted repeat hits
+    assert hits["first"] == hits["other"] == hits["unsalted"] == 0, hits
+    _no_block_leaks(e)
+    for bad in ("", 3):
+        with pytest.raises(TypeError, match="cache_salt"):
+            e.add_request(r.prompt, cache_salt=bad)
+    assert engine.salt_id(None) == 0 and engine.salt_id("a") != engine.salt_id("b") and engine.salt_id("a") > 0

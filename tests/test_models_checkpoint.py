@@ -119,3 +119,31 @@ def test_medusa_round_trip_and_original_layout(model, tmp_path):
     with pytest.raises(ValueError, match="are the same parameter") as err:
         checkpoint.load_medusa(tmp_path / "orig")
     assert "'medusa_head.0.0.linear.bias'" in str(err.value) and "'0.0.linear.bias'" in str(err.value)
+
+
+def test_medusa_loads_from_its_file_and_finds_its_base_model(tmp_path):
+    """`load_medusa` takes the safetensors file too: its layout from a Medusa config.json beside it, else from the
+    tensor names. `medusa_base_model` resolves base_model_name_or_path as a path, else beside the checkpoint;
+    a name that is no local directory (a hub id) is an error, none is None."""
+    heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=12, num_heads=3, num_layers=2),
+                        lm_head_init=jnp.arange(96, dtype=jnp.float32).reshape(12, 8))
+    checkpoint.save_llama(Llama(CONFIG, rngs=nnx.Rngs(1)), tmp_path / "base")
+    checkpoint.save_medusa(heads, tmp_path / "heads", base_model="base")
+    want = checkpoint.param_dict(heads)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "h.safetensors").write_bytes((tmp_path / "heads" / checkpoint.MEDUSA_WEIGHTS).read_bytes())
+    for source in (tmp_path / "heads", tmp_path / "heads" / checkpoint.MEDUSA_WEIGHTS, bare / "h.safetensors"):
+        loaded = checkpoint.load_medusa(source)
+        assert loaded.config == heads.config, source
+        for name, value in checkpoint.param_dict(loaded).items():
+            np.testing.assert_array_equal(value, want[name])
+    assert checkpoint.medusa_base_model(tmp_path / "heads") == tmp_path / "base"
+    assert checkpoint.medusa_base_model(tmp_path / "heads" / checkpoint.MEDUSA_WEIGHTS) == tmp_path / "base"
+    assert checkpoint.medusa_base_model(bare / "h.safetensors") is None
+    checkpoint.save_medusa(heads, tmp_path / "hub", base_model="FasterDecoding/medusa-vicuna-7b-v1.3")
+    with pytest.raises(ValueError, match="not a local model directory"):
+        checkpoint.medusa_base_model(tmp_path / "hub")
+    (bare / "h.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"\.safetensors file"):
+        checkpoint.load_medusa(bare / "h.pt")

@@ -394,3 +394,34 @@ def test_tokens_shorter_than_a_block_hold_nothing_to_share():
     assert int(res.num_inserted.sum()) == 0
     out = pc.lookup(cache, short, jnp.full((B,), S - 1, i32), 3, cfg=CFG)
     assert int(out.num_blocks.sum()) == 0 and (np.asarray(out.block_ids) == NULL_BLOCK).all()
+
+
+def test_a_salt_sees_only_its_own_entries_even_through_a_key_collision():
+    """Cache salts (vLLM's cache_salt): a prefix indexed under one salt is no hit under another, nor unsalted,
+    and a hit under its own. With 2-bit key lanes two salts whose first-block keys collide are found by search:
+    tokens and parent then match too, and only the stored salt keeps the other tenant out (its insert is
+    refused)."""
+    row = [1, 0] * (L // 2)
+    rows = jnp.asarray([row] * B, i32)
+    blocks = rows[:1, : M * S].reshape(1, M, S)
+    key = lambda salt: np.asarray(pc.chain_keys(blocks, WEAK.hash_bits, jnp.asarray([salt], i32)))[0]  # noqa: E731
+    a = 3
+    b = next(s for s in range(4, 400) if (key(s)[0] == key(a)[0]).all())  # the first block's key collides
+    full, table = jnp.full((B,), L, i32), jnp.asarray(np.arange(1, B * M + 1, dtype=np.int32).reshape(B, M))
+    for cfg in (CFG, WEAK):
+        cache, res = pc.insert_after_validation(pc.init(cfg), rows, full.at[1:].set(0), table, cfg=cfg,
+                                                salt=jnp.full((B,), a, i32))
+        n = int(res.num_inserted[0])  # the weak table's 2-way buckets may drop a block or two
+        assert n == M or (cfg is WEAK and n >= 2)
+        got = pc.lookup(cache, rows, full, 0, cfg=cfg, salt=jnp.asarray([a, b, 0, a + 1], i32))
+        np.testing.assert_array_equal(got.num_blocks, [min(n, M - 1), 0, 0, 0])
+        assert testing.prefix_index_as_dict(cache, cfg, salted=True) == {
+            (a, *row[: (j + 1) * S]): j + 1 for j in range(n)}
+        with pytest.raises(AssertionError, match="salted"):
+            testing.prefix_index_as_dict(cache, cfg)
+    # Under the weak hash, the other salt's insert of the same tokens collides and is refused, never merged.
+    cache, res = pc.insert_after_validation(cache, rows, full.at[1:].set(0), table + B * M, cfg=WEAK,
+                                            salt=jnp.full((B,), b, i32))
+    assert int(res.num_inserted.sum()) == 0 and int(res.collisions) == 1
+    with pytest.raises(ValueError, match="salt"):
+        pc.lookup(cache, rows, full, 0, cfg=WEAK, salt=jnp.zeros((B + 1,), i32))

@@ -72,11 +72,12 @@ GOODPUT_COST = sc.StepCost(token_us=jnp.asarray(400 + 60 * np.arange(17), jnp.in
                            ctx_ns=jnp.asarray(20, jnp.int32), head_us=jnp.asarray(150, jnp.int32))
 
 
-def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float) -> list:
+def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tuple[int, ...] = ()) -> list:
     """A random workload of `steps` steps: batches of requests (prompts often sharing a 'system prompt'), steps
     with random, full or no acceptance, and aborts (between steps, or between a step's schedule and update).
     Generated from a seed so that every example is long enough
-    to fill the memory (hypothesis's smallest examples would barely reach it)."""
+    to fill the memory (hypothesis's smallest examples would barely reach it). salts: each request draws its
+    cache salt from them (none: unsalted, and the random stream is the one without salts)."""
     rng = np.random.default_rng(seed)
     length = cfg.max_len // 2
     system = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0][:length]
@@ -92,7 +93,8 @@ def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float) -> list:
                 prompts.append([int(t) for t in p[:length]])
                 max_new.append(int(rng.integers(1, length + 1)))
                 prio.append(int(rng.integers(0, 3)))
-            ops.append(("add", prompts, max_new, prio))
+            op = ("add", prompts, max_new, prio)
+            ops.append(op + ([int(rng.choice(salts)) for _ in prompts],) if salts else op)
         if rng.random() < abort_p:
             if rng.random() < 0.5:  # half of the aborts come between a step's schedule and its update
                 ops.append(("step_abort", int(rng.integers(2**31))))
@@ -290,9 +292,10 @@ def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
 # ------------------------------------------------------------------- prefix cache: what a vLLM / SGLang user expects
 
 
-def _serve(h: Harness, prompts: list[list[int]], max_steps: int = 8) -> list[sc.Batch]:
-    """Add the prompts (one output token each) and step until nothing waits or runs; returns the batches."""
-    h.add(prompts, [1] * len(prompts))
+def _serve(h: Harness, prompts: list[list[int]], max_steps: int = 8, salts: list[int] | None = None) -> list[sc.Batch]:
+    """Add the prompts (one output token each, cache salts `salts`) and step until nothing waits or runs; returns
+    the batches."""
+    h.add(prompts, [1] * len(prompts), salts=salts)
     batches = []
     for i in range(max_steps):
         batches.append(h.step(np.random.default_rng(i)))
@@ -329,6 +332,42 @@ def test_admission_charges_a_shared_idle_cached_prefix_once():
     assert int(np.asarray(batch.admitted).sum()) == 2
     assert sorted(np.asarray(batch.hit_tokens).tolist()) == [0, 0, 12, 12]
 
+
+
+SALT_POLICIES = ["vllm_default", "naive_spec", "skvs", "skvs-lazy-nopool-nobarrier-onfill"]
+
+
+@pytest.mark.parametrize("name", SALT_POLICIES)
+def test_requests_with_other_cache_salts_never_hit_and_equal_salts_share_as_unsalted(name):
+    """vLLM's cache_salt: a prompt served under salt 5 gives no hit to the same prompt under salt 9 or unsalted,
+    and the same hit as without salts to the same prompt under salt 5 again (lockstep with the oracle)."""
+    prompt = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0, 2]
+
+    def hits(batches):
+        return sum(int(np.asarray(b.hit_tokens).sum()) for b in batches)
+
+    plain = Harness(CONFIGS[name], vocab=VOCAB)
+    _serve(plain, [prompt])
+    want = hits(_serve(plain, [prompt]))
+    assert want > 0, "the unsalted repeat must hit, or the test shows nothing"
+    h = Harness(CONFIGS[name], vocab=VOCAB)
+    _serve(h, [prompt], salts=[5])
+    assert hits(_serve(h, [prompt], salts=[9])) == 0
+    assert hits(_serve(h, [prompt], salts=[0])) == 0
+    assert hits(_serve(h, [prompt], salts=[5])) == want
+
+
+@pytest.mark.parametrize("name", SALT_POLICIES)
+@settings(max_examples=2)
+@given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 50), add_p=hs.sampled_from([0.5, 0.8]))
+def test_salted_workloads_match_the_oracle_and_share_no_block_across_salts(name, seed, steps, add_p):
+    """Random workloads whose requests carry salts 0, 1 or 2: the jitted scheduler agrees with the oracle, whose
+    index keys by (salt, tokens), and the harness checks after every transition that no block is held under two
+    salts or indexed under a salt other than its holders'."""
+    cfg = CONFIGS[name]
+    h = Harness(cfg, vocab=VOCAB)
+    h.run(workload(cfg, seed, steps, add_p, 0.05, salts=(0, 1, 2)))
+    event(f"hits: {int(h.st.counters.cached_tokens) > 0}")
 
 
 _evict = jax.jit(manager.evict, static_argnames=("cfg",))

@@ -3,7 +3,7 @@
 
   skvs bench             vllm_default vs naive_spec vs skvs on one trace with the shipped tiny model
   skvs claims            every claim of the article with our figure and a verdict (docs/claims.md)
-  skvs generate TEXT     stream a continuation, showing accepted drafts
+  skvs generate TEXT     stream a continuation, showing accepted drafts (--model / --medusa: your checkpoint)
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro buckets     padding with draft widths chosen from the histogram vs the fixed {0, K/2, K}
@@ -11,6 +11,9 @@
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
   skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
+
+generate, bench and simulate keep compiled programs in a persistent XLA cache (`commands.startup`:
+--compile-cache DIR|off, SKVS_COMPILE_CACHE, default ~/.cache/skvs_jax/xla).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "claims", help="the article's claims, each with our figure and a verdict (writes docs/claims.md's report)"))
     from skvs_jax.commands import generate
 
-    generate.add_arguments(commands.add_parser("generate", help="stream a continuation from the shipped tiny model"))
+    generate.add_arguments(commands.add_parser(
+        "generate", help="stream a continuation from the shipped tiny model, or --model / --medusa"))
 
     micro = commands.add_parser("micro", help="micro-benchmarks of single components")
     micro_commands = micro.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -81,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skvs_jax {skvs_jax.__version__}")
         parser.print_help()
         return 0
+    if hasattr(args, "compile_cache"):  # before anything compiles (commands.startup)
+        from skvs_jax.commands import startup
+
+        try:
+            startup.configure(args.compile_cache)
+        except ValueError as err:
+            parser.error(str(err))
     if args.command == "bench":
         from skvs_jax.commands import bench
 

@@ -48,9 +48,8 @@ import jax
 import numpy as np
 
 import skvs_jax
-from reference_models.checkpoint import load_shipped
 from skvs_jax import metrics, policies, workloads
-from skvs_jax.commands import policy_flags
+from skvs_jax.commands import checkpoints, policy_flags, startup
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine as eng
 from skvs_jax.serve import speculation
@@ -83,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-blocks", type=int, default=65, help="KV budget in blocks (incl. the null block)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--max-seqs", type=int, default=8, help="sequence slots = max batch size")
-    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--draft-len", type=int, default=None,
+                        help="drafts per step (default: the Medusa heads' count; 15 with --tree small)")
     parser.add_argument("--verify-budget", default="none",
                         help="skvs's compute-aware drafting (Policy.verify_budget): none, or the most tokens a decode "
                              "step verifies (R decode rows then draft at most budget // R - 1 each)")
@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="skvs-results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip bench.png")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    checkpoints.add_arguments(parser)
+    startup.add_arguments(parser, warmup=True)
 
 
 def _tree(args):
@@ -137,7 +139,8 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None) -
     e = eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
     if knobs is not None:
         e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
-    e.warmup()  # every query bucket, so no compilation lands inside the timed run
+    if getattr(args, "warmup", True):
+        e.warmup()  # every query bucket, so no compilation lands inside the timed run
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
     while pending or e.has_work():
@@ -246,6 +249,8 @@ def _specs(args: argparse.Namespace) -> dict[str, policies.PolicySpec]:
     histogram rule unless draft_control is written."""
     budget = _verify_budget(args.verify_budget)
 
+    draft_len = 4 if args.draft_len is None else args.draft_len  # `_setup` sets it from the heads first
+
     def tree_ok(spec):
         p = spec.policy
         if p.goodput_control and args.tree != "chain" and "draft_control" not in dict(spec.overrides):
@@ -254,11 +259,11 @@ def _specs(args: argparse.Namespace) -> dict[str, policies.PolicySpec]:
 
     try:
         if args.ablation:
-            named = {n: tree_ok(policies.parse_policy(n, args.draft_len, policy_flags.defaults(args)
+            named = {n: tree_ok(policies.parse_policy(n, draft_len, policy_flags.defaults(args)
                                                       | ({"verify_budget": budget} if n == "skvs" else {})))
                      for n in ("naive_spec", "skvs")}
             return named | {n: policies.PolicySpec(p) for n, p in policies.ablations(named["skvs"].policy).items()}
-        specs = policies.parse_policies(args.policies, args.draft_len, policy_flags.defaults(args),
+        specs = policies.parse_policies(args.policies, draft_len, policy_flags.defaults(args),
                                         {"skvs": {"verify_budget": budget}})
     except ValueError as err:
         raise SystemExit(f"skvs bench: --policies: {err}") from None
@@ -285,7 +290,13 @@ def _setup(args: argparse.Namespace):
             raise SystemExit(f"skvs bench: {flag} must be >= {low}, got {value}")
     if args.host_blocks is not None and args.host_blocks < 0:
         raise SystemExit(f"skvs bench: --host-blocks must be >= 0, got {args.host_blocks}")
+    try:
+        loaded = checkpoints.load(args)
+    except (ValueError, OSError) as err:
+        raise SystemExit(f"skvs bench: {err}") from None
     nodes = speculation.SMALL_TREE.num_slots - 1
+    if args.draft_len is None:
+        args.draft_len = nodes if args.tree == "small" else checkpoints.draft_len(args, loaded)
     if args.tree == "small" and args.draft_len != nodes:
         raise SystemExit(f"skvs bench: --tree small has {nodes} nodes, one draft slot each: pass --draft-len {nodes}")
     try:
@@ -296,15 +307,21 @@ def _setup(args: argparse.Namespace):
         raise SystemExit(f"skvs bench: {err}") from None
     if not chosen:
         raise SystemExit(f"skvs bench: --policies names no policy; choose from {sorted(policies.PRESETS)}")
-    max_len = min(1024, -(-(96 + args.max_output) // args.block_size) * args.block_size)
+    if 96 + args.max_output > loaded.max_positions:
+        raise SystemExit(f"skvs bench: a prompt of up to 96 tokens + --max-output {args.max_output} exceeds the "
+                         f"model's max_position_embeddings ({loaded.max_positions}): lower --max-output")
+    max_len = min(loaded.max_positions, -(-(96 + args.max_output) // args.block_size) * args.block_size)
     blocks_per_seq = max_len // args.block_size  # the longest prompt (96) + --max-output, in whole blocks
     if blocks_per_seq > args.kv_blocks - 1:
         raise SystemExit(f"skvs bench: one sequence (a prompt of up to 96 tokens + --max-output {args.max_output}) "
                          f"can need {blocks_per_seq} blocks of {args.block_size} tokens, more than --kv-blocks "
                          f"{args.kv_blocks} holds ({args.kv_blocks - 1} usable): raise --kv-blocks or --block-size, "
                          f"or lower --max-output")
-    model, heads = load_shipped()
+    model, heads = loaded.model, loaded.heads
+    args.model_name = loaded.name
     try:
+        for policy in chosen.values():
+            checkpoints.check_speculation(policy, loaded, flag="--policies")
         cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                             max_blocks_per_seq=blocks_per_seq)
         for policy in chosen.values():  # the engines' own checks (budgets, trees, widths), before any is served
@@ -349,8 +366,8 @@ def run(args: argparse.Namespace) -> int:
         same = all(r["outputs"] == first for rs in runs.values() for r in rs)
     table = metrics.format_table({n: results[n]["metrics"] for n in names})
     vb = f", skvs verify budget {budget}" if budget else ""
-    print(f"skvs bench: {len(trace.requests)} requests ({trace.kind}, seed {trace.seed}), shipped tiny Llama + "
-          f"Medusa (K={args.draft_len}{vb}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
+    print(f"skvs bench: {len(trace.requests)} requests ({trace.kind}, seed {trace.seed}), {args.model_name} "
+          f"(K={args.draft_len}{vb}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
           f"{cache.max_seqs} slots, token budget {args.token_budget}, impl {args.impl}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}; wall time {time.perf_counter() - t_start:.0f} s")
     print(policy_flags.describe(specs, _host_blocks(args)))
@@ -385,6 +402,7 @@ def run(args: argparse.Namespace) -> int:
                                             "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats")}
     config["verify_budget"] = budget
+    config |= {"model": args.model, "medusa": args.medusa}
     config["policies"] = ",".join(names)
     config |= {k: getattr(args, k) for k in ("preemption", "victim", "kv_precision", "no_prefix_cache")}
     config["host_blocks"] = _host_blocks(args)

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         times.append(time.perf_counter() - t0)
     oracle_us = median_us(times)
     testing.assert_matches_oracle(st.kv.alloc, oracle.alloc)
-    same_index = testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix) == oracle.index.index
+    same_index = testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix, salted=True) == oracle.index.index
     ok &= same_index
 
     running = int(np.sum(np.asarray(st.seqs.status) == sc.RUNNING))

@@ -25,7 +25,7 @@ import numpy as np
 
 from skvs_jax import metrics, policies, workloads
 from skvs_jax import scheduler as sc
-from skvs_jax.commands import policy_flags
+from skvs_jax.commands import policy_flags, startup
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
 from skvs_jax.sim.specs import HOST_LINKS
@@ -83,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, default=200_000)
     parser.add_argument("--out", default="skvs-sim-results", help="output folder")
     parser.add_argument("--no-plot", action="store_true")
+    startup.add_arguments(parser)
 
 
 def _acceptance(spec: str, k: int) -> np.ndarray:

@@ -117,15 +117,16 @@ def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
 
 
 def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.Array, max_spec_ratio: jax.Array,
-           cfg: KVConfig) -> tuple[jax.Array, jax.Array]:
+           cfg: KVConfig, salt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Prefix hits of A candidates: tokens int32[A, M*S], lengths int32[A] (0: no candidate), spec_window int32[A]
-    (the barrier's reach: K under the speculative barrier, else 0). Returns (num_blocks int32[A], block_ids
+    (the barrier's reach: K under the speculative barrier, else 0), salt int32[A] their cache salts (None: 0;
+    only blocks indexed under a candidate's own salt are hits). Returns (num_blocks int32[A], block_ids
     int32[A, M]): the blocks to share. Most steps admit nobody: the hashing is skipped when no length is > 0 (the
     branches only read the index, so nothing is copied)."""
     a, m = tokens.shape[0], cfg.cache.max_blocks_per_seq
 
     def look(_):
-        hit = pc.lookup_unchecked(kv.prefix, tokens, lengths, spec_window, max_spec_ratio, cfg=cfg.prefix)
+        hit = pc.lookup_unchecked(kv.prefix, tokens, lengths, spec_window, max_spec_ratio, salt, cfg=cfg.prefix)
         return hit.num_blocks, hit.block_ids
 
     none = (jnp.zeros((a,), i32), jnp.zeros((a, m), i32))
@@ -251,10 +252,11 @@ def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
 
 
 def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
-               cfg: KVConfig) -> tuple[pc.PrefixCache, jax.Array]:
+               cfg: KVConfig, salt: jax.Array | None = None) -> tuple[pc.PrefixCache, jax.Array]:
     """Index the full blocks of the rows `sel` (int32[R] slots, live ones first, B = padding): their first
-    lengths[b] tokens of tokens int32[B, M*S], held in table int32[B, M]. Returns (prefix, ids int32[R, M]), the
-    block ids newly indexed per selected row (NULL_BLOCK elsewhere). The caller pins them.
+    lengths[b] tokens of tokens int32[B, M*S], held in table int32[B, M], under salt int32[B] (None: 0). Returns
+    (prefix, ids int32[R, M]), the block ids newly indexed per selected row (NULL_BLOCK elsewhere). The caller
+    pins them.
 
     A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
     So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
@@ -269,7 +271,7 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
             s = sel[:rows_run]
             live, rows = s < b, jnp.clip(s, 0, b - 1)
             prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
-                                              cfg=cfg.prefix)
+                                              None if salt is None else salt[rows], cfg=cfg.prefix)
             return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
         return run
 
@@ -285,20 +287,21 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
     return vmap_flow.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
 
 
-def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax.Array, cfg: KVConfig) -> KVState:
+def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax.Array, cfg: KVConfig,
+                    salt: jax.Array | None = None) -> KVState:
     """Insert-after-validation: index the full blocks of lengths int32[B] committed tokens of the rows `sel`
     (int32[R], see `index_rows`) and pin them. Only validated content ever enters the index."""
-    prefix, ids = index_rows(kv.prefix, tokens, lengths, kv.alloc.seqs.block_table, sel, cfg)
+    prefix, ids = index_rows(kv.prefix, tokens, lengths, kv.alloc.seqs.block_table, sel, cfg, salt)
     return KVState(alloc=pin(kv.alloc, ids.reshape(-1)), prefix=prefix)
 
 
 def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, table: jax.Array, sel: jax.Array,
-                  cfg: KVConfig) -> tuple[KVState, jax.Array]:
+                  cfg: KVConfig, salt: jax.Array | None = None) -> tuple[KVState, jax.Array]:
     """The naive integration's on-fill indexing, before verification: every full block of view_tokens int32[B, M*S]
     (committed tokens, then the drafts as the forward pass placed them) up to filled_to int32[B] is indexed,
     drafts included. Returns the ids int32[R, M] indexed per selected row; `settle_on_fill` then keeps the
     entries verification confirmed and removes the others. Nothing is pinned yet."""
-    prefix, ids = index_rows(kv.prefix, view_tokens, filled_to, table, sel, cfg)
+    prefix, ids = index_rows(kv.prefix, view_tokens, filled_to, table, sel, cfg, salt)
     return kv.replace(prefix=prefix), ids
 
 

@@ -17,6 +17,12 @@ block, so it is order-sensitive and nonlinear; because the chain step is affine,
 `cumsum` (h_j = A^j * sum_{i<=j} digest_i * A^-i) instead of a sequential scan. The stored key is one more
 finaliser of h_j, masked to `hash_bits` bits per lane (32 in production; tests use 2 to force collisions).
 
+Salts. A request may carry a cache salt (vLLM's `cache_salt`: int32, 0 = none), so that tenants never share a
+block and one cannot probe another's prompts through hit timing. The salt is the chain's seed, h_{-1} =
+fmix(salt) (0 for salt 0, so unsalted keys are unchanged), and every entry stores the salt of its chain; a lookup
+or an insert matches an entry only under its own salt, so requests with different salts never share a block,
+whatever the policy (even through a key collision), and equal salts share exactly as unsalted requests do.
+
 Collisions can never return wrong content. The table holds at most one live entry per key, and each entry
 stores its block's S token ids and its *parent*, the block id of the entry for the prefix one block shorter (0 =
 root). A lookup accepts block j only if the unique entry with key h_j holds exactly the request's tokens for
@@ -65,6 +71,7 @@ _TOKEN_MUL = (0x9E3779B1, 0x85EBCA77)
 _POS_MUL = (0xC2B2AE3D, 0x27D4EB2F)
 _CHAIN_MUL = (0x01000193, 0x5BD1E995)
 _FINAL_XOR = (0x165667B1, 0xD3A2646C)
+_SALT_MUL = (0xCC9E2D51, 0x1B873593)
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -136,6 +143,7 @@ class PrefixCache:
     tokens: jax.Array  # int32[C, S] the block's token ids (every hit is checked against them)
     slot_of_block: jax.Array  # int32[N] slot indexing each block, -1 if none (a block is indexed at most once)
     counters: PrefixCounters
+    salt: jax.Array  # int32[C] the cache salt of the entry's chain (0 = none); a hit needs the request's own salt
 
 
 @struct.dataclass
@@ -181,6 +189,7 @@ def init(cfg: PrefixCacheConfig) -> PrefixCache:
         tokens=jnp.zeros((c, s), i32),
         slot_of_block=jnp.full((cfg.num_blocks,), -1, i32),
         counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
+        salt=jnp.zeros((c,), i32),
     )
 
 
@@ -196,9 +205,10 @@ def _fmix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
-    """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block."""
-    _, j, s = blocks.shape
+def chain_keys(blocks: jax.Array, hash_bits: int, salt: jax.Array | None = None) -> jax.Array:
+    """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block; salt int32[B]
+    (default 0) seeds each row's chain."""
+    b, j, s = blocks.shape
     t = jax.lax.bitcast_convert_type(blocks, u32)[..., None]  # [B, J, S, 1]
     pos = jnp.arange(1, s + 1, dtype=u32)[None, None, :, None]  # [1, 1, S, 1]
     tok_mul = jnp.asarray(_TOKEN_MUL, u32)[None, None, None, :]  # [1, 1, 1, 2]
@@ -208,6 +218,10 @@ def chain_keys(blocks: jax.Array, hash_bits: int) -> jax.Array:
     powers = np.array([[pow(a, i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
     inverse = np.array([[pow(a, -i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
     chain = jnp.asarray(powers) * jnp.cumsum(digest * jnp.asarray(inverse), axis=1, dtype=u32)
+    if salt is not None:  # the seed h_{-1} = fmix(salt): h_j gains A^(j+1) * h_{-1}
+        seed = _fmix32(jax.lax.bitcast_convert_type(salt, u32)[:, None] * jnp.asarray(_SALT_MUL, u32)[None, :])
+        reach = np.array([[pow(a, i + 1, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
+        chain = chain + jnp.asarray(reach) * seed.reshape(b, 1, 2)
     key = _fmix32(chain ^ jnp.asarray(_FINAL_XOR, u32)[None, None, :])
     return key & u32((1 << hash_bits) - 1)
 
@@ -232,17 +246,23 @@ def _pad_cols(x: jax.Array, m: int) -> jax.Array:
 # ----------------------------------------------------------------------------------------------- lookup
 
 
+def _salts(salt: jax.Array | None, b: int) -> jax.Array:
+    """int32[B] row salts (None: 0, no salt)."""
+    return jnp.zeros((b,), i32) if salt is None else salt.astype(i32)
+
+
 def _longest_chain(
-    cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, key: jax.Array | None = None
+    cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, salt: jax.Array, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """For int32[B, J, S] blocks: (matched int32[B] leading blocks found, ids int32[B, J] their block ids).
+    """For int32[B, J, S] blocks under salt int32[B]: (matched int32[B] leading blocks found, ids int32[B, J]
+    their block ids).
 
     Every block position is probed in parallel; the parent test against the previous position's candidate
-    makes the accepted run a verified chain (see the module docstring). `key`: the blocks' chain keys, when the
-    caller has them already.
+    makes the accepted run a verified chain (see the module docstring), and the salt test keeps it the row's
+    own tenant's. `key`: the blocks' chain keys, when the caller has them already.
     """
     b, j, _ = blocks.shape
-    key = chain_keys(blocks, cfg.hash_bits) if key is None else key  # [B, J, 2]
+    key = chain_keys(blocks, cfg.hash_bits, salt) if key is None else key  # [B, J, 2]
     slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, ways]
     same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
@@ -250,15 +270,17 @@ def _longest_chain(
     ids = jnp.where(found, cache.block[slot], BROKEN)
     prev = jnp.concatenate([jnp.full((b, 1), ROOT, i32), ids[:, :-1]], axis=1)
     valid = found & (cache.parent[slot] == prev) & jnp.all(cache.tokens[slot] == blocks, axis=-1)
+    valid &= cache.salt[slot] == salt[:, None]
     matched = count_leading(valid, axis=1)
     return matched, ids
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def lookup_unchecked(cache, tokens, lengths, spec_window, max_spec_ratio, *, cfg: PrefixCacheConfig) -> LookupResult:
+def lookup_unchecked(cache, tokens, lengths, spec_window, max_spec_ratio, salt=None, *,
+                     cfg: PrefixCacheConfig) -> LookupResult:
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)
-    matched, ids = _longest_chain(cache, blocks, cfg)
+    matched, ids = _longest_chain(cache, blocks, cfg, _salts(salt, tokens.shape[0]))
     # Keep >= 1 prompt token to compute: at most (length - 1) // S blocks.
     matched = jnp.minimum(matched, jnp.maximum(lengths - 1, 0) // s)
     # buffer = max(1, int(ratio * window / S)) = max(1, floor(ratio * window) // S); one float32 multiply, so the
@@ -284,7 +306,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     row's own, an older entry's, or a duplicate's leader's; BROKEN if refused), ids[b] the block newly indexed.
     """
     cache, prev = carry  # prev: int32[B] block indexing the row's prefix through j_b - 1 (ROOT, or BROKEN)
-    key, toks, bid, want = x  # [B, 2] uint32, [B, S], [B], [B] bool
+    key, toks, bid, want, salt = x  # [B, 2] uint32, [B, S], [B], [B] bool, [B] int32
     c, n, ways = cfg.capacity, cfg.num_blocks, cfg.ways
     rows = jnp.arange(bid.shape[0], dtype=i32)
     want = want & (prev != BROKEN)
@@ -296,7 +318,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     same_key = live & jnp.all(cache.key[slots] == key[:, None, :], axis=-1)
     exists = jnp.any(same_key, axis=-1)
     old = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[:, None], axis=-1)[:, 0]
-    same_entry = jnp.all(cache.tokens[old] == toks, axis=-1) & (cache.parent[old] == prev)
+    same_entry = jnp.all(cache.tokens[old] == toks, axis=-1) & (cache.parent[old] == prev) & (cache.salt[old] == salt)
     known = want & exists & same_entry
     clash = want & exists & ~same_entry
 
@@ -306,7 +328,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     same_group = jnp.all(key[:, None, :] == key[None, :, :], axis=-1) & new[None, :]  # [B, B]
     leader = jnp.argmax(same_group, axis=1).astype(i32)
     is_leader = new & (leader == rows)
-    same_content = jnp.all(toks == toks[leader], axis=-1) & (prev == prev[leader])
+    same_content = jnp.all(toks == toks[leader], axis=-1) & (prev == prev[leader]) & (salt == salt[leader])
     duplicate = new & ~is_leader & same_content
     clash |= new & ~is_leader & ~same_content
 
@@ -332,6 +354,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
         parent=cache.parent.at[dst].set(prev, mode="drop"),
         tokens=cache.tokens.at[dst].set(toks, mode="drop"),
         slot_of_block=cache.slot_of_block.at[jnp.where(got, bid, n)].set(dst, mode="drop"),
+        salt=cache.salt.at[dst].set(salt, mode="drop"),
     )
 
     leader_block = jnp.where(got, bid, BROKEN)
@@ -348,16 +371,17 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def insert_unchecked(cache, tokens, num_validated, block_table, *, cfg: PrefixCacheConfig):
+def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cfg: PrefixCacheConfig):
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)  # [B, J, S]
     b, j, _ = blocks.shape
     rows = jnp.arange(b, dtype=i32)
-    key = chain_keys(blocks, cfg.hash_bits)
+    salt = _salts(salt, b)
+    key = chain_keys(blocks, cfg.hash_bits, salt)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
     num_full = jnp.minimum(num_validated // s, j)
     # Each row's already-indexed prefix (one parallel lookup) is skipped; the loop below walks the rest.
-    matched, found = _longest_chain(cache, blocks, cfg, key)
+    matched, found = _longest_chain(cache, blocks, cfg, salt, key)
     start = jnp.minimum(matched, num_full)
 
     # Iteration k handles block start[b] + k of every row: a block's parent is what its row's previous block
@@ -371,7 +395,7 @@ def insert_unchecked(cache, tokens, num_validated, block_table, *, cfg: PrefixCa
         col = start + k
         live = col < num_full
         c = jnp.clip(col, 0, j - 1)
-        x = (key[rows, c], blocks[rows, c], block_table[rows, c], live)
+        x = (key[rows, c], blocks[rows, c], block_table[rows, c], live, salt)
         (cache, resolved), new_ids = _insert_position(cfg, (cache, prev), x)
         return (k + (k < steps).astype(i32), cache, jnp.where(live, resolved, prev),
                 ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop"))
@@ -421,6 +445,7 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
         parent=jnp.where(gone, ROOT, cache.parent),
         tokens=jnp.where(gone[:, None], 0, cache.tokens),
         slot_of_block=slot_of_block,
+        salt=jnp.where(gone, 0, cache.salt),
         counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
     )
     return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
@@ -472,6 +497,13 @@ def _check_tokens(tokens) -> tuple[int, int]:
     return tokens.shape
 
 
+def _checked_salt(salt, b: int) -> jax.Array | None:
+    if salt is not None:
+        checks.array("salt", salt, (b,), "i")
+        salt = jnp.asarray(salt, i32)
+    return salt
+
+
 def lookup(
     cache: PrefixCache,
     tokens: jax.Array,
@@ -480,12 +512,14 @@ def lookup(
     *,
     cfg: PrefixCacheConfig,
     max_spec_ratio: float | jax.Array = SpecConfig().max_spec_ratio,
+    salt: jax.Array | None = None,
 ) -> LookupResult:
     """Longest cached block-aligned prefix of each prompt, minus the speculative barrier.
 
     tokens: int32[B, len] prompts; lengths: int[B] in [0, len]; spec_window: int scalar or int[B] >= 0, the expected
     draft length of each sequence (0 = no speculation, no barrier); max_spec_ratio: float scalar in [0, 1] (data,
-    so one program serves every value). Only the first min(len // S, M) blocks are considered, and at most
+    so one program serves every value); salt: int[B] each request's cache salt (default 0, none): only entries
+    inserted under the same salt are hits. Only the first min(len // S, M) blocks are considered, and at most
     (length - 1) // S of them are returned (>= 1 token left to compute). The table is not modified.
     """
     check_cache(cache, cfg)
@@ -504,7 +538,8 @@ def lookup(
         raise TypeError(f"max_spec_ratio must be a float scalar, got {type(max_spec_ratio).__name__}")
     checks.in_range("max_spec_ratio", max_spec_ratio, 0, 1)
     ratio = jnp.asarray(max_spec_ratio, jnp.float32)
-    return lookup_unchecked(cache, tokens, lengths.astype(i32), spec_window.astype(i32), ratio, cfg=cfg)
+    return lookup_unchecked(cache, tokens, lengths.astype(i32), spec_window.astype(i32), ratio,
+                            _checked_salt(salt, b), cfg=cfg)
 
 
 def insert_after_validation(
@@ -514,12 +549,14 @@ def insert_after_validation(
     block_table: jax.Array,
     *,
     cfg: PrefixCacheConfig,
+    salt: jax.Array | None = None,
 ) -> tuple[PrefixCache, InsertResult]:
     """Index every whole block of validated tokens that is not indexed yet.
 
     tokens: int32[B, len]; num_validated: int[B] in [0, len], the committed (accepted) tokens of each row -- tokens
     past it (drafts, padding) are never read into the index; block_table: int[B, M], the physical block of each
-    logical block. Block j of row b is a candidate iff (j + 1) * S <= num_validated[b] and j < min(len // S, M).
+    logical block; salt: int[B] each row's cache salt (default 0, none), stored with the entries it creates.
+    Block j of row b is a candidate iff (j + 1) * S <= num_validated[b] and j < min(len // S, M).
     A candidate whose prefix is already indexed is skipped; identical new prefixes in one call are indexed
     once (the lowest row's block); refusals (collision, full bucket, block id invalid or already indexed under
     another prefix) are counted and end that row's chain. Returns the new table and the blocks newly indexed,
@@ -535,7 +572,8 @@ def insert_after_validation(
         used = np.arange(cfg.max_blocks_per_seq)[None, :] < np.minimum(np.asarray(num_validated) // cfg.block_size,
                                                                       j)[:, None]
         checks.in_range("block_table", np.asarray(block_table)[used], 1, cfg.num_blocks - 1)
-    return insert_unchecked(cache, tokens, num_validated.astype(i32), block_table.astype(i32), cfg=cfg)
+    return insert_unchecked(cache, tokens, num_validated.astype(i32), block_table.astype(i32), _checked_salt(salt, b),
+                            cfg=cfg)
 
 
 def remove(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig) -> tuple[PrefixCache, RemoveResult]:

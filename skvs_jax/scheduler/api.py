@@ -50,13 +50,16 @@ def add(
     max_new_tokens: jax.Array,
     priority: jax.Array | None = None,
     request_id: jax.Array | None = None,
+    cache_salt: jax.Array | None = None,
     *,
     cfg: SchedulerConfig,
 ) -> tuple[SchedState, jax.Array]:
     """Queue requests as WAITING in EMPTY slots (lowest slots first, arrival numbers in row order).
 
     prompts: int32[requests, width] (width <= M * S, padded); prompt_len: int32[requests], 0 = padding row;
-    max_new_tokens, priority, request_id: int32[requests]. A request needs prompt_len + max_new_tokens <= M * S.
+    max_new_tokens, priority, request_id: int32[requests]; cache_salt: int32[requests] (default 0 = none):
+    requests with different salts never share a prefix-cache block, equal salts share as usual. A request needs
+    prompt_len + max_new_tokens <= M * S.
     Returns the state and int32[requests] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it
     again later). A padding row's max_new_tokens is ignored. Inside a user's jit a row that breaks these rules is
     treated as padding.
@@ -70,8 +73,9 @@ def add(
     checks.array("prompts", prompts, (a, lp), "i")
     priority = jnp.zeros((a,), i32) if priority is None else priority
     request_id = jnp.arange(a, dtype=i32) if request_id is None else request_id
+    cache_salt = jnp.zeros((a,), i32) if cache_salt is None else cache_salt
     for name, x in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("priority", priority),
-                    ("request_id", request_id)):
+                    ("request_id", request_id), ("cache_salt", cache_salt)):
         checks.array(name, x, (a,), "i")
     checks.in_range("prompt_len", prompt_len, 0, lp)
     if checks.is_concrete(prompt_len) and checks.is_concrete(max_new_tokens):
@@ -84,7 +88,7 @@ def add(
                              f"{cfg.max_len} tokens per sequence (max_blocks_per_seq * block_size)")
     return add_unchecked(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32),
                          jnp.asarray(max_new_tokens, i32), jnp.asarray(priority, i32), jnp.asarray(request_id, i32),
-                         cfg=cfg)
+                         jnp.asarray(cache_salt, i32), cfg=cfg)
 
 
 def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:

@@ -215,6 +215,7 @@ class SeqTable:
     draft_tried: jax.Array  # int32[B, K] verifications that reached draft d (d < min(accepted + 1, offered))
     draft_passed: jax.Array  # int32[B, K] of those, verifications that accepted draft d (d < accepted)
     index_pending: jax.Array  # bool[B] filled a block that `update` has not offered to the prefix index yet
+    cache_salt: jax.Array  # int32[B] the request's cache salt (0 = none): it shares blocks only with its own salt
 
 
 @struct.dataclass
@@ -352,6 +353,7 @@ def init(cfg: SchedulerConfig) -> SchedState:
         max_new_tokens=zb, priority=zb, arrival=zb, request_id=jnp.full((b,), -1, i32), swapped_len=zb,
         num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
         draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), index_pending=jnp.zeros((b,), bool),
+        cache_salt=jnp.zeros((b,), i32),
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
     widths = cfg.policy.draft_buckets or (k,)

@@ -146,7 +146,8 @@ def update_unchecked(
     kv = st.kv
     if on_fill:  # before verification's outcome is known, as a naive integration indexes
         view_all = drafts_in_cache_order(st, batch, view, cfg)
-        kv, filled_ids = manager.index_on_fill(kv, view_all, filled_to, batch.block_table, sel, cfg.kv)
+        kv, filled_ids = manager.index_on_fill(kv, view_all, filled_to, batch.block_table, sel, cfg.kv,
+                                               st.seqs.cache_salt)
     kv = manager.commit(kv, jnp.where(batch.scheduled, batch.num_query + accepted, 0) + batch.restore, cfg.kv)
     st, new, finished = append_tokens(st.replace(kv=kv), batch, accepted, next_tokens, draft_tokens, stop, cfg)
     committed = kv.alloc.seqs.num_committed
@@ -154,7 +155,7 @@ def update_unchecked(
         valid = committed if view_tokens is None else valid_on_fill(committed, accepted, view, draft_tokens, cfg)
         kv = manager.settle_on_fill(kv, filled_ids, valid[rows], cfg.kv)
     elif pol.prefix_cache:
-        kv = manager.index_validated(kv, st.seqs.tokens, committed, sel, cfg.kv)
+        kv = manager.index_validated(kv, st.seqs.tokens, committed, sel, cfg.kv, st.seqs.cache_salt)
     if pol.spec_pool:
         kv = manager.reclaim(kv, st.step, knobs.generation_threshold)
     st = record(st.replace(kv=kv), batch, accepted, new, finished, pending)
@@ -165,8 +166,9 @@ def update_unchecked(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, *, cfg: SchedulerConfig):
-    """`add` without the boundary checks (a row that breaks its rules is padding)."""
+def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_salt=None, *, cfg: SchedulerConfig):
+    """`add` without the boundary checks (a row that breaks its rules is padding). cache_salt: int32[requests]
+    (None: 0, no salt)."""
     b = cfg.cache.max_seqs
     seqs = st.seqs
     # A row that breaks add's rules (checked at the boundary when concrete) is padding here, never a sequence
@@ -198,6 +200,7 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, *, cfg
         draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
         draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
         index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
+        cache_salt=seqs.cache_salt.at[slot].set(z if cache_salt is None else cache_salt, mode="drop"),
     )
     st = st.replace(seqs=seqs, next_arrival=st.next_arrival + jnp.sum(placed, dtype=i32))
     return st, jnp.where(placed, slot, -1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import math
 import numbers
 import time
@@ -182,6 +183,7 @@ class RequestLog:
     logprobs: list[dict[int, float]] | None = None  # per token: raw logprobs of the token and the top-N (if asked)
     sample_index: int = 0  # which of the prompt's n outputs this is (output 0: the request itself)
     sample_ids: tuple[int, ...] = ()  # output 0 of n > 1: the ids of the n outputs in order (consecutive)
+    cache_salt: str | None = None  # the tenant's salt: its prompt shares cached blocks only with this salt
 
     @property
     def output_tokens(self) -> list[int]:
@@ -194,6 +196,15 @@ class RequestLog:
                 if len(tail) >= len(seq) and tail[len(tail) - len(seq):] == seq:
                     return tail[: len(tail) - len(seq)]
         return list(tail)
+
+
+def salt_id(cache_salt: str | None) -> int:
+    """The int32 the scheduler stores for a cache salt: 0 for None (no salt), else 31 bits of the salt's BLAKE2b
+    digest, never 0. Two different salts share cached blocks only if these collide (p = 2^-31 per pair)."""
+    if cache_salt is None:
+        return 0
+    digest = int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+    return digest or 1
 
 
 class Engine:
@@ -383,8 +394,15 @@ class Engine:
     # --------------------------------------------------------------------------------------------- requests
 
     def add_request(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, request_id: int | None = None) -> int:
-        """Queue a request; returns its id. A request the cache can never hold is rejected with ValueError."""
+                    arrival_time: float | None = None, request_id: int | None = None,
+                    cache_salt: str | None = None) -> int:
+        """Queue a request; returns its id. A request the cache can never hold is rejected with ValueError.
+
+        cache_salt (vLLM's): requests with different salts never share a prefix-cache block, so one tenant cannot
+        learn another's prompts from hit timing; requests with the same salt share as unsalted ones do (None = no
+        salt, shared with every other unsalted request)."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise TypeError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
@@ -425,9 +443,11 @@ class Engine:
             raise ValueError(f"n = {n} outputs take the request ids {rid} .. {ids[-1]}; some are in use or too large")
         self._next_id = max(self._next_id, rid + n)
         now = self.now() if arrival_time is None else float(arrival_time)
-        self.requests[rid] = RequestLog(rid, prompt, sampling, now, sample_ids=ids if n > 1 else ())
+        self.requests[rid] = RequestLog(rid, prompt, sampling, now, sample_ids=ids if n > 1 else (),
+                                       cache_salt=cache_salt)
         for i in range(1, n):  # forked off output 0 once it has sampled its first token
-            self.requests[rid + i] = RequestLog(rid + i, prompt, sampling, now, sample_index=i)
+            self.requests[rid + i] = RequestLog(rid + i, prompt, sampling, now, sample_index=i,
+                                               cache_salt=cache_salt)
         if n > 1:
             self._unforked[rid] = 0  # slots held for its outputs 1.. (set at admission)
         self.queue.append(rid)
@@ -459,16 +479,17 @@ class Engine:
             return
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
         prompts = np.zeros((b, max_len), np.int32)
-        lens, new, prio, ids = (np.zeros(b, np.int32) for _ in range(4))
+        lens, new, prio, ids, salts = (np.zeros(b, np.int32) for _ in range(5))
         new[:] = 1
         for row, rid in enumerate(take):
             r = self.requests[rid]
             prompts[row, : len(r.prompt)], lens[row], new[row], ids[row] = r.prompt, len(r.prompt), \
                 r.sampling.max_tokens, rid
+            salts[row] = salt_id(r.cache_salt)
         put = self._put
         rows = jax.tree.map(put, self._sampling_rows([self.requests[rid] for rid in take]))
         self.state, slots = engine_step.add_requests(self.state, put(prompts), put(lens), put(new), put(prio), put(ids),
-                                                     rows, cfg=self.cfg)
+                                                     rows, put(salts), cfg=self.cfg)
         slots = np.asarray(slots)
         for row, rid in enumerate(take):
             assert slots[row] >= 0, "a free slot was expected"

@@ -463,9 +463,11 @@ def model_only(runner, params, st, batch, knobs, *, cfg, width):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
-def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, *, cfg):
-    """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request)."""
-    sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cfg=cfg.sched)
+def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None, *, cfg):
+    """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request) and
+    cache salts (int32[B], `engine.salt_id`; None: no salt)."""
+    sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
+                                    cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows)), slots
 

@@ -136,10 +136,14 @@ def assert_matches_oracle(st: AllocatorState, oracle: OracleAllocator) -> None:
     assert got == oracle.counters, f"counters differ: jax {got} vs oracle {oracle.counters}"
 
 
-def prefix_index_as_dict(cache, cfg) -> dict[tuple[int, ...], int]:
-    """Rebuild prefix -> block from the JAX table through the parent links, checking its invariants."""
+def prefix_index_as_dict(cache, cfg, salted: bool = False) -> dict[tuple[int, ...], int]:
+    """Rebuild prefix -> block from the JAX table through the parent links, checking its invariants. salted: keys
+    are (salt, *tokens), as `oracle.OraclePrefixIndex` keeps them; else token tuples, and every entry must be
+    unsalted (salt 0)."""
     block = np.asarray(cache.block)
     live = block > 0
+    salt = dict(zip(block[live].tolist(), np.asarray(cache.salt)[live].tolist()))
+    assert salted or not any(salt.values()), "salted entries: pass salted=True"
     parent = dict(zip(block[live].tolist(), np.asarray(cache.parent)[live].tolist()))
     tokens = dict(zip(block[live].tolist(), np.asarray(cache.tokens)[live].tolist()))
     keys = [tuple(k) for k in np.asarray(cache.key)[live].tolist()]
@@ -152,7 +156,10 @@ def prefix_index_as_dict(cache, cfg) -> dict[tuple[int, ...], int]:
         assert depth <= cfg.max_blocks_per_seq, "parent chains must be acyclic and at most M long"
         p = parent[blk]
         assert p == prefix_cache.ROOT or p in parent, f"entry {blk} has parent {p}, which is not live"
-        return (() if p == prefix_cache.ROOT else prefix(p, depth + 1)) + tuple(tokens[blk])
+        if p != prefix_cache.ROOT:
+            assert salt[p] == salt[blk], f"entry {blk} has salt {salt[blk]}, its parent {p} salt {salt[p]}"
+            return prefix(p, depth + 1) + tuple(tokens[blk])
+        return ((salt[blk],) if salted else ()) + tuple(tokens[blk])
 
     return {prefix(blk): blk for blk in parent}
 

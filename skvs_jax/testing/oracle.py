@@ -293,7 +293,9 @@ class OracleAllocator:
 
 
 class OraclePrefixIndex:
-    """The ideal prefix index: a prefix (a whole number of blocks of tokens) -> block id, prefix-closed.
+    """The ideal prefix index: (salt, prefix) -> block id, prefix-closed. A key is the tuple (salt, *tokens) of a
+    whole number of blocks: a request's cache salt (0 = none) comes first, so requests with different salts
+    never reach each other's entries.
 
     Agrees with `prefix_cache` whenever the table refuses nothing (no key collision, no full bucket), which a
     64-bit key and a table at most half full make the practical case.
@@ -303,27 +305,32 @@ class OraclePrefixIndex:
         self.s, self.m = block_size, max_blocks
         self.index: dict[tuple[int, ...], int] = {}
 
-    def matched(self, row) -> int:
+    def key(self, row, num_blocks: int, salt: int = 0) -> tuple[int, ...]:
+        return (int(salt), *(int(t) for t in row[: num_blocks * self.s]))
+
+    def matched(self, row, salt: int = 0) -> int:
         j = 0
-        while j < min(len(row) // self.s, self.m) and tuple(row[: (j + 1) * self.s]) in self.index:
+        while j < min(len(row) // self.s, self.m) and self.key(row, j + 1, salt) in self.index:
             j += 1
         return j
 
-    def lookup(self, row, length: int, window: int, ratio: float) -> tuple[int, list[int]]:
+    def lookup(self, row, length: int, window: int, ratio: float, salt: int = 0) -> tuple[int, list[int]]:
         """(shared blocks after the barrier, their ids)."""
         s = self.s
-        matched = min(self.matched(row), max(length - 1, 0) // s)
+        matched = min(self.matched(row, salt), max(length - 1, 0) // s)
         buffer = max(1, int(np.floor(np.float32(ratio) * np.float32(window))) // s) if window > 0 else 0
         shared = max(0, matched - buffer)
-        return shared, [self.index[tuple(row[: (j + 1) * s])] for j in range(shared)]
+        return shared, [self.index[self.key(row, j + 1, salt)] for j in range(shared)]
 
-    def insert(self, rows, num_validated, tables) -> list[list[int]]:
-        """Index every whole validated block not indexed yet; returns each row's newly indexed ids."""
+    def insert(self, rows, num_validated, tables, salts=None) -> list[list[int]]:
+        """Index every whole validated block not indexed yet (under each row's salt, default 0); returns each
+        row's newly indexed ids."""
         new = []
-        for row, nv, table in zip(rows, num_validated, tables):
+        salts = [0] * len(rows) if salts is None else salts
+        for row, nv, table, salt in zip(rows, num_validated, tables, salts):
             ids = []
             for j in range(min(nv // self.s, len(row) // self.s, self.m)):
-                prefix = tuple(row[: (j + 1) * self.s])
+                prefix = self.key(row, j + 1, salt)
                 if prefix not in self.index:
                     self.index[prefix] = int(table[j])
                     ids.append((j, int(table[j])))
@@ -335,7 +342,7 @@ class OraclePrefixIndex:
         ids = {int(i) for i in ids if i > 0}
         gone = {p for p, blk in self.index.items() if blk in ids}
         for p in sorted(self.index, key=len):
-            if len(p) > self.s and p[: -self.s] in gone:
+            if len(p) > 1 + self.s and p[: -self.s] in gone:  # a key is (salt, *tokens): its parent is one block less
                 gone.add(p)
         descendants = sorted(self.index[p] for p in gone if self.index[p] not in ids)
         for p in gone:
@@ -347,7 +354,8 @@ def leaves_first(alloc: OracleAllocator, index: OraclePrefixIndex) -> list[int]:
     """The evictable blocks in the order the KV manager evicts them (`kv.manager.eviction_order`), read off the
     prefixes: an entry's subtree is every entry whose prefix extends its own; its recency is the latest over the
     subtree (the release time, or infinity for a block a sequence holds), its height the most blocks by which
-    a prefix in the subtree is longer; blocks go by (recency, height, id)."""
+    a prefix in the subtree is longer; blocks go by (recency, height, id). Keys are (salt, *tokens), so a
+    subtree never crosses salts."""
     def recency(blk: int) -> float:
         return alloc.last_used[blk] if alloc.ref[blk] == 0 else math.inf
 

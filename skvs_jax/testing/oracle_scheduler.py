@@ -172,6 +172,7 @@ class OracleScheduler:
         buckets = self.pol.draft_buckets or (k,)
         self.draft_widths = list(buckets) + [buckets[-1]] * (self.pol.width_slots - len(buckets))
         self.pending = [False] * b
+        self.cache_salt = [0] * b
         self.step = 0
         self.next_arrival = 0
         self.swap_used = 0
@@ -210,8 +211,9 @@ class OracleScheduler:
 
     # ------------------------------------------------------------------------------------- transitions
 
-    def add(self, prompts, max_new_tokens, priority=None, request_id=None) -> list[int]:
-        """prompts: list of token lists (empty = padding row). Returns the slot of each (-1: none)."""
+    def add(self, prompts, max_new_tokens, priority=None, request_id=None, cache_salt=None) -> list[int]:
+        """prompts: list of token lists (empty = padding row); cache_salt: an int per row (default 0). Returns the
+        slot of each (-1: none)."""
         slots = []
         empty = [b for b in range(self.cfg.cache.max_seqs) if self.status[b] == EMPTY]
         for r, prompt in enumerate(prompts):
@@ -231,6 +233,7 @@ class OracleScheduler:
             self.hist[b] = [0] * (self.pol.draft_len + 1)
             self.draft_tried[b], self.draft_passed[b] = [0] * self.pol.draft_len, [0] * self.pol.draft_len
             self.pending[b] = False
+            self.cache_salt[b] = 0 if cache_salt is None else int(cache_salt[r])
             slots.append(b)
         return slots
 
@@ -597,7 +600,8 @@ class OracleScheduler:
             shared, ids = 0, []
             if pol.prefix_cache:
                 window = drafts.max_draft_len if (pol.prefix_barrier and pol.speculation) else 0
-                shared, ids = self.index.lookup(self.tokens[b], num_tokens[b], window, float(knobs.max_spec_ratio))
+                shared, ids = self.index.lookup(self.tokens[b], num_tokens[b], window, float(knobs.max_spec_ratio),
+                                                self.cache_salt[b])
                 if pol.spec_hit_trim and pol.speculation:  # the hit loses ceil(K / S) blocks (vLLM's EAGLE path)
                     shared = max(shared - -(-drafts.max_draft_len // s), 0)
                     ids = ids[:shared]
@@ -734,7 +738,8 @@ class OracleScheduler:
         a, m, max_len = self.alloc, self.cfg.cache.max_blocks_per_seq, self.cfg.max_len
         views = [list(self.tokens[b]) + [int(t) for t in draft_tokens[b][: batch.num_drafts[b]]] for b in rows]
         tables = [a.tables[b] + [NULL_BLOCK] * (m - len(a.tables[b])) for b in rows]
-        return self.index.insert([v + [0] * (max_len - len(v)) for v in views], [filled_to[b] for b in rows], tables)
+        return self.index.insert([v + [0] * (max_len - len(v)) for v in views], [filled_to[b] for b in rows], tables,
+                                 [self.cache_salt[b] for b in rows])
 
     def commit(self, batch: OracleBatch, acc: list) -> None:
         """Commit the computed tokens and the accepted drafts (and restored tokens); roll back the rest. Rows
@@ -781,7 +786,8 @@ class OracleScheduler:
             self._unpin(descendants)
         elif self.pol.prefix_cache:
             new_ids = self.index.insert([self.tokens[b] + [0] * (max_len - len(self.tokens[b])) for b in rows],
-                                        [a.committed[b] for b in rows], [a.tables[b] for b in rows])
+                                        [a.committed[b] for b in rows], [a.tables[b] for b in rows],
+                                        [self.cache_salt[b] for b in rows])
             ids = [blk for row in new_ids for _, blk in row]
             a.set_cached(ids, [True] * len(ids))
 

@@ -11,6 +11,7 @@ checks:
     never returned a block whose content differs from the request's);
   * every entry of the prefix index names a block that holds exactly the entry's tokens, all validated (no
     block holding an unvalidated token is ever left in the index once a step is settled);
+  * no block is held by sequences of two cache salts, nor indexed under a salt other than its holders';
   * a swapped sequence holds no device blocks and its host copy is exactly its committed KV;
   * host-tier accounting (`swap_used`) equals the blocks the swapped sequences hold there.
 
@@ -55,18 +56,21 @@ class Harness:
         self.st = self.st.replace(draft_widths=jnp.asarray(widths, jnp.int32))
         self.oracle.draft_widths = list(widths)
 
-    def add(self, prompts: list[list[int]], max_new: list[int], priority: list[int] | None = None):
+    def add(self, prompts: list[list[int]], max_new: list[int], priority: list[int] | None = None,
+            salts: list[int] | None = None):
         # Padded to a fixed shape (rows of length 0 are ignored), so that `add` compiles once per config.
         a = len(prompts)
         rows = max(4, a)
         arr = np.zeros((rows, self.cfg.max_len), np.int32)
         lens, new, prio = (np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, np.int32))
+        salt = np.zeros(rows, np.int32)
         for r, p in enumerate(prompts):
             arr[r, : len(p)], lens[r], new[r] = p, len(p), max_new[r]
             prio[r] = 0 if priority is None else priority[r]
+            salt[r] = 0 if salts is None else salts[r]
         self.st, slots = sc.add(self.st, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(new), jnp.asarray(prio),
-                                cfg=self.cfg)
-        want = self.oracle.add(prompts, max_new, prio[:a])
+                                cache_salt=jnp.asarray(salt), cfg=self.cfg)
+        want = self.oracle.add(prompts, max_new, prio[:a], cache_salt=salt[:a])
         got = np.asarray(slots)[:a].tolist()
         assert got == want, f"add placed {got}, oracle {want}"
         self.check()
@@ -174,7 +178,7 @@ class Harness:
         s = cfg.cache.block_size
         testing.check_invariants(st.kv.alloc, cfg.cache, cfg.policy.spec_config())
         testing.assert_matches_oracle(st.kv.alloc, o.alloc)
-        assert testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix) == o.index.index, "prefix index"
+        assert testing.prefix_index_as_dict(st.kv.prefix, cfg.prefix, salted=True) == o.index.index, "prefix index"
         status = np.asarray(st.seqs.status)
         np.testing.assert_array_equal(status, o.status, err_msg="status")
         live = status != sc.EMPTY
@@ -184,7 +188,8 @@ class Harness:
             assert tokens[b, : num_tokens[b]].tolist() == o.tokens[b], f"tokens of slot {b}"
         for name, want in (("swapped_len", o.swapped_len), ("num_preemptions", o.num_preemptions),
                            ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending),
-                           ("draft_tried", o.draft_tried), ("draft_passed", o.draft_passed)):
+                           ("draft_tried", o.draft_tried), ("draft_passed", o.draft_passed),
+                           ("cache_salt", o.cache_salt)):
             got = np.asarray(getattr(st.seqs, name))
             np.testing.assert_array_equal(got[live], np.asarray(want)[live], err_msg=name)
         got = {k: int(v) for k, v in dataclasses.asdict(st.counters).items()}
@@ -211,6 +216,12 @@ class Harness:
                 q = np.arange(sl)
                 assert (kv[q // s, q % s] == tokens[b, q]).all() and valid[q // s, q % s].all(), "host copy"
         assert set(self.host) == set(np.flatnonzero(status == sc.SWAPPED).tolist()), "swapped <-> host copies"
+        salt_of: dict[int, int] = {}  # block -> the cache salt of the live sequences holding it
+        salts = np.asarray(st.seqs.cache_salt)
+        for b in np.flatnonzero(live):
+            for blk in table[b, : held[b]].tolist():
+                assert salt_of.setdefault(blk, int(salts[b])) == salts[b], f"block {blk} is shared across salts"
         for prefix, blk in o.index.index.items():
             assert self.kv[blk].tolist() == list(prefix[-s:]), f"index entry {blk} holds other tokens"
             assert self.valid[blk].all(), f"index entry {blk} holds an unvalidated token"
+            assert salt_of.get(blk, prefix[0]) == prefix[0], f"index entry {blk} is held under another salt"
