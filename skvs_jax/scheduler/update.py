@@ -213,7 +213,7 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     prompt): request i (parent int32[B'] a slot, -1 = padding) goes into an EMPTY slot, shares its parent's
     committed blocks (`manager.fork`, by reference: the prompt is stored once), and is RUNNING with known tokens
     = the parent's committed ones + first_token[i]. It inherits the parent's prompt length, max_new_tokens,
-    priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each request's slot, -1
+    cache salt, priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each request's slot, -1
     where it was not placed (padding, no empty slot, or a parent the allocator cannot fork: unsettled, or nothing
     committed))."""
     b = cfg.cache.max_seqs
@@ -249,6 +249,8 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
         draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
         draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
         index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
+        # The tenant's salt goes with its outputs: a fork's own blocks are indexed under the parent's salt.
+        cache_salt=seqs.cache_salt.at[slot].set(seqs.cache_salt[p], mode="drop"),
     )
     return st.replace(kv=kv, seqs=seqs), jnp.where(placed, slot, -1)
 
