@@ -213,9 +213,9 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     prompt): request i (parent int32[B'] a slot, -1 = padding) goes into an EMPTY slot, shares its parent's
     committed blocks (`manager.fork`, by reference: the prompt is stored once), and is RUNNING with known tokens
     = the parent's committed ones + first_token[i]. It inherits the parent's prompt length, max_new_tokens,
-    cache salt, priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each request's slot, -1
-    where it was not placed (padding, no empty slot, or a parent the allocator cannot fork: unsettled, or nothing
-    committed))."""
+    cache salt, priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each
+    request's slot, -1 where it was not placed (padding, no empty slot, or a parent the allocator cannot fork:
+    unsettled, or nothing committed))."""
     b = cfg.cache.max_seqs
     seqs = st.seqs
     valid = (parent >= 0) & (parent < b)
