@@ -217,7 +217,8 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      [_effect_case("skvs over naive_spec", _gain(res, P, "skvs", "naive_spec"), 4230 / 3510 - 1),
                       _effect_case("naive_spec over vllm_default", _gain(res, P, "naive_spec", "vllm_default"),
                                    3510 / 2840 - 1)],
-                     "pressure scenario (vllm_default at ~82% memory)", sim.format(P)))
+                     "pressure scenario (the sweep's budget: vllm_default at 80-90% memory and preempting)",
+                     sim.format(P)))
     for key, label, ours_key in (("p50", "P50", "tpot_p50"), ("p99", "P99", "tpot_p99")):
         rows.append(_row(f"s6_latency_{key}", "6", f"{label} latency: SKVS below naive speculation, naive below "
                          "vLLM's default", f"{a[key][0]} / {a[key][1]} / {a[key][2]} ms",
