@@ -63,8 +63,8 @@ TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", 
 # The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
 # noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
 ABLATION_METRICS = (("throughput", True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
-                    ("kv_hit_rate", True), ("oom_rate", False), ("preemptions_per_request", False),
-                    ("mean_accepted_length", True))
+                    ("kv_hit_rate", True), ("kv_hit_rate_first", True), ("oom_rate", False),
+                    ("preemptions_per_request", False), ("mean_accepted_length", True))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
