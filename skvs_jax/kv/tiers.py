@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import os
 import tempfile
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -294,6 +295,8 @@ class SwapSpace:
         self.disk = Tier(kv_pages, disk_blocks, DISK, disk_dir or self._tmp) if disk_blocks else None
         self._order: dict[int, TieredHandle] = {}  # id -> handle of every live swap, least recently swapped first
         self.spilled_blocks = self.disk_in_blocks = self.disk_out_blocks = 0
+        # An engine that is dropped without `close` must not leave its disk files (or its temporary directory).
+        self._cleanup = weakref.finalize(self, _remove, list(self.disk.paths) if self.disk else [], self._tmp)
 
     @property
     def capacity(self) -> int:
@@ -386,6 +389,13 @@ class SwapSpace:
         self.host.close()
         if self.disk is not None:
             self.disk.close()
-        if self._tmp is not None and os.path.isdir(self._tmp):
-            os.rmdir(self._tmp)
+        self._cleanup()
         self._order.clear()
+
+
+def _remove(paths: list[str], directory: str | None) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+    if directory is not None and os.path.isdir(directory):
+        os.rmdir(directory)
