@@ -452,7 +452,8 @@ def test_swaps_spill_to_a_bounded_disk_tier_and_come_back(shipped, trace, refere
     """A host tier too small for the swaps: older swaps spill to the disk tier (in disk_dir) and come back from
     it; the outputs are still the greedy reference, and every tier slot is free at the end. When host and disk are
     both full the scheduler recomputes instead, as it does without a disk tier."""
-    swap = policies.skvs(4).replace(preemption="swap")
+    # The article's preset: its swaps overlap on this trace (skvs's three do not, so nothing needs to spill).
+    swap = policies.skvs_article(4).replace(preemption="swap")
     e, out = _serve(shipped, swap, trace, swap_blocks=4, disk_blocks=12, disk_dir=str(tmp_path))
     assert out == reference
     t, c = e.tiers, e.state.sched.counters

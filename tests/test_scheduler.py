@@ -683,7 +683,8 @@ def test_first_admissions_are_counted_apart_from_recompute_readmissions():
 def test_traced_knobs_are_clamped_and_bad_knobs_or_a_stale_batch_are_refused_at_the_boundary():
     """Under vmap no knob is checked at the boundary: a ratio above 1 must not grant drafts without blocks (it
     acts as 1), and NaN acts as 0."""
-    pol = policies.skvs(4).replace(adaptive_draft_len=False, draft_buckets=(4,))
+    # Opportunistic drafts: the grant that reads max_spec_ratio (priced drafts take any available block).
+    pol = policies.skvs(4).replace(adaptive_draft_len=False, draft_buckets=(4,), draft_memory="opportunistic")
     cache = CacheConfig(num_blocks=10, block_size=2, max_seqs=2, max_blocks_per_seq=6)
     cfg = sc.SchedulerConfig(cache=cache, policy=pol, max_running=2, token_budget=64, prefix_capacity=64)
     st = sc.init(cfg)

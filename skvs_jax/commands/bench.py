@@ -133,14 +133,16 @@ def _engine_kwargs(policy, args) -> dict:
     return kwargs
 
 
-def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None) -> dict:
+def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
-    knobs with a `--policies` draft-length knob (default `policy.knobs()`)."""
+    knobs with a `--policies` draft-length knob (default `policy.knobs()`). bucket_hist: the previous repeat's
+    `Engine.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
+    result's "bucket_hist" is this run's)."""
     e = eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
     if knobs is not None:
         e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
     if getattr(args, "warmup", True):
-        e.warmup()  # every query bucket, so no compilation lands inside the timed run
+        e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
     while pending or e.has_work():
@@ -183,7 +185,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None) -
     counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
     result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
-            "compiled": sorted(e.compiled)}
+            "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding}
 
 
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
@@ -348,8 +350,10 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
+            last = runs[name][-1].get("bucket_hist") if runs[name] else None  # a later repeat warms up from it
             runs[name].append(serve(model, heads, chosen[name], cache, trace, args,
-                                    progress=bar.update if bar else None, knobs=specs[name].knobs()))
+                                    progress=bar.update if bar else None, knobs=specs[name].knobs(),
+                                    bucket_hist=last))
     if bar is not None:
         bar.close()
     # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a

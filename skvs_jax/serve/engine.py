@@ -581,7 +581,7 @@ class Engine:
         zeros, put = np.zeros((b,), np.int32), self._put  # all-padding rows: compiles `add` without adding anything
         jax.block_until_ready(engine_step.add_requests(
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
-            put(zeros), put(zeros - 1), jax.tree.map(put, self._sampling_rows([])), cfg=self.cfg))
+            put(zeros), put(zeros - 1), jax.tree.map(put, self._sampling_rows([])), put(zeros), cfg=self.cfg))
         for w in order:
             state = jax.tree.map(lambda x: x.copy(), empty)
             if self.tiers is None:
