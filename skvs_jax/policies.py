@@ -16,7 +16,7 @@ Presets (docs/design.md):
                 opportunistic drafts bounded by max_spec_ratio, adaptive draft length (the histogram rule),
                 draft-length buckets, rejected drafts' KV scrubbed: the article's section 5 exactly.
   skvs          skvs_article with the goodput draft controller (`draft_control="goodput"`), priced draft blocks
-                (`draft_memory="priced"`) and no prefix barrier.
+                (`draft_memory="priced"`), no prefix barrier and no scrub of rejected drafts.
   naive_spec_vllm  naive_spec with vLLM's EAGLE/MTP prefix-cache path (`spec_hit_trim`): not a design choice,
                 a model of a shipped integration, for the claims report (docs/claims.md).
 
@@ -280,9 +280,12 @@ def skvs(draft_len: int = 4) -> Policy:
     """The best speculation-aware scheduler we have measured: the article's (`skvs_article`) with the goodput
     draft controller in place of the histogram rule, priced draft blocks (drafts preempt only when that pays)
     and no prefix barrier (the index holds only validated blocks, so the barrier only lost hits: 66 engine steps
-    on `skvs bench`'s trace without it, 71 with it; docs/speculation.md, "Draft control")."""
+    on `skvs bench`'s trace without it, 71 with it; docs/speculation.md, "Draft control"). It does not scrub
+    rejected drafts' K/V (`scrub_rejected`): attention never reads past a sequence's length, so the scrub buys
+    hygiene, not correctness, and on this CPU it cost about 9% of `skvs bench`'s throughput (2,586 vs 2,368
+    tok/s, median of 5; docs/benchmarks.md); `skvs:scrub_rejected=true` turns it back on."""
     return skvs_article(draft_len).replace(name="skvs", draft_control="goodput", draft_memory="priced",
-                                           prefix_barrier=False)
+                                           prefix_barrier=False, scrub_rejected=False)
 
 
 PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}

@@ -406,8 +406,9 @@ def test_freed_and_rejected_slots_are_never_read_and_rejected_drafts_are_scrubbe
                                                                                    monkeypatch):
     """After every step every dead slot (free and pool blocks, the null block, slots past a holder's committed
     length) is overwritten with garbage: the outputs stay the greedy reference, so no sequence reads a freed or
-    rejected slot. Under skvs (scrub_rejected) every slot of a rejected draft holds zeros right after its step."""
-    e = _engine(shipped, policies.skvs(4), monkeypatch)
+    rejected slot. Under skvs with scrub_rejected (the preset leaves it off) every slot of a rejected draft holds
+    zeros right after its step."""
+    e = _engine(shipped, policies.skvs(4).replace(scrub_rejected=True), monkeypatch)
     requests = trace.requests[:6]
     out, rejected, dirty = _serve_checked(e, requests, poison=True)
     assert out == {r.request_id: reference[r.request_id] for r in requests}
@@ -423,7 +424,8 @@ def test_pallas_validation_kernels_in_the_step_give_the_xla_paths_states_and_tok
     kernels: allocator state, scheduler counters and tokens equal the xla path's; without the scrub the same run
     leaves rejected drafts' K/V in place (the check above can fail) and schedules identically."""
     small = [dataclasses.replace(r, max_new_tokens=8) for r in trace.requests[:2]]  # greedy: a prefix of the reference
-    policy = policies.skvs(4).replace(draft_buckets=(4,))  # two programs (prompt, decode): interpret mode is slow
+    # Two programs (prompt, decode): interpret mode is slow. skvs leaves the scrub off; this test turns it on.
+    policy = policies.skvs(4).replace(draft_buckets=(4,), scrub_rejected=True)
     cache = CacheConfig(num_blocks=24, block_size=8, max_seqs=2, max_blocks_per_seq=16)
     runs = {}
     for impl, pol in (("xla", policy), ("pallas", policy), ("xla-noscrub", policy.replace(scrub_rejected=False))):

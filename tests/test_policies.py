@@ -41,10 +41,10 @@ def test_each_ablation_changes_one_switch_family():
         switch = name.split(" -")[1]
         assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets",
                                                                     "draft_control"}
-    # skvs is the article's skvs with three switches changed: the controller, priced draft blocks, no barrier;
-    # the article's own ablations leave the first two alone and ablate its barrier.
+    # skvs is the article's skvs with four switches changed: the controller, priced draft blocks, no barrier, no
+    # scrub; the article's own ablations leave the first two alone and ablate its barrier.
     assert abl["skvs -draft_control"].replace(name="skvs_article", draft_memory="opportunistic",
-                                              prefix_barrier=True) == policies.skvs_article(4)
+                                              prefix_barrier=True, scrub_rejected=True) == policies.skvs_article(4)
     assert set(policies.ablations(policies.skvs_article(4))) == {
         n.replace("skvs", "skvs_article") for n in abl if n not in ("skvs -draft_control", "skvs -draft_memory")
     } | {"skvs_article -prefix_barrier"}
@@ -54,7 +54,8 @@ def test_skvs_is_the_article_with_the_goodput_controller_priced_blocks_and_no_ba
     a, s = policies.skvs_article(4), policies.skvs(4)
     assert a.draft_control == "histogram" and not a.goodput_control and s.goodput_control
     assert not a.priced_drafts and s.priced_drafts and not s.replace(drafts_preempt=True).priced_drafts
-    assert s == a.replace(name="skvs", draft_control="goodput", draft_memory="priced", prefix_barrier=False)
+    assert s == a.replace(name="skvs", draft_control="goodput", draft_memory="priced", prefix_barrier=False,
+                          scrub_rejected=False)
     assert policies.preset("skvs_article") == a
     with pytest.raises(ValueError, match="draft_control"):
         s.replace(draft_control="magic")
