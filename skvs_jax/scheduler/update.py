@@ -11,6 +11,7 @@ reclaimed. The KV side of each phase is the KV manager's (`kv.manager`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +30,7 @@ from skvs_jax.scheduler.state import (
     Batch,
     SchedState,
     SchedulerConfig,
+    SeqTable,
     StepResult,
 )
 
@@ -165,6 +167,21 @@ def update_unchecked(
 # ------------------------------------------------------------------------------------------ add / abort
 
 
+def _start_rows(seqs: SeqTable, slot: jax.Array, **given) -> SeqTable:
+    """The rows `slot` (int32[B'], B = dropped) of the table set for sequences that start there: the `given`
+    fields (arrays with a leading B' axis, or scalars), every other field zero (its statistics, counters and
+    flags). The one place a row starts (`add`, `fork`), so a field added to `SeqTable` starts at zero in both
+    instead of keeping the slot's previous occupant's value."""
+    names = {f.name for f in dataclasses.fields(seqs)}
+    if unknown := set(given) - names:
+        raise TypeError(f"SeqTable has no fields {sorted(unknown)}")
+    def start(name):
+        x = getattr(seqs, name)
+        return x.at[slot].set(given.get(name, jnp.zeros((), x.dtype)), mode="drop")
+
+    return seqs.replace(**{n: start(n) for n in names})
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_salt=None, *, cfg: SchedulerConfig):
     """`add` without the boundary checks (a row that breaks its rules is padding). cache_salt: int32[requests]
@@ -183,25 +200,9 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_
     arrival = st.next_arrival + rank
     prompts = jnp.pad(prompts, ((0, 0), (0, cfg.max_len - prompts.shape[1])))
     prompts = jnp.where(jnp.arange(cfg.max_len)[None, :] < prompt_len[:, None], prompts, 0)
-    z = jnp.zeros_like(prompt_len)
-    seqs = seqs.replace(
-        status=seqs.status.at[slot].set(WAITING, mode="drop"),
-        tokens=seqs.tokens.at[slot].set(prompts, mode="drop"),
-        num_tokens=seqs.num_tokens.at[slot].set(prompt_len, mode="drop"),
-        prompt_len=seqs.prompt_len.at[slot].set(prompt_len, mode="drop"),
-        max_new_tokens=seqs.max_new_tokens.at[slot].set(max_new, mode="drop"),
-        priority=seqs.priority.at[slot].set(priority, mode="drop"),
-        arrival=seqs.arrival.at[slot].set(arrival, mode="drop"),
-        request_id=seqs.request_id.at[slot].set(request_id, mode="drop"),
-        swapped_len=seqs.swapped_len.at[slot].set(z, mode="drop"),
-        num_preemptions=seqs.num_preemptions.at[slot].set(z, mode="drop"),
-        num_cached=seqs.num_cached.at[slot].set(z, mode="drop"),
-        accept_hist=seqs.accept_hist.at[slot].set(0, mode="drop"),
-        draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
-        draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
-        index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
-        cache_salt=seqs.cache_salt.at[slot].set(z if cache_salt is None else cache_salt, mode="drop"),
-    )
+    seqs = _start_rows(seqs, slot, status=WAITING, tokens=prompts, num_tokens=prompt_len, prompt_len=prompt_len,
+                       max_new_tokens=max_new, priority=priority, arrival=arrival, request_id=request_id,
+                       cache_salt=0 if cache_salt is None else cache_salt)
     st = st.replace(seqs=seqs, next_arrival=st.next_arrival + jnp.sum(placed, dtype=i32))
     return st, jnp.where(placed, slot, -1)
 
@@ -232,26 +233,10 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     col = jnp.arange(cfg.max_len, dtype=i32)[None, :]
     tokens = jnp.where(col < committed[:, None], seqs.tokens[p],
                        jnp.where(col == committed[:, None], first_token[:, None], 0))
-    z = jnp.zeros_like(parent)
-    seqs = seqs.replace(
-        status=seqs.status.at[slot].set(RUNNING, mode="drop"),
-        tokens=seqs.tokens.at[slot].set(tokens, mode="drop"),
-        num_tokens=seqs.num_tokens.at[slot].set(committed + 1, mode="drop"),
-        prompt_len=seqs.prompt_len.at[slot].set(seqs.prompt_len[p], mode="drop"),
-        max_new_tokens=seqs.max_new_tokens.at[slot].set(seqs.max_new_tokens[p], mode="drop"),
-        priority=seqs.priority.at[slot].set(seqs.priority[p], mode="drop"),
-        arrival=seqs.arrival.at[slot].set(seqs.arrival[p], mode="drop"),
-        request_id=seqs.request_id.at[slot].set(request_id, mode="drop"),
-        swapped_len=seqs.swapped_len.at[slot].set(z, mode="drop"),
-        num_preemptions=seqs.num_preemptions.at[slot].set(z, mode="drop"),
-        num_cached=seqs.num_cached.at[slot].set(z, mode="drop"),
-        accept_hist=seqs.accept_hist.at[slot].set(0, mode="drop"),
-        draft_tried=seqs.draft_tried.at[slot].set(0, mode="drop"),
-        draft_passed=seqs.draft_passed.at[slot].set(0, mode="drop"),
-        index_pending=seqs.index_pending.at[slot].set(False, mode="drop"),
-        # The tenant's salt goes with its outputs: a fork's own blocks are indexed under the parent's salt.
-        cache_salt=seqs.cache_salt.at[slot].set(seqs.cache_salt[p], mode="drop"),
-    )
+    # The tenant's salt goes with its outputs: a fork's own blocks are indexed under the parent's salt.
+    seqs = _start_rows(seqs, slot, status=RUNNING, tokens=tokens, num_tokens=committed + 1,
+                       prompt_len=seqs.prompt_len[p], max_new_tokens=seqs.max_new_tokens[p], priority=seqs.priority[p],
+                       arrival=seqs.arrival[p], request_id=request_id, cache_salt=seqs.cache_salt[p])
     return st.replace(kv=kv, seqs=seqs), jnp.where(placed, slot, -1)
 
 
