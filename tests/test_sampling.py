@@ -116,17 +116,10 @@ def test_stop_hits_match_on_output_tokens_across_steps():
 
 # ------------------------------------------------------------------------------------------- lossless, per option
 
-# Context-free raw distributions of the target at positions 0, 1, 2 and of the draft heads (as in test_acceptance);
-# the penalties make them depend on the history (a fixed prompt + output) and on the drafts before each slot.
-P = np.array([
-    [0.30, 0.25, 0.20, 0.10, 0.10, 0.05],
-    [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
-    [0.40, 0.05, 0.05, 0.30, 0.10, 0.10],
-])
-Q = np.array([
-    [0.05, 0.10, 0.15, 0.30, 0.25, 0.15],
-    [0.30, 0.30, 0.10, 0.10, 0.10, 0.10],
-])
+# Context-free raw distributions of the target at positions 0, 1, 2 and of the draft heads: test_acceptance's (one
+# copy); the penalties make them depend on the history (a fixed prompt + output) and on the drafts before each slot.
+from test_acceptance import P, Q  # noqa: E402  (pytest puts tests/ on sys.path)
+
 K, V = Q.shape
 ROWS = 60_000
 SEEN = np.array([1, 0, 1, 0, 0, 1], bool)  # tokens of the prompt + output so far
