@@ -70,6 +70,18 @@ CONFIGS = {
 # 150 us: drafts pay only while the rows' acceptance is high enough.
 GOODPUT_COST = sc.StepCost(token_us=jnp.asarray(400 + 60 * np.arange(17), jnp.int32), row_us=jnp.asarray(3, jnp.int32),
                            ctx_ns=jnp.asarray(20, jnp.int32), head_us=jnp.asarray(150, jnp.int32))
+# A padded engine's fitted cost (`serve.step_cost.fit`): tokens nearly free, the step priced by its widest row
+# (1 + drafts for a decode row, the widest entry when some row has prompt work), programs at widths 1, 3, 5, 8.
+WIDTH_COST = sc.StepCost(token_us=jnp.full((17,), 900, jnp.int32), row_us=jnp.asarray(0, jnp.int32),
+                         ctx_ns=jnp.asarray(0, jnp.int32), head_us=jnp.asarray(0, jnp.int32),
+                         width_us=jnp.asarray([0, 0, 60, 60, 500, 500, 1400, 1400, 1400], jnp.int32))
+# A roofline's step (`sim.cost_model.step_cost` in the roofline mode): compute overlapped with the weights' and the
+# context's reads, so drafts are free while the step is memory-bound and cost their compute past that.
+ROOF_COST = sc.StepCost(token_us=jnp.full((17,), 30, jnp.int32), row_us=jnp.asarray(0, jnp.int32),
+                        ctx_ns=jnp.asarray(2000, jnp.int32), head_us=jnp.asarray(40, jnp.int32),
+                        compute_us=jnp.asarray(60 * np.arange(17), jnp.int32), mem_us=jnp.asarray(300, jnp.int32),
+                        overlap=jnp.asarray(1024, jnp.int32))
+COSTS = {"tokens": GOODPUT_COST, "widths": WIDTH_COST, "roofline": ROOF_COST}
 
 
 def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tuple[int, ...] = ()) -> list:
@@ -115,11 +127,12 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
 
 
+@pytest.mark.parametrize("cost", list(COSTS))
 @pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic"])
 @settings(max_examples=3)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
-def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, seed, steps, add_p):
-    h = Harness(CONFIGS[name], vocab=VOCAB, step_cost=GOODPUT_COST)
+def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, cost, seed, steps, add_p):
+    h = Harness(CONFIGS[name], vocab=VOCAB, step_cost=COSTS[cost])
     h.run(workload(CONFIGS[name], seed, steps, add_p, 0.05))
     event(f"drafted: {int(h.st.counters.drafted) > 0}")
 
@@ -140,20 +153,42 @@ def test_drafts_preempting_are_attributed():
 def test_priced_draft_blocks_preempt_only_when_it_pays():
     """Priced draft blocks, in lockstep with the oracle: with the flat cost a recompute is free, so drafts preempt
     in the steps where the tokens they add beat the victims' lost output (counted as theirs); when the step cost
-    makes a recomputed token expensive (62 ms each), they never preempt, and take only blocks that are there."""
+    makes a recomputed token expensive (62 ms each), they preempt only victims whose tokens the prefix index
+    holds (nothing to recompute), and without a prefix cache never: they take only blocks that are there."""
     cfg = CONFIGS["skvs"]
     ops = workload(cfg, 5, 60, 0.8, 0.0)
     h = Harness(cfg, vocab=VOCAB)
     h.run(ops)
     ct = h.st.counters
     assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and 0 < int(ct.preempt_drafts)
+    flat_preempts = int(ct.preempt_drafts)
     costly = sc.StepCost(token_us=jnp.asarray([100] * cfg.token_budget + [10**6], jnp.int32),
                          row_us=jnp.asarray(0, jnp.int32), ctx_ns=jnp.asarray(0, jnp.int32),
                          head_us=jnp.asarray(0, jnp.int32))
     h = Harness(cfg, vocab=VOCAB, step_cost=costly)
     h.run(ops)
+    assert int(h.st.counters.preempt_drafts) < flat_preempts and int(h.st.counters.draft_blocks) > 0
+    uncached = _cfg(SKVS.replace(prefix_cache=False))
+    h = Harness(uncached, vocab=VOCAB, step_cost=costly)
+    h.run(ops)
     ct = h.st.counters
     assert int(ct.oom_steps_drafts) == 0 and int(ct.preempt_drafts) == 0 and int(ct.draft_blocks) > 0
+
+
+def test_a_victims_recompute_counts_only_what_the_prefix_index_does_not_hold():
+    """`recompute_tokens`: committed tokens less the indexed blocks' (whole blocks of S tokens), never below 0."""
+    cfg = CONFIGS["skvs"]
+    h = Harness(cfg, vocab=VOCAB)
+    h.run(workload(cfg, 3, 25, 0.8, 0.0))
+    alloc = jax.device_get(h.st.kv.alloc)
+    s = cfg.cache.block_size
+    want = [max(int(alloc.seqs.num_committed[b]) - s * sum(
+        bool(alloc.blocks.cached[alloc.seqs.block_table[b, j]]) for j in range(int(alloc.seqs.num_blocks[b]))), 0)
+        for b in range(cfg.cache.max_seqs)]
+    from skvs_jax.scheduler.schedule import recompute_tokens
+
+    got = np.asarray(recompute_tokens(h.st, cfg)).tolist()
+    assert got == want and any(g < int(c) for g, c in zip(got, alloc.seqs.num_committed))
 
 
 @pytest.mark.parametrize("name", ["naive_spec", "skvs-swap-least_progress"])

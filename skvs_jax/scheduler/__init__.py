@@ -53,6 +53,7 @@ from skvs_jax.scheduler.schedule import (
     in_order,
     plan_drafts,
     priority_order,
+    prompt_work,
     schedule_unchecked,
     verify_cap,
     width_bounds,
@@ -88,7 +89,7 @@ __all__ = [
     "SchedulerConfig", "SeqTable", "SchedCounters", "SchedState", "Batch", "StepShape", "StepResult", "StepCost",
     "flat_step_cost", "check_step_cost", "draft_control", "buckets",
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
-    "decoding_rows", "verify_cap", "plan_drafts", "lowest_priority", "least_progress", "most_blocks",
+    "decoding_rows", "verify_cap", "plan_drafts", "prompt_work", "lowest_priority", "least_progress", "most_blocks",
     "most_progress",
     "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked", "fork_unchecked",
 ]

@@ -102,6 +102,24 @@ def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
     checks.in_range("step_cost.token_us", cost.token_us, 1, 2**31 - 1)
     checks.in_range("step_cost.row_us", cost.row_us, 0, 2**20)
     checks.in_range("step_cost.ctx_ns", cost.ctx_ns, 0, 2**12)
+    roofline = (cost.compute_us, cost.mem_us, cost.overlap)
+    if any(x is not None for x in roofline):
+        if any(x is None for x in roofline):
+            raise ValueError("step_cost.compute_us, mem_us and overlap go together (a roofline's terms)")
+        checks.array("step_cost.compute_us", cost.compute_us, (cfg.token_budget + 1,), "i")
+        checks.in_range("step_cost.compute_us", cost.compute_us, 0, 2**21)  # x 1000 stays in int32
+        checks.scalar_int("step_cost.mem_us", cost.mem_us)
+        checks.in_range("step_cost.mem_us", cost.mem_us, 0, 2**24)
+        checks.scalar_int("step_cost.overlap", cost.overlap)
+        checks.in_range("step_cost.overlap", cost.overlap, 0, 1024)
+    if cost.width_us is not None:
+        shape = tuple(getattr(cost.width_us, "shape", ()))
+        if not hasattr(cost.width_us, "dtype"):
+            raise TypeError(f"step_cost.width_us must be None or an int32 array, got {type(cost.width_us).__name__}")
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"step_cost.width_us must be None or int32[W + 1], got shape {shape}")
+        checks.array("step_cost.width_us", cost.width_us, shape, "i")
+        checks.in_range("step_cost.width_us", cost.width_us, 0, 2**24)
 
 
 def schedule(st: SchedState, knobs: Knobs | None = None, *, cfg: SchedulerConfig,

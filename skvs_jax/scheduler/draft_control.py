@@ -18,8 +18,10 @@ a controller that starts pessimistic never drafts, and so never learns otherwise
 Decision. Survival falls with depth, so "every (b, d) with S >= threshold and d < the row's cap" gives each row a
 prefix of its drafts. Over a fixed grid of thresholds (none, ONE, ..., ONE / LEVELS; no sort), the step's goodput
 is (sampling rows * ONE + sum of the selected S) / time(base tokens + selected drafts) from a `StepCost`; the
-first maximum wins (ties: fewer drafts). Sums are over integers and the one division is float32, so the jitted
-controller and the plain-Python oracle agree bit for bit.
+first maximum wins (ties: fewer drafts). A `StepCost` with a width table (a padded engine, whose step time is
+set by its widest row) adds a second axis, a cap c = 0..K on every row's drafts, so "two drafts each in the
+3-wide program" competes with "four for the best rows in the 5-wide one". Sums are over integers and the one
+division is float32, so the jitted controller and the plain-Python oracle agree bit for bit.
 """
 
 from __future__ import annotations
@@ -60,31 +62,57 @@ def survival(alpha: jax.Array) -> jax.Array:
     return jnp.stack(out, axis=1) if out else jnp.zeros(alpha.shape, i32)
 
 
-def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Array, drafts: jax.Array) -> jax.Array:
+def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Array, drafts: jax.Array,
+                 widest: jax.Array | None = None) -> jax.Array:
     """int32[...] `StepCost`'s time of a step computing `tokens` (of which `drafts` draft slots) over `rows`
-    running rows reading `ctx` context tokens."""
+    running rows reading `ctx` context tokens; with a width table, `widest` is the widest row's tokens (the
+    table's last entry for a step with prompt work: pass its length or more)."""
     t = jnp.clip(tokens, 0, cost.token_us.shape[0] - 1)
-    return cost.token_us[t] + cost.row_us * rows + cost.ctx_ns * ctx // 1000 + jnp.where(drafts > 0, cost.head_us, 0)
+    time = cost.token_us[t] + cost.row_us * rows + jnp.where(drafts > 0, cost.head_us, 0)
+    if cost.compute_us is None:
+        time = time + cost.ctx_ns * ctx // 1000
+    else:  # a roofline: compute hides under memory traffic (the context's KV read among it)
+        c, m = cost.compute_us[t], cost.mem_us + cost.ctx_ns * ctx // 1000
+        time = time + c + m - cost.overlap * jnp.minimum(c, m) // 1024
+    if cost.width_us is None:
+        return time
+    if widest is None:
+        raise ValueError("a StepCost with a width table (width_us) prices a step by its widest row: pass widest")
+    return time + cost.width_us[jnp.clip(widest, 0, cost.width_us.shape[0] - 1)]
 
 
 def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows: jax.Array, ctx: jax.Array,
-                   sampling: jax.Array, cost: StepCost) -> jax.Array:
-    """int32[B] drafts per row: the threshold of `thresholds()` that maximises the step's expected accepted tokens
-    per second, every (b, d) with surv[b, d] >= it and d < cap[b].
+                   sampling: jax.Array, cost: StepCost, query: jax.Array | None = None,
+                   wide: jax.Array | None = None) -> jax.Array:
+    """int32[B] drafts per row: the (threshold of `thresholds()`, cap) that maximises the step's expected
+    accepted tokens per second: every (b, d) with surv[b, d] >= the threshold and d < min(cap[b], the cap).
 
     surv int32[B, K]; cap int32[B] the row's most drafts (0 for a row that does not decode); base_tokens int32[]
     the step's tokens without drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[]
-    rows that emit a token this step whatever is drafted."""
-    k = surv.shape[1]
+    rows that emit a token this step whatever is drafted. The cap is searched (0..K) only when `cost` has a width
+    table; then query int32[B] (each row's tokens besides drafts) and wide bool[] (the step has prompt work, so
+    it runs at the widest width whatever is drafted) give the step's widest row. The first maximum wins, over
+    thresholds from "none" down and, within one, caps from 0 up (ties: fewer drafts)."""
+    b, k = surv.shape
     thr = thresholds()
-    allowed = jnp.arange(k, dtype=i32)[None, :] < cap[:, None]  # [B, K]
-    take = allowed[:, :, None] & (surv[:, :, None] >= thr[None, None, :])  # [B, K, L + 1]
-    n = jnp.sum(take, axis=(0, 1), dtype=i32)  # [L + 1] drafts per level
-    gain = jnp.sum(jnp.where(take, surv[:, :, None], 0), axis=(0, 1), dtype=i32)  # [L + 1] expected accepted * ONE
-    time = jnp.maximum(step_time_us(cost, base_tokens + n, rows, ctx, n), 1)
+    caps = jnp.arange(k + 1, dtype=i32) if cost.width_us is not None else jnp.full((1,), k, i32)
+    depth = jnp.arange(k, dtype=i32)
+    allowed = depth[None, :] < cap[:, None]  # [B, K]
+    take = (allowed[:, :, None, None] & (surv[:, :, None, None] >= thr[None, None, :, None])
+            & (depth[None, :, None, None] < caps[None, None, None, :]))  # [B, K, L + 1, C]
+    per_row = jnp.sum(take, axis=1, dtype=i32)  # [B, L + 1, C]
+    n = jnp.sum(per_row, axis=0, dtype=i32)  # [L + 1, C] drafts per choice
+    gain = jnp.sum(jnp.where(take, surv[:, :, None, None], 0), axis=(0, 1), dtype=i32)  # expected accepted * ONE
+    widest = None
+    if cost.width_us is not None:
+        q = jnp.zeros((b,), i32) if query is None else query
+        widest = jnp.max(jnp.where((q > 0)[:, None, None], q[:, None, None] + per_row, 0), axis=0)
+        if wide is not None:
+            widest = jnp.where(wide, cost.width_us.shape[0] - 1, widest)
+    time = jnp.maximum(step_time_us(cost, base_tokens + n, rows, ctx, n, widest), 1)
     rate = (sampling * ONE + gain).astype(jnp.float32) / time.astype(jnp.float32)
-    best = jnp.argmax(rate)
-    return jnp.sum(take[:, :, best], axis=1, dtype=i32)
+    best = jnp.argmax(rate.reshape(-1))
+    return per_row.reshape(b, -1)[:, best]
 
 
 def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array, pop_passed: jax.Array,
@@ -114,10 +142,18 @@ def row_gain(surv: jax.Array, drafts: jax.Array) -> jax.Array:
 
 def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
     """int32[] the time `tokens` recomputed tokens add to the steps that absorb them: tokens times the mean time per
-    token of a full step, (token_us[T] - token_us[0]) / T. Zero under `flat_step_cost`: on a device where a step
-    costs the same whatever it carries, a recompute that fits in other steps' slack is free."""
+    token of a full step, (token_us[T] - token_us[0]) / T (with a roofline's terms, compute_us's too), plus, with
+    a width table, of the widest program,
+    (width_us[W] - width_us[0]) / W (a padded engine recomputes a prompt in its widest program, W tokens of a row
+    a step). Zero under `flat_step_cost`: on a device where a step costs the same whatever it carries, a
+    recompute that fits in other steps' slack is free."""
     t = cost.token_us.shape[0] - 1
     per_token_ns = (cost.token_us[t] - cost.token_us[0]) * 1000 // max(t, 1)
+    if cost.compute_us is not None:  # a roofline: a recomputed token costs its compute (an upper bound)
+        per_token_ns = per_token_ns + (cost.compute_us[t] - cost.compute_us[0]) * 1000 // max(t, 1)
+    if cost.width_us is not None:
+        w = cost.width_us.shape[0] - 1
+        per_token_ns = per_token_ns + (cost.width_us[w] - cost.width_us[0]) * 1000 // max(w, 1)
     return (tokens * per_token_ns // 1000).astype(i32)
 
 

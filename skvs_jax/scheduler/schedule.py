@@ -251,7 +251,16 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     ctx = jnp.sum(jnp.where(running, committed, 0), dtype=i32)
     sampling = jnp.sum(running & (chunk > 0) & (committed + chunk == seqs.num_tokens), dtype=i32)
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
-    return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost)
+    return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost,
+                                        query=jnp.where(running, chunk, 0), wide=prompt_work(st))
+
+
+def prompt_work(st: SchedState) -> jax.Array:
+    """bool[] some row is waiting or has more than its last token to compute: an engine runs the step (or the
+    next, after `update`) at its wide width."""
+    status = st.seqs.status
+    remaining = st.seqs.num_tokens - st.kv.alloc.seqs.num_committed
+    return jnp.any((status == WAITING) | ((status == RUNNING) & (remaining > 1)))
 
 
 def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerConfig) -> Grant:
@@ -274,6 +283,16 @@ def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerC
     need_query = jnp.where(query > 0, jnp.maximum(cdiv(committed + query, s) - held, 0) + cow.astype(i32), 0)
     need_all = jnp.where(query > 0, jnp.maximum(cdiv(committed + query + drafts, s) - held, 0) + cow.astype(i32), 0)
     return Grant(query=query, drafts=drafts, need_query=need_query, need_drafts=need_all - need_query, cow=cow)
+
+
+def recompute_tokens(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
+    """int32[B] the tokens each row would compute again if preempted now: its committed tokens less those in
+    blocks of its table the prefix index holds (its re-admission finds them, unless evicted first: a lower
+    bound on what is lost, where the committed count is the upper one)."""
+    alloc, m, s = st.kv.alloc, cfg.cache.max_blocks_per_seq, cfg.cache.block_size
+    in_table = jnp.arange(m, dtype=i32)[None, :] < alloc.seqs.num_blocks[:, None]
+    indexed = jnp.sum(in_table & alloc.blocks.cached[alloc.seqs.block_table], axis=1, dtype=i32)
+    return jnp.maximum(alloc.seqs.num_committed - indexed * s, 0)
 
 
 def blocks_freed(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
@@ -329,19 +348,23 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     fit1 = (grant.need_drafts == 0) | (in_order(jnp.where(kept1, grant.need_drafts, 0), *order) <= room1)
     samples = (grant.query > 0) & (committed + grant.query == seqs.num_tokens)
 
+    wide = prompt_work(st)
+
     def side(kept, drafts):
         decode_drafts = jnp.where(plan.decode > 0, drafts, 0)
         tokens = (draft_control.ONE * jnp.sum(kept & samples, dtype=i32)
                   + jnp.sum(draft_control.row_gain(plan.surv, decode_drafts), dtype=i32))
+        widest = jnp.max(jnp.where(kept & (grant.query > 0), grant.query + drafts, 0))
         time = draft_control.step_time_us(
             cost, jnp.sum(jnp.where(kept, grant.query + drafts, 0), dtype=i32), jnp.sum(kept, dtype=i32),
-            jnp.sum(jnp.where(kept, committed, 0), dtype=i32), jnp.sum(decode_drafts, dtype=i32))
+            jnp.sum(jnp.where(kept, committed, 0), dtype=i32), jnp.sum(decode_drafts, dtype=i32),
+            None if cost.width_us is None else jnp.where(wide, cost.width_us.shape[0] - 1, widest))
         return tokens, time
 
     tokens1, time1 = side(kept1, jnp.where(kept1 & fit1, grant.drafts, 0))
     tokens2, time2 = side(kept2, jnp.where(kept2, grant.drafts, 0))
     extra = all_victims & ~keep_victims
-    recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, committed, 0), dtype=i32))
+    recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, recompute_tokens(st, cfg), 0), dtype=i32))
     return jnp.any(extra) & draft_control.preemption_pays(tokens1, time1, tokens2, time2, recompute)
 
 
@@ -616,12 +639,11 @@ def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: 
     histogram's key (`buckets`): the histogram rule snaps its target to the compiled widths, and a choice made
     from snapped counts would only ever see them. `buckets.snap_up(next_want, widths)` is next_drafts's width)."""
     status = st.seqs.status
-    remaining = st.seqs.num_tokens - st.kv.alloc.seqs.num_committed
     live = (status == RUNNING) | (status == SWAPPED) | (status == WAITING)
-    prompt_work = jnp.any((status == WAITING) | ((status == RUNNING) & (remaining > 1)))
+    wide = prompt_work(st)
     if cfg.policy.goodput_control:  # the controller's own choice: a pure function of the state, known now
         bound = jnp.max(plan_drafts(st, knobs, cfg, step_cost).decode)
-        return prompt_work, bound, bound
+        return wide, bound, bound
     # The next schedule caps drafts by its decode rows (`verify_cap` of `decoding_rows`), known now.
     cap = verify_cap(decoding_rows(status, st.seqs.num_tokens, st.kv.alloc.seqs.num_committed, st.seqs.prompt_len),
                      knobs)
@@ -630,4 +652,4 @@ def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: 
         want = draft_lengths(st.seqs, knobs, cfg.policy, widths=widths, reach_of=cfg.reach_of)
         return jnp.minimum(jnp.max(jnp.where(live, want, 0)), cap)
 
-    return prompt_work, bound(st.draft_widths), bound(jnp.arange(cfg.policy.draft_len + 1, dtype=i32))
+    return wide, bound(st.draft_widths), bound(jnp.arange(cfg.policy.draft_len + 1, dtype=i32))

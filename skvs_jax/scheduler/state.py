@@ -267,12 +267,30 @@ class StepCost:
     slots), rows the running rows, context_tokens the cached context they read, and head_us the draft heads'
     time when some row drafts. `sim.cost_model.step_cost(cost, t_max)` builds one from a
     `CostModel` (so the simulator's controller and its clock agree); `flat_step_cost` is the default: every
-    step costs the same, so drafts are free and only acceptance decides."""
+    step costs the same, so drafts are free and only acceptance decides.
+
+    width_us (None, or int32[W + 1]): a padded engine's term, + width_us[min(w, W)] where w is the widest row's
+    tokens (query + drafts), or W when the step has prompt work (the engine then runs its widest program). An
+    engine computes every slot at the step's compiled width, so its step time is set by the widest row, not by
+    the tokens; `serve.step_cost.fit` measures one per compiled width at warm-up. With a width table the
+    controller also searches a cap on every row's drafts (a narrower program); None (the simulator's, whose
+    clock prices tokens) leaves the search over survival thresholds alone.
+
+    compute_us, mem_us, overlap (None, or int32[T_max + 1], int32[], int32[] in [0, 1024]): a roofline's step, whose
+    compute hides under its memory traffic: with them the context term moves inside
+        core = C + M - overlap * min(C, M) // 1024,  C = compute_us[T],  M = mem_us + ctx_ns * context_tokens // 1000
+    and time = token_us[T] + row_us * rows + [drafts > 0] * head_us + core, token_us then holding only what does
+    not overlap (host overhead, all-reduces). The simulator's roofline mode builds one (a decode step of 128 rows
+    reading their KV is memory-bound, so drafts that a sum of terms would price are nearly free there)."""
 
     token_us: jax.Array  # int32[T_max + 1] time of a one-row step computing t tokens, no context (>= 1)
     row_us: jax.Array  # int32[] time per further running row
     ctx_ns: jax.Array  # int32[] nanoseconds per context token read
     head_us: jax.Array  # int32[] the draft heads' time in a step where some row drafts
+    width_us: jax.Array | None = None  # int32[W + 1] extra time of a step whose widest row computes w tokens
+    compute_us: jax.Array | None = None  # int32[T_max + 1] a roofline's compute time of t tokens (overlapped)
+    mem_us: jax.Array | None = None  # int32[] its memory time of a step reading no context (weights)
+    overlap: jax.Array | None = None  # int32[] share of min(compute, memory) hidden, in 1/1024
 
 
 @struct.dataclass
@@ -337,10 +355,13 @@ class StepResult:
     accepted: jax.Array  # int32[B] accepted drafts
 
 
-def flat_step_cost(cfg: SchedulerConfig) -> StepCost:
-    """Every step costs the same (1 us): drafts are free, the controller takes every draft worth >= one level."""
+def flat_step_cost(cfg: SchedulerConfig, max_width: int | None = None) -> StepCost:
+    """Every step costs the same (1 us): drafts are free, the controller takes every draft worth >= one level.
+    max_width: also a width table of zeros, int32[max_width + 1] (the shape an engine's fitted cost will have,
+    so fitting one replaces data, not the compiled step's structure); the decisions are the same as without."""
+    width = None if max_width is None else jnp.zeros((max_width + 1,), i32)
     return StepCost(token_us=jnp.ones((cfg.token_budget + 1,), i32), row_us=jnp.zeros((), i32),
-                    ctx_ns=jnp.zeros((), i32), head_us=jnp.zeros((), i32))
+                    ctx_ns=jnp.zeros((), i32), head_us=jnp.zeros((), i32), width_us=width)
 
 
 def init(cfg: SchedulerConfig) -> SchedState:

@@ -484,15 +484,42 @@ def _step_cost_tables(cost: CostModel, t_max: int) -> tuple[np.ndarray, int, int
             int(min(round(head_s * 1e6), 2**24)))
 
 
+@functools.lru_cache(maxsize=64)
+def _roofline_tables(cost: CostModel, t_max: int) -> tuple[np.ndarray, np.ndarray, int, int, int]:
+    """The roofline's terms of a one-row step computing t tokens, no context: (token_us: what does not overlap,
+    host overhead and all-reduces; compute_us: the compute time; mem_us: the weights' read; ctx_ns: a context
+    token's KV read; overlap in 1/1024)."""
+    with jax.ensure_compile_time_eval():
+        t = np.arange(t_max + 1, dtype=np.float32)
+        z = np.zeros_like(t)
+        terms = cost.breakdown(z, t, z, np.ones_like(t), 0.0)
+        extra = np.asarray(terms["allreduce_s"], np.float64) + np.asarray(terms["host_overhead_s"], np.float64)
+        compute = np.asarray(terms["compute_s"], np.float64)
+    mem_s = cost.model.weight_bytes / cost.tp / cost._bytes_per_s
+    ctx_s = cost.kv_bytes_per_token_per_device / cost._bytes_per_s
+    token_us = np.clip(np.round(extra * 1e6), 1, 2**31 - 1).astype(np.int32)
+    compute_us = np.clip(np.round(compute * 1e6), 0, 2**21).astype(np.int32)
+    return (token_us, compute_us, int(min(round(mem_s * 1e6), 2**24)), int(min(round(ctx_s * 1e9), 2**12)),
+            int(round(1024 * cost.device.compute_memory_overlap)))
+
+
 def step_cost(cost: CostModel, t_max: int):
     """The `scheduler.StepCost` of `cost` for steps of up to t_max tokens: token_us[t] the time of a one-row
     step computing t tokens (its drafts' GEMMs, KV writes and logits), row_us and ctx_ns the time per further
     running row and per context token read, and head_us the draft heads' time when some row drafts, from
-    finite differences at 64 rows of 512 tokens. What the goodput
+    finite differences at 64 rows of 512 tokens. In the roofline mode (a device whose compute and memory
+    overlap) the step keeps the roofline's shape instead: compute_us[t] (the compute), mem_us + ctx_ns per
+    context token (the weights' and KV's reads) overlapped as the clock does, token_us only the all-reduces and
+    host overhead; a sum of terms would charge a memory-bound step's drafts the compute that hides under its KV
+    read. What the goodput
     draft controller prices a candidate step with; the simulator passes it so its controller and its clock agree
     (the measured mode's tile steps and knee included in token_us)."""
     from skvs_jax.scheduler import StepCost  # the scheduler's pytree; sim sits above the scheduler
 
     token_us, row_us, ctx_ns, head_us = _step_cost_tables(cost, int(t_max))
-    return StepCost(token_us=jnp.asarray(token_us), row_us=jnp.asarray(row_us, jnp.int32),
-                    ctx_ns=jnp.asarray(ctx_ns, jnp.int32), head_us=jnp.asarray(head_us, jnp.int32))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    if cost.resolved_mode != "roofline" or cost.device.fitted or cost.device.compute_memory_overlap == 0:
+        return StepCost(token_us=jnp.asarray(token_us), row_us=i32(row_us), ctx_ns=i32(ctx_ns), head_us=i32(head_us))
+    extra_us, compute_us, mem_us, ctx_ns, overlap = _roofline_tables(cost, int(t_max))
+    return StepCost(token_us=jnp.asarray(extra_us), row_us=i32(row_us), ctx_ns=i32(ctx_ns), head_us=i32(head_us),
+                    compute_us=jnp.asarray(compute_us), mem_us=i32(mem_us), overlap=i32(overlap))

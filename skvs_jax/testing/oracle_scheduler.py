@@ -326,17 +326,34 @@ class OracleScheduler:
         return surv
 
     @staticmethod
-    def _cost_terms(step_cost, token_budget: int) -> tuple[list, int, int, int]:
+    def _cost_terms(step_cost, token_budget: int) -> tuple:
+        """(token_us, row_us, ctx_ns, head_us, width_us or None, (compute_us, mem_us, overlap) or None)."""
         if step_cost is None:
-            return [1] * (token_budget + 1), 0, 0, 0
+            return [1] * (token_budget + 1), 0, 0, 0, None, None
+        width = None if step_cost.width_us is None else np.asarray(step_cost.width_us).tolist()
+        roof = None if step_cost.compute_us is None else (np.asarray(step_cost.compute_us).tolist(),
+                                                          int(step_cost.mem_us), int(step_cost.overlap))
         return (np.asarray(step_cost.token_us).tolist(), int(step_cost.row_us), int(step_cost.ctx_ns),
-                int(step_cost.head_us))
+                int(step_cost.head_us), width, roof)
 
     @staticmethod
-    def _step_time(terms, tokens: int, rows: int, ctx: int, drafts: int) -> int:
-        token_us, row_us, ctx_ns, head_us = terms
-        return (token_us[min(max(tokens, 0), len(token_us) - 1)] + row_us * rows + ctx_ns * ctx // 1000
-                + (head_us if drafts > 0 else 0))
+    def _step_time(terms, tokens: int, rows: int, ctx: int, drafts: int, widest: int = 0) -> int:
+        """The step's time; with a width table, `widest` is its widest row's tokens (large for a prompt step);
+        with a roofline's terms the context's read overlaps the compute."""
+        token_us, row_us, ctx_ns, head_us, width_us, roof = terms
+        i = min(max(tokens, 0), len(token_us) - 1)
+        t = token_us[i] + row_us * rows + (head_us if drafts > 0 else 0)
+        if roof is None:
+            t += ctx_ns * ctx // 1000
+        else:
+            c, m = roof[0][i], roof[1] + ctx_ns * ctx // 1000
+            t += c + m - roof[2] * min(c, m) // 1024
+        return t if width_us is None else t + width_us[min(max(widest, 0), len(width_us) - 1)]
+
+    def _prompt_work(self, start: StepStart) -> bool:
+        """Some row waits or has prompt left: a padded engine runs this step at its widest width."""
+        return any(s == WAITING for s in self.status) or any(
+            start.running[b] and start.remaining[b] > 1 for b in range(self.cfg.cache.max_seqs))
 
     def goodput_plan(self, start: StepStart, surv: list, cap: list, step_cost) -> list[int]:
         """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
@@ -350,20 +367,29 @@ class OracleScheduler:
         sampling = sum(1 for b in slots if running[b] and start.chunk[b] > 0
                        and start.committed[b] + start.chunk[b] == start.num_tokens[b])
         terms = self._cost_terms(step_cost, self.cfg.token_budget)
+        width_us = terms[4]
+        wide = self._prompt_work(start)
         thresholds = [one + 1] + [one * j // dc.LEVELS for j in range(dc.LEVELS, 0, -1)]
-        best, best_rate = 0, None
-        for i, thr in enumerate(thresholds):
-            n = gain = 0
-            for b in slots:
-                for d in range(min(cap[b], k)):
-                    if surv[b][d] >= thr:
-                        n, gain = n + 1, gain + surv[b][d]
-            t = self._step_time(terms, base + n, rows, ctx, n)
-            rate = np.float32(sampling * one + gain) / np.float32(max(t, 1))
-            if best_rate is None or rate > best_rate:
-                best, best_rate = i, rate
-        thr = thresholds[best]
-        return [sum(1 for d in range(min(cap[b], k)) if surv[b][d] >= thr) for b in slots]
+        caps = range(k + 1) if width_us is not None else [k]  # a padded engine: also cap every row's drafts
+
+        def drafts(thr, c):
+            return [sum(1 for d in range(min(cap[b], k, c)) if surv[b][d] >= thr) for b in slots]
+
+        best, best_rate = drafts(thresholds[0], k), None
+        for thr in thresholds:
+            for c in caps:
+                chosen = drafts(thr, c)
+                n = sum(chosen)
+                gain = sum(surv[b][d] for b in slots for d in range(chosen[b]))
+                widest = 0
+                if width_us is not None:
+                    widest = len(width_us) - 1 if wide else max(
+                        [start.chunk[b] + chosen[b] for b in slots if running[b] and start.chunk[b] > 0], default=0)
+                t = self._step_time(terms, base + n, rows, ctx, n, widest)
+                rate = np.float32(sampling * one + gain) / np.float32(max(t, 1))
+                if best_rate is None or rate > best_rate:
+                    best, best_rate = chosen, rate
+        return best
 
     def budget_tokens(self, start: StepStart, drafts: DraftPlan) -> Grant:
         """2. The token budget in priority order: each running row's chunk first, then its draft slots; and the
@@ -450,9 +476,10 @@ class OracleScheduler:
             cum += grant.need_drafts[b] if kept1[b] else 0
             fit1[b] = grant.need_drafts[b] == 0 or cum <= room1
         terms = self._cost_terms(step_cost, self.cfg.token_budget)
+        wide = self._prompt_work(start)
 
         def side(kept, granted):
-            tokens = time_tokens = rows = ctx = n = 0
+            tokens = time_tokens = rows = ctx = n = widest = 0
             for b in slots:
                 if not kept[b]:
                     continue
@@ -461,13 +488,24 @@ class OracleScheduler:
                 samples = grant.num_query[b] > 0 and committed[b] + grant.num_query[b] == start.num_tokens[b]
                 tokens += one * samples + sum(drafts.surv[b][:dd])
                 time_tokens, rows, ctx, n = time_tokens + grant.num_query[b] + k, rows + 1, ctx + committed[b], n + dd
-            return tokens, self._step_time(terms, time_tokens, rows, ctx, n)
+                if grant.num_query[b] > 0:
+                    widest = max(widest, grant.num_query[b] + k)
+            if terms[4] is not None and wide:
+                widest = len(terms[4]) - 1
+            return tokens, self._step_time(terms, time_tokens, rows, ctx, n, widest)
 
         tokens1, time1 = side(kept1, [kept1[b] and fit1[b] for b in slots])
         tokens2, time2 = side(kept2, kept2)
         t_max = len(terms[0]) - 1
         per_token_ns = (terms[0][t_max] - terms[0][0]) * 1000 // max(t_max, 1)
-        recompute = sum(committed[b] for b in extra) * per_token_ns // 1000
+        if terms[5] is not None:
+            per_token_ns += (terms[5][0][t_max] - terms[5][0][0]) * 1000 // max(t_max, 1)
+        if terms[4] is not None:
+            w_max = len(terms[4]) - 1
+            per_token_ns += (terms[4][w_max] - terms[4][0]) * 1000 // max(w_max, 1)
+        s = self.cfg.cache.block_size  # what a re-admission would not find in the prefix index
+        lost = [max(committed[b] - s * sum(1 for blk in a.tables[b] if a.cached[blk]), 0) for b in extra]
+        recompute = sum(lost) * per_token_ns // 1000
         lhs = np.float32(tokens2) * np.float32(max(time1, 1))
         rhs = np.float32(tokens1) * np.float32(max(time2, 1) + recompute)
         return bool(lhs > rhs)
