@@ -244,7 +244,7 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
     run), at 5 tok/s."""
     repeats = {}
 
-    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None):
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None):
         i = repeats[policy.name] = repeats.get(policy.name, -1) + 1
         stalled = i in (stall or {}).get(policy.name, ())
         m = {key: 0.5 for key, _, _ in metrics.METRICS}
@@ -437,7 +437,7 @@ def test_bench_policy_flags_and_overrides_reach_the_policies_and_engines():
 def test_bench_run_with_overrides_records_them_and_both_hit_rates(tmp_path, capsys, monkeypatch):
     seen = {}
 
-    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None):
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None):
         seen[policy.name] = (policy, int(knobs.draft_len))
         m = {key: 0.25 for key, _, _ in metrics.METRICS} | {"kv_hit_rate": 0.3, "kv_hit_rate_first": 0.1}
         m |= {"num_requests": 2.0, "num_aborted": 0.0, "num_steps": 3.0, "output_tokens": 6.0, "wall_time": 0.1}

@@ -11,7 +11,6 @@ import pytest
 
 from reference_models import greedy_generate
 from skvs_jax import policies, workloads
-from skvs_jax import scheduler as sc
 from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager
@@ -168,7 +167,9 @@ NON_TIMING = ("kv_hit_rate", "memory_utilisation", "spec_token_waste", "spec_kv_
 
 
 def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsys):
-    assert bench.run(_bench_args(tmp_path)) == 0
+    """bench.json's keys; the same seed gives the same non-timing metrics under the flat step cost (a fitted one
+    plans with this run's timings; its repeats share the first repeat's fit)."""
+    assert bench.run(_bench_args(tmp_path, step_cost="flat")) == 0
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: True" in out and "skvs / vllm_default" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
@@ -181,14 +182,15 @@ def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsy
     from skvs_jax.metrics import METRICS
 
     for p in doc["policies"].values():
-        assert set(p) == {"metrics", "counters", "compiled_buckets", "series"}
+        assert set(p) == {"metrics", "counters", "compiled_buckets", "series", "step_cost_us", "steps_by_width"}
+        assert p["step_cost_us"] == {} and sum(p["steps_by_width"].values()) == p["metrics"]["num_steps"]
         assert set(p["metrics"]) >= {key for key, _, _ in METRICS}
         for v in p["metrics"].values():
             assert v is None or isinstance(v, (int, float))
         assert len(p["series"]["time"]) == len(p["series"]["blocks_used"]) == p["metrics"]["num_steps"]
     # Same seed, same non-timing metrics.
     first = {n: {k: p["metrics"][k] for k in NON_TIMING} for n, p in doc["policies"].items()}
-    assert bench.run(_bench_args(tmp_path)) == 0
+    assert bench.run(_bench_args(tmp_path, step_cost="flat")) == 0
     again = json.loads((tmp_path / "bench.json").read_text())
     assert {n: {k: p["metrics"][k] for k in NON_TIMING} for n, p in again["policies"].items()} == first
 
@@ -211,6 +213,22 @@ def served(shipped, trace):
     runs = sim.replay_acceptance(runner, params, {r.request_id: list(r.prompt) + out[r.request_id]
                                                   for r in trace.requests}, e.policy.draft_len)
     return e, out, runs
+
+
+def test_warm_up_fits_the_step_cost_of_the_programs_it_runs(served, reference):
+    """`warmup` timed every width the engine runs and priced steps with the fit (`serve.step_cost`), compiling
+    nothing more; the run it then served is still the greedy reference."""
+    from skvs_jax.serve import step_cost
+
+    e, out, _ = served
+    assert out == reference
+    widths = sorted(set(e.decode_widths) | {e.prompt_width})
+    assert e.step_cost_mode == "fit" and sorted(e.step_cost_times) == widths == [1, 3, 5, 32]
+    assert all(t > 0 for t in e.step_cost_times.values())
+    want = step_cost.fit(e.step_cost_times, widths, e.cfg.sched.token_budget, e.prompt_width)
+    for field in ("token_us", "width_us"):
+        assert np.asarray(getattr(e.state.step_cost, field)).tolist() == np.asarray(getattr(want, field)).tolist()
+    assert sorted(w for w, _ in e.compiled) == widths
 
 
 def _cpu_cost(e: engine.Engine) -> cm.CostModel:
@@ -252,7 +270,7 @@ def test_replaying_a_real_run_reproduces_its_schedule_exactly(served, trace):
 def _engine_controller_cost(e):
     """The step cost the engine's draft controller planned with: a replay that plans with the same costs makes the
     same decisions, whatever cost model prices its clock."""
-    return e.state.step_cost if e.state.step_cost is not None else sc.flat_step_cost(e.cfg.sched)
+    return e.state.step_cost
 
 
 def test_the_cost_model_prices_the_schedule_a_large_model_would_run(served, trace):

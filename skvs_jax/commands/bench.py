@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-blocks", type=int, default=None,
                         help="host-tier blocks for policies that preempt by swap (default: the KV budget's usable "
                              "blocks; 0: no host tier, so a swap policy recomputes)")
+    parser.add_argument("--step-cost", default="fit", choices=("fit", "flat"),
+                        help="what the goodput controller and priced draft blocks price a step with: fit = the "
+                             "policy's programs timed at its first warm-up (serve.step_cost; later repeats reuse "
+                             "it), flat = every step the same (schedules reproducible across runs)")
     parser.add_argument("--impl", default="xla", choices=("xla", "pallas", "reference"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="skvs-results", help="output folder")
@@ -125,7 +129,8 @@ def _host_blocks(args) -> int:
 
 
 def _engine_kwargs(policy, args) -> dict:
-    kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed)
+    kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
+                  step_cost=getattr(args, "step_cost", "fit"))
     if policy.preemption == "swap":
         kwargs["swap_blocks"] = _host_blocks(args)
     if policy.speculation:
@@ -133,12 +138,17 @@ def _engine_kwargs(policy, args) -> dict:
     return kwargs
 
 
-def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None) -> dict:
+def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
+          fitted=None) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
     knobs with a `--policies` draft-length knob (default `policy.knobs()`). bucket_hist: the previous repeat's
     `Engine.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
-    result's "bucket_hist" is this run's)."""
-    e = eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
+    result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
+    and times), used as given so every repeat plans with the same cost (the first repeat fits it)."""
+    kwargs = _engine_kwargs(policy, args)
+    if fitted is not None:
+        kwargs["step_cost"] = fitted[0]
+    e = eng.Engine(model, heads, policy, cache, **kwargs)
     if knobs is not None:
         e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
     if getattr(args, "warmup", True):
@@ -185,7 +195,11 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
     result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
-            "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding}
+            "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
+            "fitted": (e.step_cost, e.step_cost_times) if e.step_cost_times else fitted,
+            "step_cost_us": {str(w): round(t, 1) for w, t in sorted((e.step_cost_times or (fitted or (0, {}))[1])
+                                                                   .items())},
+            "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
 
 
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
@@ -351,9 +365,10 @@ def run(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
             last = runs[name][-1].get("bucket_hist") if runs[name] else None  # a later repeat warms up from it
+            fitted = runs[name][0].get("fitted") if runs[name] else None  # and plans with the first one's fit
             runs[name].append(serve(model, heads, chosen[name], cache, trace, args,
                                     progress=bar.update if bar else None, knobs=specs[name].knobs(),
-                                    bucket_hist=last))
+                                    bucket_hist=last, fitted=fitted))
     if bar is not None:
         bar.close()
     # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a
@@ -391,6 +406,10 @@ def run(args: argparse.Namespace) -> int:
                   + ("excluded from its median and range" if not all(st) else
                      "its timing rows measure that, not the policy; with --repeats 2 or more the later runs reuse "
                      "the compiled programs"))
+    for n in names:
+        if results[n].get("step_cost_us"):
+            print(f"{n}: step cost fitted at warm-up (us per step by query width): "
+                  + ", ".join(f"{w}: {t:.0f}" for w, t in results[n]["step_cost_us"].items()))
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
@@ -404,7 +423,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
                                             "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
-                                            "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats")}
+                                            "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",
+                                            "step_cost")}
     config["verify_budget"] = budget
     config |= {"model": args.model, "medusa": args.medusa}
     config["policies"] = ",".join(names)
@@ -421,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
                      "platform": jax.devices()[0].platform, "machine": platform.machine()},
         "identical_greedy_outputs": same,
         "policies": {n: {"metrics": results[n]["metrics"], "counters": results[n]["counters"],
-                         "compiled_buckets": results[n]["compiled"], "series": results[n]["series"]}
+                         "compiled_buckets": results[n]["compiled"], "series": results[n]["series"],
+                         "step_cost_us": results[n].get("step_cost_us", {}),
+                         "steps_by_width": results[n].get("width_hist", {})}
                      for n in names},
     }
     if args.repeats > 1 or args.ablation:

@@ -48,6 +48,7 @@ from skvs_jax.policies import Policy
 from skvs_jax.serve import engine_step
 from skvs_jax.serve import sampling as sampling_mod
 from skvs_jax.serve import speculation as spec
+from skvs_jax.serve import step_cost as step_cost_mod
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import LlamaMedusaRunner, ModelRunner
 
@@ -215,9 +216,11 @@ class Engine:
     swapped requests). Any other model: `Engine.from_runner(runner, params, policy, cache_config, ...)` with a
     `model_runner.ModelRunner`. mesh: a `jax.sharding.Mesh` with a "tp" axis (`distributed.make_mesh`) shards
     the weights and the KV cache over KV heads (tensor parallelism; docs/distributed.md); None: one device.
-    step_cost: a `scheduler.StepCost` the goodput draft controller prices steps with (`draft_control="goodput"`);
-    None: every step costs the same (drafts are free, only acceptance decides), the default on this CPU, where a
-    step costs about the same at any width (docs/speculation.md, "Draft control").
+    step_cost: what the goodput draft controller (`draft_control="goodput"`) and priced draft blocks
+    (`draft_memory="priced"`) price a step with: "fit" (default) measures this engine's compiled programs at
+    `warmup` (`serve.step_cost`: the step's time by its widest row; flat until then, so an engine never warmed
+    up schedules reproducibly), "flat" every step the same (drafts free, a recompute free: only acceptance
+    decides), or a `scheduler.StepCost` to use as given (docs/speculation.md, "The engine's step cost").
     Swap tiers (`preemption="swap"`): swap_blocks host-tier blocks, backed by disk_blocks blocks of a disk tier in
     disk_dir (None: a temporary directory); a swap that does not fit the host spills the least recently swapped
     sequences to disk (`kv.tiers.SwapSpace`), and the scheduler counts both tiers' room, recomputing when both are
@@ -246,7 +249,7 @@ class Engine:
                sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
                posterior_alpha: float = POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None,
-               step_cost: sc.StepCost | None = None, disk_blocks: int = 0, disk_dir: str | None = None) -> None:
+               step_cost: sc.StepCost | str = "fit", disk_blocks: int = 0, disk_dir: str | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
@@ -285,19 +288,27 @@ class Engine:
         self.runner, self.params = runner, params
         b = cache_config.max_seqs
         self._seed = seed
-        if step_cost is not None:
+        if isinstance(step_cost, str):
+            if step_cost not in ("fit", "flat"):
+                raise ValueError(f"step_cost must be 'fit', 'flat' or a scheduler.StepCost, got {step_cost!r}")
+        else:
             sc.check_step_cost(step_cost, scfg)
         if policy.goodput_control and tree is not None and not spec.is_chain(tree):
             raise ValueError("draft_control='goodput' prices d drafts as reaching depth d (a chain); with a draft "
                              "tree use draft_control='histogram' (e.g. the skvs_article preset)")
-        self.step_cost = step_cost
-        self.state = self._empty_state()
         # Compile buckets: one decode width per draft width (1 + drafts; the state's `draft_widths`, chosen from
         # the histogram under `bucket_budget`), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
         self.decode_widths = tuple(1 + x for x in buckets)
         self.prompt_width = max(scfg.chunk, 1 + policy.draft_len)  # scfg.chunk: prefill_chunk 0 = the budget
         self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))  # every width had so far
+        # The state always carries a StepCost of one shape (a width table up to the prompt width), so a fit at
+        # warm-up replaces data and recompiles nothing.
+        self.step_cost_mode = step_cost if isinstance(step_cost, str) else "given"
+        self.step_cost = (sc.flat_step_cost(scfg, max_width=self.prompt_width) if isinstance(step_cost, str)
+                          else step_cost)
+        self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
+        self.state = self._empty_state()
         self.chooser = (sc.buckets.BucketChooser(policy.draft_len, policy.bucket_budget, tuple(buckets))
                         if policy.bucket_budget else None)
         self.padding = 0  # draft slots verified without a draft, over decode steps (`scheduler.buckets`)
@@ -554,6 +565,8 @@ class Engine:
         sched = self.state.sched
         self.state = self.state.replace(sched=sched.replace(
             draft_widths=self._put(sc.buckets.padded(widths, slots))))
+        if self.step_cost_times:  # a fitted cost: new widths priced between the timed ones until refitted
+            self._install_step_cost()
 
     def warmup(self, draft_hist: dict[int, int] | None = None) -> list[int]:
         """Compile every query bucket now, hottest first, so no request waits for a compilation.
@@ -592,9 +605,42 @@ class Engine:
                 jax.block_until_ready(engine_step.model_only(self.runner, self.params, state, batch, self.knobs,
                                                              cfg=self.cfg, width=w))
             self.compiled.add((w, self.tiers is not None))
+        if self.step_cost_mode == "fit" and (self.policy.goodput_control or self.policy.priced_drafts):
+            self.fit_step_cost()
         if not self.requests:
             self.t0 = self.clock()
         return order
+
+    def fit_step_cost(self, rounds: int = step_cost_mod.MEASURE_ROUNDS) -> sc.StepCost:
+        """Time one step of every width the engine runs now on empty slots (`serve.step_cost.measure`), fit the
+        step cost from them (`serve.step_cost.fit`) and price the next steps with it; returns it. Its times (us per
+        width) stay in `step_cost_times`. Compiles any width not compiled yet; the engine's state is unchanged
+        (empty slots: a padded step computes every slot whatever it holds)."""
+        empty = self._empty_state()
+
+        def prepare(w):
+            state = jax.tree.map(lambda x: x.copy(), empty)
+            if self.tiers is None:
+                return lambda: engine_step.fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg,
+                                                      width=w)
+
+            def go():
+                st, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
+                return engine_step.model_only(self.runner, self.params, st, batch, self.knobs, cfg=self.cfg, width=w)
+            return go
+
+        now = sorted(set(self.decode_widths) | {self.prompt_width})
+        self.step_cost_times = step_cost_mod.measure(prepare, now, rounds)
+        self.compiled |= {(w, self.tiers is not None) for w in now}
+        self._install_step_cost()
+        return self.step_cost
+
+    def _install_step_cost(self) -> None:
+        """The fit of `step_cost_times` over the current widths, into the state (same shapes: no recompile)."""
+        now = sorted(set(self.decode_widths) | {self.prompt_width})  # the widths a step can run now
+        cost = step_cost_mod.fit(self.step_cost_times, now, self.cfg.sched.token_budget, self.prompt_width)
+        self.step_cost = jax.tree.map(lambda x: self._put(np.array(x)), cost)  # each leaf its own (donated) buffer
+        self.state = self.state.replace(step_cost=self.step_cost)
 
     # ------------------------------------------------------------------------------------------------- step
 

@@ -79,7 +79,8 @@ class StepOut:
     width_ok: jax.Array  # every row's query fit the bucket (False would be an engine bug)
     free_slots: jax.Array  # int32[] EMPTY slots after the step (what the next `add` can fill)
     prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
-    next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket)
+    next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket; K
+    # when prompt_work: the next step runs the wide width, so the bound is not computed)
     shape: sc.StepShape  # the step's work (prefill / decode tokens, context read): cost-model calibration
     next_want: jax.Array  # int32[] next_drafts were every width 0..K compiled (the bucket histogram's key)
     token_logprob: jax.Array  # float32[B, K+1] raw logprob of each new token (0 unless some row asks for logprobs)
@@ -421,8 +422,14 @@ def _keep_kv_sharding(runner: ModelRunner, cache, kv_shardings: tuple | None):
 def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, step_cost=None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What the host needs to pick the next step's width Q without reading state back (`Engine._width`):
-    `scheduler.width_bounds` of the state after `update` (prompt_work, next_drafts, next_want)."""
-    return sc.width_bounds(sched, knobs, scfg, step_cost)
+    `scheduler.width_bounds` of the state after `update` (prompt_work, next_drafts, next_want). When some row
+    has prompt work the next step runs the wide width whatever the bounds say, so they are not computed (K):
+    most of a busy engine's steps, and the goodput controller's plan is most of the bounds' cost."""
+    wide = sc.prompt_work(sched)
+    k = jnp.asarray(scfg.policy.draft_len, i32)
+    next_drafts, next_want = jax.lax.cond(wide, lambda: (k, k),
+                                          lambda: sc.width_bounds(sched, knobs, scfg, step_cost)[1:])
+    return wide, next_drafts, next_want
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,

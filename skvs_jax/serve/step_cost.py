@@ -1,0 +1,77 @@
+"""The engine's own step cost, fitted at warm-up from timed steps of its compiled programs (vLLM's start-up
+profiling, for the goodput draft controller).
+
+An engine computes every slot at the step's query width Q (one compiled program per width: `Engine.widths`), so
+a step's time is set by Q, not by how many tokens the rows carry: on this project's CPU a decode step costs
+about the same at Q = 1, 3 or 5 and a prompt-width step about twice that. A token-priced `scheduler.StepCost`
+cannot say that; its width table can (`StepCost.width_us`, the extra time of a step whose widest row computes w
+tokens):
+
+    measure(engine)          median time of one step per compiled width, {Q: us}, on empty slots
+    fit(times, widths, ...)  token_us = the narrowest program's time; width_us[w] = time(the narrowest compiled
+                             width >= w) - that, non-decreasing in w (noise cannot make a wider program look
+                             cheaper); widths compiled but not timed are interpolated between timed ones
+
+The fit is a table, so the controller evaluates it in-graph like the simulator's cost model; `Engine(...,
+step_cost=...)` takes one instead (docs/speculation.md, "The engine's step cost").
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from skvs_jax import scheduler as sc
+
+MEASURE_ROUNDS = 7  # timed runs per width, interleaved across widths so a slow moment hits every width alike
+
+
+def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int, max_width: int) -> sc.StepCost:
+    """The `StepCost` of a padded engine whose programs have query widths `widths` (each >= 1: the ones a step
+    can run now), from measured step times (times_us: width -> microseconds, at least one; a width of `widths`
+    not among them is interpolated linearly between the nearest timed ones, clamped at the ends).
+
+    Returns token_us int32[token_budget + 1] (every entry the narrowest program's time), row_us = ctx_ns =
+    head_us = 0 (the program computes every slot and its heads whatever the rows hold), width_us
+    int32[max_width + 1]: width_us[w] = time(the smallest width >= w, max_width's program past the last) minus the
+    narrowest's, made non-decreasing."""
+    if not times_us:
+        raise ValueError("times_us must hold at least one measured width")
+    widths = sorted(set(int(w) for w in widths))
+    if not widths or widths[0] < 1 or max_width < widths[0]:
+        raise ValueError(f"widths must be >= 1 and max_width >= the narrowest, got {widths}, {max_width}")
+    timed = sorted(times_us)
+    at = np.interp(widths, timed, [float(times_us[w]) for w in timed])  # untimed widths: between timed ones
+    cost = np.maximum.accumulate(np.maximum(at, 1.0))
+    base = cost[0]
+    table = np.empty(max_width + 1, np.float64)
+    for w in range(max_width + 1):
+        i = min(int(np.searchsorted(widths, max(w, 1))), len(widths) - 1)
+        table[w] = cost[i] - base
+    table = np.maximum.accumulate(table)
+    token_us = jnp.full((token_budget + 1,), int(round(base)), jnp.int32)
+    zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731  (one buffer each: the engine's step donates them)
+    return sc.StepCost(token_us=token_us, row_us=zero(), ctx_ns=zero(), head_us=zero(),
+                       width_us=jnp.asarray(np.clip(np.round(table), 0, 2**24), jnp.int32))
+
+
+def measure(prepare: Callable[[int], Callable[[], object]], widths: Sequence[int], rounds: int = MEASURE_ROUNDS
+            ) -> dict[int, float]:
+    """Median wall time in microseconds of one step per width: `prepare(w)` (untimed: e.g. copying the state a
+    step donates) returns a call that runs the compiled step at width w and returns what to block on. One untimed
+    run per width, then `rounds` interleaved rounds."""
+    for w in widths:
+        jax.block_until_ready(prepare(w)())
+    samples: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(rounds):
+        for w in widths:
+            go = prepare(w)
+            t0 = time.perf_counter()
+            jax.block_until_ready(go())
+            samples[w].append((time.perf_counter() - t0) * 1e6)
+    return {w: statistics.median(v) for w, v in samples.items()}
