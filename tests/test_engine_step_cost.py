@@ -1,5 +1,6 @@
 """The engine's fitted step cost (`serve.step_cost`): the table's arithmetic, and the engine's boundary."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,7 +62,11 @@ def test_the_engine_step_cost_argument(shipped):
         assert np.asarray(e.state.step_cost.width_us).tolist() == [0] * (e.prompt_width + 1)
     given_cost = fit_mod.fit({1: 900.0, 32: 2000.0}, [1, 32], 96, 32)
     e = make(step_cost=given_cost)
-    assert e.step_cost_mode == "given" and e.step_cost is given_cost
+    assert e.step_cost_mode == "given" and np.asarray(e.step_cost.token_us).tolist() == [900] * 97
+    # The engine keeps a host copy and gives its state device copies: the step donates those, and the caller's
+    # StepCost (another engine's, a bench repeat's) must outlive them.
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(e.step_cost))
+    assert not any(x is y for x, y in zip(jax.tree.leaves(given_cost), jax.tree.leaves(e.state.step_cost)))
     assert np.asarray(e.state.step_cost.width_us).tolist() == np.asarray(given_cost.width_us).tolist()
     with pytest.raises(ValueError, match="step_cost must be 'fit', 'flat'"):
         make(step_cost="roofline")

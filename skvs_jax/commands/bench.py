@@ -196,7 +196,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
             "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
-            "fitted": (e.step_cost, e.step_cost_times) if e.step_cost_times else fitted,
+            "fitted": (e.step_cost, e.step_cost_times) if e.step_cost_times else fitted,  # host arrays
             "step_cost_us": {str(w): round(t, 1) for w, t in sorted((e.step_cost_times or (fitted or (0, {}))[1])
                                                                    .items())},
             "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}

@@ -305,8 +305,9 @@ class Engine:
         # The state always carries a StepCost of one shape (a width table up to the prompt width), so a fit at
         # warm-up replaces data and recompiles nothing.
         self.step_cost_mode = step_cost if isinstance(step_cost, str) else "given"
-        self.step_cost = (sc.flat_step_cost(scfg, max_width=self.prompt_width) if isinstance(step_cost, str)
-                          else step_cost)
+        # Kept on the host: the step donates the state's copy, which a caller's StepCost must outlive.
+        self.step_cost = jax.device_get(sc.flat_step_cost(scfg, max_width=self.prompt_width)
+                                        if isinstance(step_cost, str) else step_cost)
         self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
         self.state = self._empty_state()
         self.chooser = (sc.buckets.BucketChooser(policy.draft_len, policy.bucket_budget, tuple(buckets))
@@ -342,7 +343,7 @@ class Engine:
                                                                            self.cfg.kv_shardings))()
         state = engine_step.EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
-            sampling=sampling_mod.default_rows(b), step_cost=self.step_cost)
+            sampling=sampling_mod.default_rows(b), step_cost=self._device_step_cost())
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:
@@ -639,8 +640,12 @@ class Engine:
         """The fit of `step_cost_times` over the current widths, into the state (same shapes: no recompile)."""
         now = sorted(set(self.decode_widths) | {self.prompt_width})  # the widths a step can run now
         cost = step_cost_mod.fit(self.step_cost_times, now, self.cfg.sched.token_budget, self.prompt_width)
-        self.step_cost = jax.tree.map(lambda x: self._put(np.array(x)), cost)  # each leaf its own (donated) buffer
-        self.state = self.state.replace(step_cost=self.step_cost)
+        self.step_cost = jax.device_get(cost)
+        self.state = self.state.replace(step_cost=self._device_step_cost())
+
+    def _device_step_cost(self) -> sc.StepCost:
+        """`step_cost` (host arrays) on the device, each leaf its own buffer (the step donates them)."""
+        return jax.tree.map(lambda x: self._put(np.array(x)), self.step_cost)
 
     # ------------------------------------------------------------------------------------------------- step
 
