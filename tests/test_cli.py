@@ -257,7 +257,10 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
                   "output_tokens": [3] * 4, "blocks_used": [1] * 4,
                   "spec_blocks": [0] * 4}
         counters = {"drafted": 8 if policy.name in ("skvs", "skvs -insert") else 9}
-        return {"metrics": m, "outputs": outputs, "series": series, "counters": counters, "compiled": [[5, False]]}
+        fit = {"1": 1000.0, "5": 1500.0, "32": 3000.0} if policy.name == "skvs" else {}
+        widths = {"5": 1, "32": 3} if policy.name == "naive_spec" else {"3": 2, "32": 2}
+        return {"metrics": m, "outputs": outputs, "series": series, "counters": counters, "compiled": [[5, False]],
+                "step_cost_us": fit, "width_hist": widths}
 
     return serve
 
@@ -284,6 +287,12 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert "greedy outputs identical across policies: True (5 policies x 3 repeats checked)" in out
     assert "non-timing metrics identical across repeats: True" in out
     assert "naive_spec 120 [119-121]" in out  # median [min-max]
+    # Every run's steps priced by skvs's fit (width 3 interpolated between 1 and 5: 1250 us): naive_spec
+    # 1500 + 3 x 3000 us, the others 2 x 1250 + 2 x 3000.
+    assert ("steps priced by skvs's fit (each reported run's steps by width, without the clock's noise): naive_spec "
+            "10.5 ms, skvs 8.5 ms (0.81x naive_spec)") in out
+    priced = json.loads((tmp_path / "bench.json").read_text())["priced_schedules"]
+    assert priced["fit_of"] == "skvs" and priced["ms"]["skvs -release"] == pytest.approx(8.5)
     rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
     assert {"(none: skvs)", "release", "spec_pool", "insert", "all (naive_spec)"} <= set(rows)
     # 150 / 100, [151 / 101 .. 149 / 99] within rounds; engine steps

@@ -202,6 +202,24 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
             "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
 
 
+def _priced_schedules(results: dict, names: list[str]) -> dict | None:
+    """Each policy's reported run priced by one fitted step cost, the first policy's that has one: sum over its
+    steps of that fit's time at the step's query width (`serve.step_cost.fit`, widths it did not time
+    interpolated). What each schedule costs on this machine's compiled programs, free of the wall clock's noise
+    (the scheduler's own work per step is in the fit only as it is on empty slots). None when no policy fitted."""
+    from skvs_jax.serve import step_cost
+
+    fit_of = next((n for n in names if results[n].get("step_cost_us")), None)
+    if fit_of is None or not all(results[n].get("width_hist") for n in names):
+        return None
+    times = {int(w): float(t) for w, t in results[fit_of]["step_cost_us"].items()}
+    widths = sorted(set(times) | {int(w) for n in names for w in results[n]["width_hist"]})
+    cost = step_cost.fit(times, widths, token_budget=1, max_width=widths[-1])
+    base, table = int(np.asarray(cost.token_us)[0]), np.asarray(cost.width_us)
+    ms = {n: sum(k * (base + int(table[int(w)])) for w, k in results[n]["width_hist"].items()) / 1e3 for n in names}
+    return {"fit_of": fit_of, "step_cost_us": results[fit_of]["step_cost_us"], "ms": ms}
+
+
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
     """Median wall time of the jitted `schedule` alone on a snapshot of the run's state (the fused step cannot
     be split by a clock); 0 when the run was too short to snapshot."""
@@ -410,6 +428,13 @@ def run(args: argparse.Namespace) -> int:
         if results[n].get("step_cost_us"):
             print(f"{n}: step cost fitted at warm-up (us per step by query width): "
                   + ", ".join(f"{w}: {t:.0f}" for w, t in results[n]["step_cost_us"].items()))
+    priced = _priced_schedules(results, names)
+    if priced is not None:
+        base = names[0]
+        print(f"steps priced by {priced['fit_of']}'s fit (each reported run's steps by width, without the clock's "
+              "noise): " + ", ".join(f"{n} {ms:.1f} ms" + ("" if n == base else f" ({ms / priced['ms'][base]:.2f}x "
+                                                                                 f"{base})")
+                                    for n, ms in priced["ms"].items()))
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
@@ -450,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
         doc["runs"] = {"throughput": throughputs, "stalled": stalled}
     if ablation is not None:
         doc["ablation"] = ablation
+    if priced is not None:
+        doc["priced_schedules"] = priced
     (out / "bench.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, allow_nan=False) + "\n")
     if not args.no_plot:
         _plot(results, out / "bench.png", cache.usable_blocks)
