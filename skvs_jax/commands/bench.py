@@ -153,6 +153,8 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
         e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
     if getattr(args, "warmup", True):
         e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
+    if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
+        fitted = (e.step_cost, e.step_cost_times)
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
     while pending or e.has_work():
@@ -196,9 +198,8 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
     return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
             "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
-            "fitted": (e.step_cost, e.step_cost_times) if e.step_cost_times else fitted,  # host arrays
-            "step_cost_us": {str(w): round(t, 1) for w, t in sorted((e.step_cost_times or (fitted or (0, {}))[1])
-                                                                   .items())},
+            "fitted": fitted,
+            "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
             "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
 
 

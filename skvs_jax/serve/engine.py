@@ -597,14 +597,7 @@ class Engine:
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
             put(zeros), put(zeros - 1), jax.tree.map(put, self._sampling_rows([])), put(zeros), cfg=self.cfg))
         for w in order:
-            state = jax.tree.map(lambda x: x.copy(), empty)
-            if self.tiers is None:
-                jax.block_until_ready(engine_step.fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg,
-                                                  width=w))
-            else:
-                state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
-                jax.block_until_ready(engine_step.model_only(self.runner, self.params, state, batch, self.knobs,
-                                                             cfg=self.cfg, width=w))
+            jax.block_until_ready(self._idle_step(empty, w))
             self.compiled.add((w, self.tiers is not None))
         if self.step_cost_mode == "fit" and (self.policy.goodput_control or self.policy.priced_drafts):
             self.fit_step_cost()
@@ -620,26 +613,34 @@ class Engine:
         empty = self._empty_state()
 
         def prepare(w):
-            state = jax.tree.map(lambda x: x.copy(), empty)
-            if self.tiers is None:
-                return lambda: engine_step.fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg,
-                                                      width=w)
+            state = jax.tree.map(lambda x: x.copy(), empty)  # untimed: the step donates its state
+            return lambda: self._idle_step(state, w, copy=False)
 
-            def go():
-                st, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
-                return engine_step.model_only(self.runner, self.params, st, batch, self.knobs, cfg=self.cfg, width=w)
-            return go
-
-        now = sorted(set(self.decode_widths) | {self.prompt_width})
+        now = self._runnable_widths()
         self.step_cost_times = step_cost_mod.measure(prepare, now, rounds)
         self.compiled |= {(w, self.tiers is not None) for w in now}
         self._install_step_cost()
         return self.step_cost
 
+    def _idle_step(self, state: engine_step.EngineState, width: int, copy: bool = True):
+        """One step at `width` on a state with no requests (a copy of it unless copy=False: the step donates it),
+        through the program a serving step at that width runs; returns its outputs. What `warmup` compiles with
+        and `fit_step_cost` times."""
+        if copy:
+            state = jax.tree.map(lambda x: x.copy(), state)
+        if self.tiers is None:
+            return engine_step.fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg, width=width)
+        state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
+        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, cfg=self.cfg, width=width)
+
+    def _runnable_widths(self) -> list[int]:
+        """The query widths a step can run now: the decode widths and the prompt width."""
+        return sorted(set(self.decode_widths) | {self.prompt_width})
+
     def _install_step_cost(self) -> None:
         """The fit of `step_cost_times` over the current widths, into the state (same shapes: no recompile)."""
-        now = sorted(set(self.decode_widths) | {self.prompt_width})  # the widths a step can run now
-        cost = step_cost_mod.fit(self.step_cost_times, now, self.cfg.sched.token_budget, self.prompt_width)
+        cost = step_cost_mod.fit(self.step_cost_times, self._runnable_widths(), self.cfg.sched.token_budget,
+                                 self.prompt_width)
         self.step_cost = jax.device_get(cost)
         self.state = self.state.replace(step_cost=self._device_step_cost())
 

@@ -49,11 +49,8 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
     at = np.interp(widths, timed, [float(times_us[w]) for w in timed])  # untimed widths: between timed ones
     cost = np.maximum.accumulate(np.maximum(at, 1.0))
     base = cost[0]
-    table = np.empty(max_width + 1, np.float64)
-    for w in range(max_width + 1):
-        i = min(int(np.searchsorted(widths, max(w, 1))), len(widths) - 1)
-        table[w] = cost[i] - base
-    table = np.maximum.accumulate(table)
+    program = np.searchsorted(widths, np.maximum(np.arange(max_width + 1), 1))  # the narrowest width >= w
+    table = cost[np.minimum(program, len(widths) - 1)] - base  # non-decreasing: cost is, and so is program
     token_us = jnp.full((token_budget + 1,), int(round(base)), jnp.int32)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731  (one buffer each: the engine's step donates them)
     return sc.StepCost(token_us=token_us, row_us=zero(), ctx_ns=zero(), head_us=zero(),
