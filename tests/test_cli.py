@@ -326,6 +326,48 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert a["rows"]["insert"]["identical_schedule"] and a["rows"]["insert"]["throughput_effect"] == "none"
 
 
+def test_serving_groups_keep_order_and_the_program_limit():
+    programs = {"a": 3, "b": 5, "c": 9, "d": 20, "e": 1}
+    assert bench.serving_groups(list(programs), programs, limit=16) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert bench.serving_groups(list(programs), programs, limit=100) == [list(programs)]
+    assert bench.serving_groups(["e", "a"], programs, limit=4) == [["e", "a"]]  # exactly at the limit: one group
+    assert bench.serving_groups([], programs) == []
+    # The ablation's anchor (skvs) starts every later group again, so each variant pairs with a skvs run of its time.
+    assert bench.serving_groups(list(programs), programs, limit=16, anchor="b") == [["a", "b"], ["b", "c"], ["b", "d"],
+                                                                                     ["b", "e"]]
+    assert bench.serving_groups(list(programs), programs, limit=16, anchor="c") == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys, monkeypatch, two_ablations):
+    """More programs than one process holds (the ablation's ~40 once aborted XLA:CPU at Linux's 65,530 memory
+    maps): each group's rounds finish, then its compiled programs are freed before the next group compiles."""
+    served, cleared = [], []
+    stub = _stub_serve()
+
+    def serve(model, heads, policy, *args, **kwargs):
+        served.append((policy.name, len(cleared)))
+        return stub(model, heads, policy, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "serve", serve)
+    monkeypatch.setattr(bench, "MAX_LIVE_PROGRAMS", 10)  # naive_spec 3 + skvs 5; skvs again + each ablation 5
+    monkeypatch.setattr(bench.jax, "clear_caches", lambda: cleared.append(True))
+    argv = ["bench", "--ablation", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot", "--out", str(tmp_path)]
+    assert commands.main(argv) == 0
+    assert served == [("naive_spec", 0), ("skvs", 0), ("naive_spec", 0), ("skvs", 0),
+                      ("skvs", 1), ("skvs -release", 1), ("skvs", 1), ("skvs -release", 1),
+                      ("skvs", 2), ("skvs -spec_pool", 2), ("skvs", 2), ("skvs -spec_pool", 2)]
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool"]
+    # skvs's own runs are the first group's; each variant's rounds pair with the skvs runs of its own group (the
+    # stub's skvs: 99, 101, then 100, 99 beside -release, then 101, 100 beside -spec_pool).
+    assert doc["runs"]["throughput"]["skvs"] == [99.0, 101.0]
+    assert doc["runs"]["throughput"]["skvs -release"] == [149.0, 151.0]
+    rows = doc["ablation"]["rows"]
+    assert rows["release"]["metrics"]["throughput"]["paired"] == pytest.approx([149 / 100, 151 / 99])
+    assert rows["spec_pool"]["metrics"]["throughput"]["paired"] == pytest.approx([59 / 101, 61 / 100])
+    assert rows["naive_spec"]["metrics"]["throughput"]["paired"] == pytest.approx([119 / 99, 121 / 101])
+
+
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
     monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -spec_pool", stall={"skvs -release": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--quiet", "--no-plot", "--out", str(tmp_path)]

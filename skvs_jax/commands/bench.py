@@ -14,7 +14,11 @@ from the seed. A run in which one step takes over a second and over half the run
 inside the timed run, or the machine stopped): it is flagged, and left out of the median when the policy has other
 runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over
 the run hits every policy, and policies of one round can be compared pairwise); each policy's metrics are those of
-its run with the median throughput (the upper median for even N), and its min-max throughput is reported.
+its run with the median throughput (the upper median for even N), and its min-max throughput is reported. More
+policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive
+groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles; under
+`--ablation` every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run of
+its own group (skvs's reported metrics stay those of the first group's runs).
 `--ablation` serves naive_spec, skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to
 naive_spec's value ("skvs -<switch>"). After the usual table it prints the decomposition: per switch, the metrics
 with the switch off and their change vs full skvs measured in the same run, the switch's share of the skvs -
@@ -62,6 +66,10 @@ TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", 
                   "scheduler_time_per_step", "scheduler_time_share", "wall_time")
 # The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
 # noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
+# Compiled engine programs one process keeps at once. XLA:CPU maps ~2,500 memory regions per engine step of the
+# shipped model, and Linux's default limit is 65,530 maps a process: the ablation's ~40 programs together abort in
+# LLVM ("Cannot allocate memory"). Policies beyond this are served in groups, each group's programs freed after it.
+MAX_LIVE_PROGRAMS = 16
 ABLATION_METRICS = (("throughput", True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
                     ("kv_hit_rate", True), ("kv_hit_rate_first", True), ("oom_rate", False),
                     ("preemptions_per_request", False), ("mean_accepted_length", True))
@@ -367,11 +375,51 @@ def _setup(args: argparse.Namespace):
     return specs, _verify_budget(args.verify_budget), model, heads, trace, cache
 
 
+def serving_groups(names: list[str], programs: dict[str, int], limit: int | None = None,
+                   anchor: str | None = None) -> list[list[str]]:
+    """`names` in order, cut into consecutive groups whose compiled programs (programs[name] each) stay within
+    `limit` (default `MAX_LIVE_PROGRAMS`; a policy with more is a group of its own): what `run` serves
+    round-robin before freeing them. anchor: a name of the first group that every later group starts with too
+    (the ablation's skvs, so each variant is paired with a skvs run of its own time)."""
+    limit = MAX_LIVE_PROGRAMS if limit is None else limit
+    groups: list[list[str]] = []
+    held = 0
+    for name in names:
+        if not groups or held + programs[name] > limit:
+            again = [anchor] if groups and anchor in groups[0] else []
+            groups.append(again)
+            held = sum(programs[n] for n in again)
+        groups[-1].append(name)
+        held += programs[name]
+    return groups
+
+
+def _serve_group(group: list[str], out: dict, history: dict, model, heads, chosen: dict, specs: dict, cache, trace,
+                 args, bar) -> None:
+    """Every repeat of the group's policies into out[name], round-robin: load drift over the run shows in every
+    policy's spread, and the policies of one round can be compared pairwise. A policy with runs in `history`
+    (an earlier group's) warms up from and plans with those, as its later repeats do."""
+    for repeat in range(args.repeats):
+        for name in group:
+            if bar is not None:
+                bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
+            prior = out[name] or history.get(name, [])
+            last = prior[-1].get("bucket_hist") if prior else None  # a later repeat warms up from it
+            fitted = prior[0].get("fitted") if prior else None  # and plans with the first one's fit
+            out[name].append(serve(model, heads, chosen[name], cache, trace, args,
+                                   progress=bar.update if bar else None, knobs=specs[name].knobs(),
+                                   bucket_hist=last, fitted=fitted))
+
+
 def run(args: argparse.Namespace) -> int:
     specs, budget, model, heads, trace, cache = _setup(args)
     chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
-    total_tokens = sum(r.max_new_tokens for r in trace.requests) * len(names) * args.repeats
+    programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).widths) + 1  # + `schedule`
+                for n, p in chosen.items()}
+    anchor = "skvs" if args.ablation else None
+    groups = serving_groups(names, programs, anchor=anchor)
+    total_tokens = sum(r.max_new_tokens for r in trace.requests) * sum(map(len, groups)) * args.repeats
     bar = None
     if not args.quiet:
         from tqdm import tqdm
@@ -379,15 +427,13 @@ def run(args: argparse.Namespace) -> int:
         bar = tqdm(total=total_tokens, unit="tok", desc="skvs bench")
     runs = {n: [] for n in names}
     t_start = time.perf_counter()
-    for repeat in range(args.repeats):  # round-robin: load drift over the run shows in every policy's spread
-        for name in names:
-            if bar is not None:
-                bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
-            last = runs[name][-1].get("bucket_hist") if runs[name] else None  # a later repeat warms up from it
-            fitted = runs[name][0].get("fitted") if runs[name] else None  # and plans with the first one's fit
-            runs[name].append(serve(model, heads, chosen[name], cache, trace, args,
-                                    progress=bar.update if bar else None, knobs=specs[name].knobs(),
-                                    bucket_hist=last, fitted=fitted))
+    paired_with = {}  # the ablation: per policy, the skvs runs of its own group (its per-round pairs)
+    for g, group in enumerate(groups):
+        if g:  # the previous group's programs, freed before this group compiles its own
+            jax.clear_caches()
+        out = {n: [] if g and n == anchor else runs[n] for n in group}  # a later group's skvs: pairs only
+        _serve_group(group, out, runs, model, heads, chosen, specs, cache, trace, args, bar)
+        paired_with |= {n: out[anchor] for n in group if anchor in out and n != anchor}
     if bar is not None:
         bar.close()
     # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a
@@ -441,7 +487,9 @@ def run(args: argparse.Namespace) -> int:
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
     ablation = None
     if args.ablation:
-        ablation = _ablation(chosen, results, throughputs, stalled, args)
+        paired_runs = {n: ([r["metrics"]["throughput"] for r in rs], [bool(_stall(r)) for r in rs])
+                       for n, rs in paired_with.items()}
+        ablation = _ablation(chosen, results, throughputs, stalled, args, paired_runs)
         print()
         print(_format_ablation(ablation))
 
@@ -555,14 +603,15 @@ def throughput_effect(*, steps: tuple[float, float], tokens: tuple[float, float]
 
 
 def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: dict[str, list[float]],
-              stalled: dict[str, list[bool]], args) -> dict:
+              stalled: dict[str, list[bool]], args, paired_runs: dict | None = None) -> dict:
     """The decomposition as data (bench.json's "ablation" section).
 
     rows: one per ablated switch in `policies.ablations` order, then "naive_spec" (every switch off at once);
       each has the policy name, the fields that differ from skvs, and per metric of ABLATION_METRICS
       {"off": value with the switch off, "skvs": full skvs's value, "change": off - skvs}. For throughput,
       "change" is off / skvs (reported runs) and "paired" the ratios off / skvs within each round of repeats
-      (both ran under the same load; null where either run stalled), "ratio_min"/"ratio_max" their range.
+      (both ran under the same load: with serving groups, the skvs runs of the variant's own group, paired_runs:
+      name -> (throughputs, stalled flags); null where either run stalled), "ratio_min"/"ratio_max" their range.
       "throughput_effect": "helps" (skvs is faster with the switch), "hurts", "within noise", "none" (the
       schedule is identical to skvs's: same counters and non-timing metrics, so any difference is noise), "not
       measured" (every run of either policy stalled), decided by `throughput_effect`; "verdict_basis" says by
@@ -582,8 +631,9 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
     for name in [n for n in chosen if n not in ("skvs", "naive_spec")] + ["naive_spec"]:
         off = results[name]["metrics"]
         ratio = off["throughput"] / skvs_metrics["throughput"]
-        paired = [None if so or ss else o / t for o, t, so, ss in zip(throughputs[name], throughputs["skvs"],
-                                                                    stalled[name], stalled["skvs"], strict=True)]
+        base_tp, base_stalled = (paired_runs or {}).get(name, (throughputs["skvs"], stalled["skvs"]))
+        paired = [None if so or ss else o / t for o, t, so, ss in zip(throughputs[name], base_tp,
+                                                                    stalled[name], base_stalled, strict=True)]
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
         row = {"policy": name,
@@ -604,7 +654,7 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
             steps=(off["num_steps"], skvs_metrics["num_steps"]), tokens=(off["output_tokens"],
                                                                          skvs_metrics["output_tokens"]),
             ratio=ratio, paired=paired, deterministic=args.rate is None, identical=row["identical_schedule"],
-            measured=not (all(stalled[name]) or all(stalled["skvs"])))
+            measured=not (all(stalled[name]) or all(base_stalled)))
         rows[name.removeprefix(f"{base.name} -")] = row
     gap_within_noise = rows["naive_spec"]["throughput_effect"] not in ("helps", "hurts")
     gap = skvs_metrics["throughput"] - results["naive_spec"]["metrics"]["throughput"]
