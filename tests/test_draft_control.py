@@ -28,17 +28,19 @@ def _widths(cost: sc.StepCost, width_us) -> sc.StepCost:
     return cost.replace(width_us=jnp.asarray(width_us, jnp.int32))
 
 
-def _decide(surv, cap, base, cost, rows=2, ctx=100, sampling=2, wide=False):
+def _decide(surv, cap, base, cost, rows=2, ctx=100, sampling=2, wide=False, reach_of=None):
     query = jnp.ones((len(cap),), jnp.int32)  # decode rows: one sampled token each
     return np.asarray(dc.goodput_drafts(jnp.asarray(surv, jnp.int32), jnp.asarray(cap, jnp.int32),
                                         jnp.asarray(base, jnp.int32), jnp.asarray(rows, jnp.int32),
                                         jnp.asarray(ctx, jnp.int32), jnp.asarray(sampling, jnp.int32), cost,
-                                        query=query, wide=jnp.asarray(wide)))
+                                        query=query, wide=jnp.asarray(wide), reach_of=reach_of))
 
 
-def _rate(surv, drafts, base, cost, rows, ctx, sampling, wide=False):
+def _rate(surv, drafts, base, cost, rows, ctx, sampling, wide=False, reach_of=None):
+    """Expected accepted tokens per us of drafts[b] slots per row; with a tree, n slots reach depth reach_of[n]."""
     n = int(sum(drafts))
-    gain = sum(int(surv[b][d]) for b in range(len(drafts)) for d in range(drafts[b]))
+    reach = list(range(len(surv[0]) + 1)) if reach_of is None else reach_of
+    gain = sum(int(surv[b][d]) for b in range(len(drafts)) for d in range(reach[drafts[b]]))
     widest = None
     if cost.width_us is not None:  # decode rows: 1 + drafts; a prompt step runs the widest program
         widest = jnp.asarray(cost.width_us.shape[0] - 1 if wide else 1 + max(drafts, default=0))
@@ -77,6 +79,38 @@ def test_the_decision_is_the_best_of_every_prefix_choice_to_grid_precision(alpha
     # A threshold grid cannot split survivals within one level (ONE / LEVELS) of each other.
     slack = sum(cap) * (dc.ONE / dc.LEVELS) / 1000
     assert mine >= best - slack - 1e-9
+
+
+# A draft tree's reach per slot count 0..5: non-decreasing, at most the count, deeper by at most one a slot.
+tree_reaches = hs.lists(hs.booleans(), min_size=5, max_size=5).map(
+    lambda deeper: [0] + np.cumsum([True] + deeper[1:]).tolist())
+
+
+@settings(max_examples=60)
+@given(alphas=hs.lists(hs.lists(hs.integers(0, dc.ONE), min_size=5, max_size=5), min_size=1, max_size=2),
+       caps=hs.lists(hs.integers(0, 5), min_size=2, max_size=2), base=hs.integers(0, 12),
+       slope=hs.integers(0, 400), width=width_tables, reach=tree_reaches)
+def test_a_tree_drafts_to_a_depth_in_its_fewest_slots_and_is_the_best_choice(alphas, caps, base, slope, width,
+                                                                            reach):
+    """With a draft tree (n slots reach depth reach[n] <= n), brute force over every slot count per row: the
+    controller's goodput is within a grid level's worth of the best, and each row's slots are the fewest that
+    reach their depth (more slots to the same depth cost time and add nothing)."""
+    surv = _surv(alphas)
+    cap = caps[: len(alphas)]
+    cost = _cost(1000, slope) if width is None else _widths(_cost(1000, slope), width)
+    got = _decide(surv, cap, base, cost, reach_of=tuple(reach)).tolist()
+    fewest = set(dc.slots_for(tuple(reach)))
+    assert all(0 <= g <= c and g in fewest for g, c in zip(got, cap))
+    best = max(_rate(surv, list(ch), base, cost, 2, 100, 2, reach_of=reach)
+               for ch in itertools.product(*[range(c + 1) for c in cap]))
+    mine = _rate(surv, got, base, cost, 2, 100, 2, reach_of=reach)
+    slack = sum(reach[c] for c in cap) * (dc.ONE / dc.LEVELS) / 1000
+    assert mine >= best - slack - 1e-9
+
+
+def test_slots_for_is_the_inverse_of_the_reach():
+    assert dc.slots_for((0, 1, 2, 3)) == (0, 1, 2, 3)  # a chain
+    assert dc.slots_for((0, 1, 1, 2, 2, 2)) == (0, 1, 3, 6, 6, 6)  # depth 3 and beyond: out of reach (K + 1)
 
 
 def test_brute_force_exact_when_survivals_sit_on_the_grid():

@@ -65,6 +65,9 @@ CONFIGS = {
     "skvs_article-priced-swap": _cfg(ARTICLE.replace(draft_memory="priced", preemption="swap"), swap_blocks=12),
     # vLLM's EAGLE/MTP prefix-cache path: every hit loses the blocks the drafts reach.
     "naive_spec_vllm": _cfg(policies.naive_spec_vllm(4)),
+    # The goodput controller on a draft tree of 4 slots reaching depth 2 (slot counts 0..4 reach 0, 1, 1, 2, 2):
+    # it drafts to a depth in the fewest slots, and counts the depths reached.
+    "skvs-tree": _cfg(SKVS, reach_table=(0, 1, 1, 2, 2)),
 }
 # A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
 # 150 us: drafts pay only while the rows' acceptance is high enough.
@@ -128,7 +131,7 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
 
 
 @pytest.mark.parametrize("cost", list(COSTS))
-@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic"])
+@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic", "skvs-tree"])
 @settings(max_examples=3)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
 def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, cost, seed, steps, add_p):

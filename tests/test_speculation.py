@@ -207,6 +207,17 @@ def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(s
     assert int(e.state.sched.counters.accepted) > 0
 
 
+def test_the_goodput_controller_on_a_tree_is_greedy_and_drafts_to_depths(shipped, trace, reference):
+    """skvs (the goodput controller) on SMALL_TREE: it prices a row's slots by the depth they reach, so the
+    output is still greedy, and the per-depth counts it learns from are the depths the tree's slots reached."""
+    e = _engine(shipped, policies.skvs(15), trace, tree=SMALL_TREE)
+    assert e.run() == reference
+    c, seqs = e.state.sched.counters, e.state.sched
+    assert e.cfg.sched.reach_of[15] == 4 and int(c.accepted) > int(c.verifications) > 0
+    tried = np.asarray(seqs.pop_tried)
+    assert tried[0] > 0 and not tried[4:].any()  # no depth beyond the tree's 4 is ever tried
+
+
 def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped):
     """2,000 steps, arrivals in bursts (the batch grows and shrinks), adaptive draft lengths: the number of
     programs compiled is counted from jax's cache, and stays <= buckets x batch buckets (the batch is one
@@ -297,8 +308,6 @@ def test_bad_speculation_arguments_are_refused(shipped):
         engine.Engine(model, heads, policies.skvs(4), CACHE, acceptance="always")
     with pytest.raises(ValueError, match="sample_drafts needs a chain"):
         engine.Engine(model, heads, policies.skvs_article(15), CACHE, tree=SMALL_TREE, sample_drafts=True)
-    with pytest.raises(ValueError, match="goodput"):  # the controller prices chains; trees use the histogram rule
-        engine.Engine(model, heads, policies.skvs(15), CACHE, tree=SMALL_TREE)
     with pytest.raises(ValueError, match="need a policy that speculates"):
         engine.Engine(model, None, policies.vllm_default(), CACHE, tree=SMALL_TREE)
     with pytest.raises(TypeError, match="tree must be a DraftTree"):

@@ -288,29 +288,22 @@ def _specs(args: argparse.Namespace) -> dict[str, policies.PolicySpec]:
     `--ablation` naive_spec, skvs and its ablations ("skvs -draft_control" is the article's skvs, `skvs_article`).
     The global switches (--preemption, --victim, --kv-precision, --no-prefix-cache) apply to every policy, and
     `--verify-budget` to the skvs preset (and so to its ablations), as in `skvs simulate`; a policy's own
-    overrides win over both. With a draft tree, skvs's goodput controller (which prices chains) gives way to the
-    histogram rule unless draft_control is written."""
+    overrides win over both."""
     budget = _verify_budget(args.verify_budget)
 
     draft_len = 4 if args.draft_len is None else args.draft_len  # `_setup` sets it from the heads first
 
-    def tree_ok(spec):
-        p = spec.policy
-        if p.goodput_control and args.tree != "chain" and "draft_control" not in dict(spec.overrides):
-            p = p.replace(draft_control="histogram")  # the controller prices chains (d drafts reach depth d)
-        return dataclasses.replace(spec, policy=p)
-
     try:
         if args.ablation:
-            named = {n: tree_ok(policies.parse_policy(n, draft_len, policy_flags.defaults(args)
-                                                      | ({"verify_budget": budget} if n == "skvs" else {})))
+            named = {n: policies.parse_policy(n, draft_len, policy_flags.defaults(args)
+                                              | ({"verify_budget": budget} if n == "skvs" else {}))
                      for n in ("naive_spec", "skvs")}
             return named | {n: policies.PolicySpec(p) for n, p in policies.ablations(named["skvs"].policy).items()}
         specs = policies.parse_policies(args.policies, draft_len, policy_flags.defaults(args),
                                         {"skvs": {"verify_budget": budget}})
     except ValueError as err:
         raise SystemExit(f"skvs bench: --policies: {err}") from None
-    return {s.policy.name: tree_ok(s) for s in specs}
+    return {s.policy.name: s for s in specs}
 
 
 def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:

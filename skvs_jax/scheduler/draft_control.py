@@ -19,9 +19,16 @@ Decision. Survival falls with depth, so "every (b, d) with S >= threshold and d 
 prefix of its drafts. Over a fixed grid of thresholds (none, ONE, ..., ONE / LEVELS; no sort), the step's goodput
 is (sampling rows * ONE + sum of the selected S) / time(base tokens + selected drafts) from a `StepCost`; the
 first maximum wins (ties: fewer drafts). A `StepCost` with a width table (a padded engine, whose step time is
-set by its widest row) adds a second axis, a cap c = 0..K on every row's drafts, so "two drafts each in the
-3-wide program" competes with "four for the best rows in the 5-wide one". Sums are over integers and the one
-division is float32, so the jitted controller and the plain-Python oracle agree bit for bit.
+set by its widest row) adds a second axis, a cap on every row's drafts at each compiled draft width, so "two
+drafts each in the 3-wide program" competes with "four for the best rows in the 5-wide one". Sums are over
+integers and the one division is float32, so the jitted controller and the plain-Python oracle agree bit for bit.
+
+Trees. A draft tree's n slots reach depth reach_of[n] <= n (`SchedulerConfig.reach_of`): depths are what the
+estimates count (`update` records the depth a row's slots reached, not its slot count) and what the threshold
+selects; a row drafting to depth r takes the fewest slots that reach it (`slots_for`) and is priced for those.
+A chain is the identity case. The estimate at depth d pools every width the row was given (a wider prefix of
+the tree has more candidates at a depth, so it passes more often): the controller slightly under-rates wide
+trees at shallow depths and over-rates narrow ones.
 """
 
 from __future__ import annotations
@@ -81,26 +88,46 @@ def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Ar
     return time + cost.width_us[jnp.clip(widest, 0, cost.width_us.shape[0] - 1)]
 
 
+def slots_for(reach_of: tuple[int, ...]) -> tuple[int, ...]:
+    """Per depth r in 0..K, the fewest draft slots whose subtree reaches it: min {n : reach_of[n] >= r} (K + 1
+    past the deepest reach). reach_of: per slot count 0..K, the depth those slots reach (`SchedulerConfig.reach_of`;
+    a chain: the identity, and so is this)."""
+    k = len(reach_of) - 1
+    return tuple(next((n for n, r in enumerate(reach_of) if r >= depth), k + 1) for depth in range(k + 1))
+
+
 def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows: jax.Array, ctx: jax.Array,
                    sampling: jax.Array, cost: StepCost, query: jax.Array | None = None,
-                   wide: jax.Array | None = None) -> jax.Array:
-    """int32[B] drafts per row: the (threshold of `thresholds()`, cap) that maximises the step's expected
-    accepted tokens per second: every (b, d) with surv[b, d] >= the threshold and d < min(cap[b], the cap).
+                   wide: jax.Array | None = None, reach_of: tuple[int, ...] | None = None,
+                   caps: jax.Array | None = None) -> jax.Array:
+    """int32[B] draft slots per row: the (threshold of `thresholds()`, cap) that maximises the step's expected
+    accepted tokens per second. A row drafts to depth r = the number of depths d with surv[b, d] >= the threshold
+    among those its slots can reach (d < reach_of[min(cap[b], the cap)]), in the fewest slots reaching r
+    (`slots_for`); for a chain (reach_of the identity, the default) r drafts in r slots.
 
-    surv int32[B, K]; cap int32[B] the row's most drafts (0 for a row that does not decode); base_tokens int32[]
-    the step's tokens without drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[]
-    rows that emit a token this step whatever is drafted. The cap is searched (0..K) only when `cost` has a width
-    table; then query int32[B] (each row's tokens besides drafts) and wide bool[] (the step has prompt work, so
-    it runs at the widest width whatever is drafted) give the step's widest row. The first maximum wins, over
-    thresholds from "none" down and, within one, caps from 0 up (ties: fewer drafts)."""
+    surv int32[B, K] (per depth of the tree's reach: the chance the accepted path gets past depth d); cap int32[B]
+    the row's most draft slots (0 for a row that does not decode); base_tokens int32[] the step's tokens without
+    drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[] rows that emit a token
+    this step whatever is drafted. The cap is searched only when `cost` has a width table, over caps int32[C]
+    (sorted; default 0..K; the engine's compiled draft widths, `SchedState.draft_widths`: a cap between two of
+    them runs in the wider program anyway); then query int32[B] (each row's tokens besides drafts) and wide
+    bool[] (the step has prompt work, so it runs at the widest width whatever is drafted) give the step's
+    widest row. The first maximum wins, over thresholds from
+    "none" down and, within one, caps from 0 up (ties: fewer drafts). Survival falls with depth, so every
+    choice takes a prefix of a row's depths."""
     b, k = surv.shape
+    reach_of = tuple(range(k + 1)) if reach_of is None else tuple(reach_of)
+    reach, slots = jnp.asarray(reach_of, i32), jnp.asarray(slots_for(reach_of), i32)
     thr = thresholds()
-    caps = jnp.arange(k + 1, dtype=i32) if cost.width_us is not None else jnp.full((1,), k, i32)
+    if cost.width_us is None:
+        caps = jnp.full((1,), k, i32)
+    elif caps is None:
+        caps = jnp.arange(k + 1, dtype=i32)
     depth = jnp.arange(k, dtype=i32)
-    allowed = depth[None, :] < cap[:, None]  # [B, K]
-    take = (allowed[:, :, None, None] & (surv[:, :, None, None] >= thr[None, None, :, None])
-            & (depth[None, :, None, None] < caps[None, None, None, :]))  # [B, K, L + 1, C]
-    per_row = jnp.sum(take, axis=1, dtype=i32)  # [B, L + 1, C]
+    reachable = reach[jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])]  # [B, C] depths the slots reach
+    take = ((depth[None, :, None, None] < reachable[:, None, None, :])
+            & (surv[:, :, None, None] >= thr[None, None, :, None]))  # [B, K, L + 1, C]
+    per_row = slots[jnp.sum(take, axis=1, dtype=i32)]  # [B, L + 1, C] draft slots reaching the chosen depth
     n = jnp.sum(per_row, axis=0, dtype=i32)  # [L + 1, C] drafts per choice
     gain = jnp.sum(jnp.where(take, surv[:, :, None, None], 0), axis=(0, 1), dtype=i32)  # expected accepted * ONE
     widest = None
@@ -118,9 +145,10 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
 def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array, pop_passed: jax.Array,
                   verified: jax.Array, offered: jax.Array, accepted: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The counts after one step: a verified row (bool[B]) offered `offered` drafts and accepted `accepted`
-    (int32[B]) reached depths d < min(accepted + 1, offered) and passed d < accepted. Population totals at a
-    depth halve (both, rounding down) once its tried count reaches POP_HALVE_AT."""
+    """The counts after one step: a verified row (bool[B]) whose drafts reached depth `offered` (int32[B]; a
+    chain's draft count, a tree's `reach_of` of its slots) and accepted `accepted` (int32[B]) tried depths
+    d < min(accepted + 1, offered) and passed d < accepted. Population totals at a depth halve (both, rounding
+    down) once its tried count reaches POP_HALVE_AT."""
     d = jnp.arange(draft_tried.shape[1], dtype=i32)[None, :]
     tried = verified[:, None] & (d < jnp.minimum(accepted + 1, offered)[:, None])
     passed = verified[:, None] & (d < accepted[:, None])
@@ -134,10 +162,12 @@ def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: ja
 # ------------------------------------------------------------------------------- memory: pricing draft blocks
 
 
-def row_gain(surv: jax.Array, drafts: jax.Array) -> jax.Array:
-    """int32[B] expected accepted drafts * ONE of a row drafting drafts[b] (int32[B]): sum of surv[b, d < drafts[b]]."""
+def row_gain(surv: jax.Array, drafts: jax.Array, reach_of: tuple[int, ...] | None = None) -> jax.Array:
+    """int32[B] expected accepted drafts * ONE of a row drafting drafts[b] (int32[B]) slots: the sum of surv[b, d]
+    over the depths d < reach_of[drafts[b]] they reach (default a chain: d < drafts[b])."""
     d = jnp.arange(surv.shape[1], dtype=i32)[None, :]
-    return jnp.sum(jnp.where(d < drafts[:, None], surv, 0), axis=1, dtype=i32)
+    reach = drafts if reach_of is None else jnp.asarray(reach_of, i32)[jnp.clip(drafts, 0, len(reach_of) - 1)]
+    return jnp.sum(jnp.where(d < reach[:, None], surv, 0), axis=1, dtype=i32)
 
 
 def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:

@@ -252,7 +252,8 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     sampling = jnp.sum(running & (chunk > 0) & (committed + chunk == seqs.num_tokens), dtype=i32)
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
     return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost,
-                                        query=jnp.where(running, chunk, 0), wide=prompt_work(st))
+                                        query=jnp.where(running, chunk, 0), wide=prompt_work(st),
+                                        reach_of=cfg.reach_of, caps=st.draft_widths)
 
 
 def prompt_work(st: SchedState) -> jax.Array:
@@ -353,7 +354,7 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     def side(kept, drafts):
         decode_drafts = jnp.where(plan.decode > 0, drafts, 0)
         tokens = (draft_control.ONE * jnp.sum(kept & samples, dtype=i32)
-                  + jnp.sum(draft_control.row_gain(plan.surv, decode_drafts), dtype=i32))
+                  + jnp.sum(draft_control.row_gain(plan.surv, decode_drafts, cfg.reach_of), dtype=i32))
         widest = jnp.max(jnp.where(kept & (grant.query > 0), grant.query + drafts, 0))
         time = draft_control.step_time_us(
             cost, jnp.sum(jnp.where(kept, grant.query + drafts, 0), dtype=i32), jnp.sum(kept, dtype=i32),

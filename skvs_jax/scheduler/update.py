@@ -101,14 +101,16 @@ def valid_on_fill(committed: jax.Array, accepted: jax.Array, view_tokens: jax.Ar
 
 
 def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, finished: jax.Array,
-           pending: jax.Array) -> SchedState:
-    """The request's acceptance histogram and per-depth counts (and the population's), the rows still waiting
-    to be indexed, the step's counters."""
+           pending: jax.Array, cfg: SchedulerConfig) -> SchedState:
+    """The request's acceptance histogram and per-depth counts (and the population's; the depths a row's drafts
+    reached, `SchedulerConfig.reach_of` of its draft slots), the rows still waiting to be indexed, the step's
+    counters."""
     b = st.seqs.status.shape[0]
     verified = batch.samples & (batch.num_drafts > 0)
     hist = st.seqs.accept_hist.at[jnp.where(verified, jnp.arange(b, dtype=i32), b), accepted].add(1, mode="drop")
+    reached = jnp.asarray(cfg.reach_of, i32)[jnp.clip(batch.num_drafts, 0, cfg.policy.draft_len)]
     tried, passed, pop_tried, pop_passed = draft_control.record_drafts(
-        st.seqs.draft_tried, st.seqs.draft_passed, st.pop_tried, st.pop_passed, verified, batch.num_drafts, accepted)
+        st.seqs.draft_tried, st.seqs.draft_passed, st.pop_tried, st.pop_passed, verified, reached, accepted)
     ct = st.counters
     counters = ct.replace(
         steps=ct.steps + 1,
@@ -160,7 +162,7 @@ def update_unchecked(
         kv = manager.index_validated(kv, st.seqs.tokens, committed, sel, cfg.kv, st.seqs.cache_salt)
     if pol.spec_pool:
         kv = manager.reclaim(kv, st.step, knobs.generation_threshold)
-    st = record(st.replace(kv=kv), batch, accepted, new, finished, pending)
+    st = record(st.replace(kv=kv), batch, accepted, new, finished, pending, cfg)
     return st, StepResult(num_new=new, finished=finished, accepted=accepted)
 
 

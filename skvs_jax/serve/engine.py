@@ -293,9 +293,6 @@ class Engine:
                 raise ValueError(f"step_cost must be 'fit', 'flat' or a scheduler.StepCost, got {step_cost!r}")
         else:
             sc.check_step_cost(step_cost, scfg)
-        if policy.goodput_control and tree is not None and not spec.is_chain(tree):
-            raise ValueError("draft_control='goodput' prices d drafts as reaching depth d (a chain); with a draft "
-                             "tree use draft_control='histogram' (e.g. the skvs_article preset)")
         # Compile buckets: one decode width per draft width (1 + drafts; the state's `draft_widths`, chosen from
         # the histogram under `bucket_budget`), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)

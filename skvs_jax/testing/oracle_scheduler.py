@@ -358,7 +358,8 @@ class OracleScheduler:
     def goodput_plan(self, start: StepStart, surv: list, cap: list, step_cost) -> list[int]:
         """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
         the threshold of the grid that maximises (sampling rows * ONE + sum of the selected survivals) / step
-        time, first maximum."""
+        time, first maximum. A row drafts to the depths its slots reach whose survival clears the threshold, in
+        the fewest slots reaching them (a chain: one slot a depth)."""
         slots, k, one = range(self.cfg.cache.max_seqs), self.pol.draft_len, dc.ONE
         running = start.running
         base = min(sum(start.chunk), self.cfg.token_budget)
@@ -370,17 +371,23 @@ class OracleScheduler:
         width_us = terms[4]
         wide = self._prompt_work(start)
         thresholds = [one + 1] + [one * j // dc.LEVELS for j in range(dc.LEVELS, 0, -1)]
-        caps = range(k + 1) if width_us is not None else [k]  # a padded engine: also cap every row's drafts
+        caps = self.draft_widths if width_us is not None else [k]  # a padded engine: cap rows at a program's width
 
-        def drafts(thr, c):
-            return [sum(1 for d in range(min(cap[b], k, c)) if surv[b][d] >= thr) for b in slots]
+        reach = self.cfg.reach_of  # per slot count, the depth it reaches (a chain: the count)
 
-        best, best_rate = drafts(thresholds[0], k), None
+        def depths(thr, c):  # per row, the depths drafted: those its slots reach whose survival clears thr
+            return [sum(1 for d in range(reach[min(cap[b], k, c)]) if surv[b][d] >= thr) for b in slots]
+
+        def fewest_slots(r):
+            return min(n for n in range(k + 1) if reach[n] >= r)
+
+        best, best_rate = [fewest_slots(r) for r in depths(thresholds[0], k)], None
         for thr in thresholds:
             for c in caps:
-                chosen = drafts(thr, c)
+                deep = depths(thr, c)
+                chosen = [fewest_slots(r) for r in deep]
                 n = sum(chosen)
-                gain = sum(surv[b][d] for b in slots for d in range(chosen[b]))
+                gain = sum(surv[b][d] for b in slots for d in range(deep[b]))
                 widest = 0
                 if width_us is not None:
                     widest = len(width_us) - 1 if wide else max(
@@ -486,7 +493,7 @@ class OracleScheduler:
                 k = grant.num_drafts[b] if granted[b] else 0
                 dd = k if drafts.decoding[b] and drafts.wanted[b] > 0 else 0
                 samples = grant.num_query[b] > 0 and committed[b] + grant.num_query[b] == start.num_tokens[b]
-                tokens += one * samples + sum(drafts.surv[b][:dd])
+                tokens += one * samples + sum(drafts.surv[b][:self.cfg.reach_of[dd]])
                 time_tokens, rows, ctx, n = time_tokens + grant.num_query[b] + k, rows + 1, ctx + committed[b], n + dd
                 if grant.num_query[b] > 0:
                     widest = max(widest, grant.num_query[b] + k)
@@ -840,7 +847,7 @@ class OracleScheduler:
         for b, x in enumerate(verified):
             if x:
                 self.hist[b][acc[b]] += 1
-                for d in range(min(acc[b] + 1, batch.num_drafts[b])):
+                for d in range(min(acc[b] + 1, self.cfg.reach_of[batch.num_drafts[b]])):  # the depths reached
                     self.draft_tried[b][d] += 1
                     self.pop_tried[d] += 1
                 for d in range(acc[b]):

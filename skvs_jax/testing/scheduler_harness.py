@@ -121,12 +121,13 @@ class Harness:
                 self.kv[table[b, p // s], p % s] = tok
                 self.valid[table[b, p // s], p % s] = False
 
+        reach = np.asarray(cfg.reach_of)[d]  # a draft tree's slots accept at most their depth (a chain: d)
         if accept == "all":
-            accepted = d.copy()
+            accepted = reach.astype(np.int32)
         elif accept == "none":
             accepted = np.zeros_like(d)
         else:
-            accepted = rng.integers(0, d + 1).astype(np.int32)
+            accepted = rng.integers(0, reach + 1).astype(np.int32)
         next_tokens = rng.integers(0, self.vocab, b_seqs).astype(np.int32)
         stop = rng.random(b_seqs) < 0.02
         if abort_mid:
