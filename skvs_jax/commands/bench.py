@@ -231,15 +231,16 @@ def _priced_schedules(results: dict, names: list[str]) -> dict | None:
 
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
     """Median wall time of the jitted `schedule` alone on a snapshot of the run's state (the fused step cannot
-    be split by a clock); 0 when the run was too short to snapshot."""
+    be split by a clock), priced with the step cost the engine plans with (its fit: a width table makes the
+    goodput controller search caps too); 0 when the run was too short to snapshot."""
     if snapshot is None:
         return 0.0
     fn = _jitted_schedule(e.cfg.sched)
-    jax.block_until_ready(fn(snapshot, e.knobs))
+    jax.block_until_ready(fn(snapshot, e.knobs, e.step_cost))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(snapshot, e.knobs))
+        jax.block_until_ready(fn(snapshot, e.knobs, e.step_cost))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -201,7 +201,7 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
     """One row per claim from the scenarios' results (`scenarios.run` per name) and the precision benchmark."""
     rows = []
     P = "pressure"
-    sim = f"{cmd}  (scenario {{}})"
+    sim = f"{cmd} (scenario {{}})"
     pol3 = ("vllm_default", "naive_spec", "skvs")
 
     # Section 6 table, metric by metric: the article's comparisons between its columns.
@@ -619,6 +619,13 @@ def _nulls_to_nan(obj):
     return obj
 
 
+
+def _also(doc: str | None, out_dir: pathlib.Path) -> str:
+    """' and DOC' for the report line when --doc names a file other than the one written into --out."""
+    if not doc or pathlib.Path(doc).resolve() == (out_dir / "claims.md").resolve():
+        return ""
+    return f" and {doc}"
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out_dir = pathlib.Path(args.out)
@@ -654,7 +661,7 @@ def run(args: argparse.Namespace) -> int:
         if args.doc:
             pathlib.Path(args.doc).write_text(text)
         plots = [] if args.no_plot else _plot(doc, out_dir)
-        print(f"re-rendered {args.from_json} into {out_dir / 'claims.md'}" + (f" and {args.doc}" if args.doc else "")
+        print(f"re-rendered {args.from_json} into {out_dir / 'claims.md'}" + _also(args.doc, out_dir)
               + "".join(f", {out_dir / p}" for p in plots))
         return 0
     table = scn.quick_scenarios() if args.quick else scn.SCENARIOS
@@ -685,5 +692,5 @@ def run(args: argparse.Namespace) -> int:
     for r in doc["claims"]:
         print(f"  {r['id']}: {r['verdict']}  ({r['ours'][:100]})")
     print(f"wrote {out_dir / 'claims.json'}, {out_dir / 'claims.md'}" + "".join(f", {out_dir / p}" for p in plots)
-          + (f" and {args.doc}" if args.doc else "") + f" in {time.perf_counter() - t0:.0f} s")
+          + _also(args.doc, out_dir) + f" in {time.perf_counter() - t0:.0f} s")
     return 0
