@@ -361,8 +361,10 @@ def _setup(args: argparse.Namespace):
             checkpoints.check_speculation(policy, loaded, flag="--policies")
         cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                             max_blocks_per_seq=blocks_per_seq)
-        for policy in chosen.values():  # the engines' own checks (budgets, trees, widths), before any is served
-            eng.Engine(model, heads, policy, cache, **_engine_kwargs(policy, args))
+        # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
+        # (its widths + `schedule`) decide the serving groups (`serving_groups`).
+        args.programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).widths) + 1
+                         for n, p in chosen.items()}
         trace = make_trace(args)
     except ValueError as err:
         raise SystemExit(f"skvs bench: {err}") from None
@@ -409,10 +411,8 @@ def run(args: argparse.Namespace) -> int:
     specs, budget, model, heads, trace, cache = _setup(args)
     chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
-    programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).widths) + 1  # + `schedule`
-                for n, p in chosen.items()}
     anchor = "skvs" if args.ablation else None
-    groups = serving_groups(names, programs, anchor=anchor)
+    groups = serving_groups(names, args.programs, anchor=anchor)
     total_tokens = sum(r.max_new_tokens for r in trace.requests) * sum(map(len, groups)) * args.repeats
     bar = None
     if not args.quiet:

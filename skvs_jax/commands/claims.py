@@ -619,12 +619,12 @@ def _nulls_to_nan(obj):
     return obj
 
 
-
 def _also(doc: str | None, out_dir: pathlib.Path) -> str:
     """' and DOC' for the report line when --doc names a file other than the one written into --out."""
     if not doc or pathlib.Path(doc).resolve() == (out_dir / "claims.md").resolve():
         return ""
     return f" and {doc}"
+
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()

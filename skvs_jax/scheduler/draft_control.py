@@ -112,9 +112,8 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     (sorted; default 0..K; the engine's compiled draft widths, `SchedState.draft_widths`: a cap between two of
     them runs in the wider program anyway); then query int32[B] (each row's tokens besides drafts) and wide
     bool[] (the step has prompt work, so it runs at the widest width whatever is drafted) give the step's
-    widest row. The first maximum wins, over thresholds from
-    "none" down and, within one, caps from 0 up (ties: fewer drafts). Survival falls with depth, so every
-    choice takes a prefix of a row's depths."""
+    widest row. The first maximum wins, over thresholds from "none" down and, within one, caps in order (ties:
+    fewer drafts). Survival falls with depth, so every choice takes a prefix of a row's depths."""
     b, k = surv.shape
     reach_of = tuple(range(k + 1)) if reach_of is None else tuple(reach_of)
     reach, slots = jnp.asarray(reach_of, i32), jnp.asarray(slots_for(reach_of), i32)

@@ -303,6 +303,12 @@ def blocks_freed(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
     return jnp.sum(in_table & (alloc.blocks.ref_count[alloc.seqs.block_table] == 1), axis=1, dtype=i32)
 
 
+def available_blocks(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
+    """int32[] the blocks a row's allocation can take now without preempting anyone: free (the speculative pool
+    among them, `manager.free_blocks`) plus idle cached blocks that can be evicted."""
+    return manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+
+
 def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
@@ -312,7 +318,7 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
     b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
     committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
-    avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+    avail = available_blocks(st, cfg)
     total = jnp.sum(need, dtype=i32)
     b_idx = jnp.arange(b, dtype=i32)
 
@@ -342,7 +348,7 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     `draft_control.preemption_pays`."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
-    avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+    avail = available_blocks(st, cfg)
     kept1, kept2 = running & ~keep_victims, running & ~all_victims
     avail1 = avail + jnp.sum(jnp.where(keep_victims, blocks_freed(st, cfg), 0), dtype=i32)
     room1 = avail1 - jnp.sum(jnp.where(kept1, grant.need_query, 0), dtype=i32)
@@ -382,13 +388,12 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     need = grant.need_query + grant.need_drafts if pol.drafts_preempt else grant.need_query
     victim, victim_order, oom = choose_victims(st, need, rank, cfg)
     drafts_paid = jnp.zeros((), bool)
+    avail = available_blocks(st, cfg)
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
-        avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
         drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
     elif pol.priced_drafts:  # the drafts' own victims, taken only when that pays
         cost = flat_step_cost(cfg) if step_cost is None else step_cost
-        avail = manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
 
         def priced(_):
             all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg)
