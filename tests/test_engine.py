@@ -55,6 +55,34 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
     assert len(e.compiled) <= len(e.widths)
 
 
+def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_width(shipped, trace, reference,
+                                                                                    monkeypatch):
+    """The host picks the prompt width while a row waits; when `schedule` then admits no prompt token, the program
+    runs its narrow branch (`engine_step.model_step_at`). The same run with the branch off (narrow_ok=False, what
+    the step-cost fit times) makes the same decisions and tokens at the wide width every such step."""
+    policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
+    e, out = _serve(shipped, policy, trace)
+    narrow = engine_step.narrow_width(e.cfg)
+    assert out == reference and narrow == 1 + policy.draft_len < e.prompt_width
+    chosen_wide = [s["width"] for s in e.step_log if s["bound"] == -1]  # the host chose the prompt width
+    assert chosen_wide.count(narrow) > 0 and chosen_wide.count(e.prompt_width) > 0
+    assert set(e.width_hist) <= set(e.widths) and sum(e.width_hist.values()) == len(e.step_log)
+
+    fused = engine_step.fused_step
+
+    def always_wide(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
+        return fused(runner, params, st, knobs, False, cfg=cfg, width=width)
+
+    monkeypatch.setattr(engine_step, "fused_step", always_wide)
+    wide, out_wide = _serve(shipped, policy, trace)
+    assert out_wide == reference
+    def counters(x):
+        return {k: int(v) for k, v in dataclasses.asdict(x.state.sched.counters).items()}
+
+    assert counters(wide) == counters(e)
+    assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.prompt_width] * len(chosen_wide)
+
+
 def test_swap_preemption_gives_the_same_tokens(shipped, trace, reference):
     e, out = _serve(shipped, policies.skvs(4).replace(preemption="swap"), trace, swap_blocks=64)
     assert out == reference
@@ -351,10 +379,10 @@ def _record_batches(monkeypatch) -> list:
     batch on the host, so a test can see which slots held which drafts."""
     seen = []
 
-    def fused_with_batch(runner, params, st, knobs, *, cfg, width):
+    def fused_with_batch(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
         st, batch = engine_step.schedule_only(st, knobs, cfg=cfg)
         seen.append(jax.device_get(batch))
-        return engine_step.model_only(runner, params, st, batch, knobs, cfg=cfg, width=width)
+        return engine_step.model_only(runner, params, st, batch, knobs, narrow_ok, cfg=cfg, width=width)
 
     monkeypatch.setattr(engine_step, "fused_step", fused_with_batch)
     return seen

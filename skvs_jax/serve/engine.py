@@ -626,9 +626,11 @@ class Engine:
         if copy:
             state = jax.tree.map(lambda x: x.copy(), state)
         if self.tiers is None:
-            return engine_step.fused_step(self.runner, self.params, state, self.knobs, cfg=self.cfg, width=width)
+            return engine_step.fused_step(self.runner, self.params, state, self.knobs, False, cfg=self.cfg,
+                                          width=width)
         state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
-        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, cfg=self.cfg, width=width)
+        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, False, cfg=self.cfg,
+                                      width=width)
 
     def _runnable_widths(self) -> list[int]:
         """The query widths a step can run now: the decode widths and the prompt width."""
@@ -663,11 +665,12 @@ class Engine:
         start = self.now()
         args = (self.runner, self.params)
         if self.tiers is None:
-            self.state, out = engine_step.fused_step(*args, self.state, self.knobs, cfg=self.cfg, width=width)
+            self.state, out = engine_step.fused_step(*args, self.state, self.knobs, True, cfg=self.cfg, width=width)
         else:
             self.state, batch = engine_step.schedule_only(self.state, self.knobs, cfg=self.cfg)
             self._swap(batch)
-            self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, cfg=self.cfg, width=width)
+            self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, True, cfg=self.cfg,
+                                                     width=width)
         out = jax.device_get(out)
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
@@ -675,12 +678,13 @@ class Engine:
         self._free_slots = int(out.free_slots) - sum(self._unforked.values())
         self._prompt_work = bool(out.prompt_work)
         self._next_drafts, self._drafts_knobs = int(out.next_want), self.knobs
-        self.width_hist[width] += 1
+        ran = int(out.width)  # narrower than `width` when memory kept every prompt row out (`model_step_at`)
+        self.width_hist[ran] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
         forking = {rid: self.slot_of[rid] for rid in self._unforked if rid in self.slot_of}
         results = self._collect(out, start, end)
-        self._account_padding(out, width, bound)
+        self._account_padding(out, ran, bound)
         return results + self._fork(out, forking, end)
 
     def _account_padding(self, out: engine_step.StepOut, width: int, bound: int | None) -> None:

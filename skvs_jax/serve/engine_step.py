@@ -77,6 +77,7 @@ class StepOut:
     blocks_used: jax.Array
     spec_blocks: jax.Array
     width_ok: jax.Array  # every row's query fit the bucket (False would be an engine bug)
+    width: jax.Array  # int32[] the query width the forward ran: the step's, or `narrow_width` (`model_step_at`)
     free_slots: jax.Array  # int32[] EMPTY slots after the step (what the next `add` can fill)
     prompt_work: jax.Array  # bool[] some row is waiting or prefilling: the next step needs the wide bucket
     next_drafts: jax.Array  # int32[] most drafts any live row may get next step (picks the next draft bucket; K
@@ -444,6 +445,7 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         preempted=batch.preempted | batch.swap_out, oom=batch.oom, num_tokens=batch.num_tokens,
         blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
         width_ok=jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= width) & batch.alloc_ok,
+        width=jnp.asarray(width, i32),
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
         prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch), next_want=next_want,
         token_logprob=logprobs[0], top_ids=logprobs[1], top_logprobs=logprobs[2],
@@ -452,10 +454,30 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
     )
 
 
+def narrow_width(cfg: EngineConfig) -> int:
+    """1 + K: the widest decode width, which every decode-only batch fits (a row's 1 token + its drafts)."""
+    return 1 + cfg.sched.policy.draft_len
+
+
+def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, knobs, narrow_ok=True, *,
+                  cfg: EngineConfig, width: int):
+    """`model_step` at `width`, or at `narrow_width` when the batch fits it (and narrow_ok, a bool[]): the width
+    is picked before `schedule` runs, from whether some row has prompt work, but memory can keep every prompt
+    row out of the step (a waiting row that does not fit); computing its empty prompt slots was a fifth of a busy
+    engine's time. Both widths are branches of one program (a `lax.cond`): no program more than the buckets, no
+    host sync. narrow_ok=False always runs `width` (the step-cost fit times each width's own branch)."""
+    narrow = narrow_width(cfg)
+    if width <= narrow:
+        return model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
+    fits = narrow_ok & jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= narrow)
+    return jax.lax.cond(fits, functools.partial(model_step, runner, cfg=cfg, width=narrow),
+                        functools.partial(model_step, runner, cfg=cfg, width=width), params, st, batch, knobs)
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
-def fused_step(runner, params, st, knobs, *, cfg, width):
+def fused_step(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
     sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
-    return model_step(runner, params, st.replace(sched=sched), batch, knobs, cfg=cfg, width=width)
+    return model_step_at(runner, params, st.replace(sched=sched), batch, knobs, narrow_ok, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
@@ -465,8 +487,8 @@ def schedule_only(st, knobs, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
-def model_only(runner, params, st, batch, knobs, *, cfg, width):
-    return model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
+def model_only(runner, params, st, batch, knobs, narrow_ok=True, *, cfg, width):
+    return model_step_at(runner, params, st, batch, knobs, narrow_ok, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
