@@ -216,8 +216,11 @@ def test_recompute_is_free_under_the_flat_cost_and_priced_by_the_mean_token_time
     assert int(dc.recompute_us(sc.flat_step_cost(cfg), jnp.asarray(500))) == 0
     cost = _cost(1000, 40)  # 40 us per token over a full step
     assert int(dc.recompute_us(cost, jnp.asarray(100))) == 4000
-    # A padded engine's widest program (8 tokens of a row) costs 1.6 ms more than the narrowest: 200 us a token.
-    assert int(dc.recompute_us(_widths(_cost(1000, 0), [0] * 8 + [1600]), jnp.asarray(100))) == 20000
+    # A padded engine's widest program (8 tokens of a row) costs 1.6 ms more than the narrowest, and 100 tokens
+    # begin 13 of its steps; 40 us a token on top of that.
+    widths = _widths(_cost(1000, 0), [0] * 8 + [1600])
+    assert [int(dc.recompute_us(widths, jnp.asarray(n))) for n in (0, 1, 8, 9, 100)] == [0, 1600, 1600, 3200, 20800]
+    assert int(dc.recompute_us(_widths(cost, [0] * 8 + [1600]), jnp.asarray(100))) == 4000 + 20800
 
 
 @settings(max_examples=60)

@@ -172,18 +172,20 @@ def row_gain(surv: jax.Array, drafts: jax.Array, reach_of: tuple[int, ...] | Non
 def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
     """int32[] the time `tokens` recomputed tokens add to the steps that absorb them: tokens times the mean time per
     token of a full step, (token_us[T] - token_us[0]) / T (with a roofline's terms, compute_us's too), plus, with
-    a width table, of the widest program,
-    (width_us[W] - width_us[0]) / W (a padded engine recomputes a prompt in its widest program, W tokens of a row
-    a step). Zero under `flat_step_cost`: on a device where a step costs the same whatever it carries, a
-    recompute that fits in other steps' slack is free."""
+    a width table, one widest program's premium width_us[W] - width_us[0] for every W tokens begun: a padded
+    engine recomputes a prompt in its widest program, W tokens of a row a step, and runs a step with no prompt
+    tokens narrow (`serve.engine_step.model_step_at`), so the recompute's steps are wide only because of it (an
+    upper bound: another row's prompt work may share them). Zero under `flat_step_cost`: on a device where a step
+    costs the same whatever it carries, a recompute that fits in other steps' slack is free."""
     t = cost.token_us.shape[0] - 1
     per_token_ns = (cost.token_us[t] - cost.token_us[0]) * 1000 // max(t, 1)
     if cost.compute_us is not None:  # a roofline: a recomputed token costs its compute (an upper bound)
         per_token_ns = per_token_ns + (cost.compute_us[t] - cost.compute_us[0]) * 1000 // max(t, 1)
+    time = tokens * per_token_ns // 1000
     if cost.width_us is not None:
         w = cost.width_us.shape[0] - 1
-        per_token_ns = per_token_ns + (cost.width_us[w] - cost.width_us[0]) * 1000 // max(w, 1)
-    return (tokens * per_token_ns // 1000).astype(i32)
+        time = time + (tokens + max(w, 1) - 1) // max(w, 1) * (cost.width_us[w] - cost.width_us[0])
+    return time.astype(i32)
 
 
 def preemption_pays(tokens_keep: jax.Array, time_keep: jax.Array, tokens_preempt: jax.Array,

@@ -507,12 +507,12 @@ class OracleScheduler:
         per_token_ns = (terms[0][t_max] - terms[0][0]) * 1000 // max(t_max, 1)
         if terms[5] is not None:
             per_token_ns += (terms[5][0][t_max] - terms[5][0][0]) * 1000 // max(t_max, 1)
-        if terms[4] is not None:
-            w_max = len(terms[4]) - 1
-            per_token_ns += (terms[4][w_max] - terms[4][0]) * 1000 // max(w_max, 1)
         s = self.cfg.cache.block_size  # what a re-admission would not find in the prefix index
-        lost = [max(committed[b] - s * sum(1 for blk in a.tables[b] if a.cached[blk]), 0) for b in extra]
-        recompute = sum(lost) * per_token_ns // 1000
+        lost = sum(max(committed[b] - s * sum(1 for blk in a.tables[b] if a.cached[blk]), 0) for b in extra)
+        recompute = lost * per_token_ns // 1000
+        if terms[4] is not None:  # every W recomputed tokens begun: one step in the widest program
+            w_max = max(len(terms[4]) - 1, 1)
+            recompute += -(-lost // w_max) * (terms[4][-1] - terms[4][0])
         lhs = np.float32(tokens2) * np.float32(max(time1, 1))
         rhs = np.float32(tokens1) * np.float32(max(time2, 1) + recompute)
         return bool(lhs > rhs)
