@@ -45,6 +45,7 @@ def test_micro_scheduler_small_run_prints_its_ratio(capsys):
     assert re.fullmatch(r"scheduler speedup vs python oracle: [0-9.]+x", out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, capsys):
     """`skvs simulate --sweep` on a small configuration: one compiled call per policy over rates x seeds, the
     per-load table with each speculating policy's speedup and a verdict line, JSON with every lane, the plot."""
@@ -202,6 +203,7 @@ def test_micro_attention_takes_its_flags(capsys):
         commands.main(["micro", "attention", "--kv-heads", "0"])
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_micro_simulate_small_run_prints_its_ratio(capsys):
     argv = "micro simulate --max-seqs 4 --requests 6 --points 8 --steps 32 --max-prompt-len 32 --max-output-len 16"
     assert commands.main(argv.split()) == 0
@@ -210,6 +212,7 @@ def test_micro_simulate_small_run_prints_its_ratio(capsys):
     assert re.fullmatch(r"sweep speedup vs sequential: [0-9.]+x", out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_generate_streams_a_continuation(capsys):
     assert commands.main(["generate", "Return the number of ", "--max-tokens", "12", "--plain"]) == 0
     out = capsys.readouterr().out
@@ -610,6 +613,7 @@ def hf_checkpoint(tmp_path_factory):
     return root / "llama", root / "medusa", model
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_generate_serves_a_transformers_checkpoint_with_our_medusa_heads(hf_checkpoint, capsys):
     """`skvs generate --model DIR --medusa DIR`: skvs drafts with all 3 heads by default (K = 3, not the 4 that
     the heads could not serve), the cache spans the model's 128 positions, and the greedy continuation is the base
@@ -649,6 +653,7 @@ def test_generate_serves_a_transformers_checkpoint_with_our_medusa_heads(hf_chec
     assert "not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_the_commands_cache_compilations_where_told_and_never_in_home(hf_checkpoint, tmp_path):
     """A `skvs generate` process with --compile-cache DIR fills DIR and writes nothing under $HOME; the choice
     of directory follows flag > SKVS_COMPILE_CACHE > JAX_COMPILATION_CACHE_DIR > ~/.cache/skvs_jax/xla."""

@@ -164,6 +164,7 @@ def _assert_sweep_split(report: dict, devices: int) -> None:
     assert even["spec"] == ["dp"] and even["shard_rows"] == [2]  # two lanes per device, not replicated
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_four_devices_give_the_same_tokens_and_metrics():
     report = _run(4)
     _assert_same_as_one_device(report, 4)

@@ -194,6 +194,7 @@ NON_TIMING = ("kv_hit_rate", "memory_utilisation", "spec_token_waste", "spec_kv_
               "preemptions_per_request", "acceptance_rate", "mean_accepted_length", "num_steps", "output_tokens")
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsys):
     """bench.json's keys; the same seed gives the same non-timing metrics under the flat step cost (a fitted one
     plans with this run's timings; its repeats share the first repeat's fit)."""
@@ -464,6 +465,7 @@ def test_freed_and_rejected_slots_are_never_read_and_rejected_drafts_are_scrubbe
     assert int(c.preempt_recompute) > 0 and int(ac.evictions) > 0 and int(c.accepted) < int(c.drafted)
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_pallas_validation_kernels_in_the_step_give_the_xla_paths_states_and_tokens(shipped, trace, reference,
                                                                                     monkeypatch):
     """impl="pallas" (interpreted here) runs the commit's block-state update and the scrub through the Pallas
@@ -496,6 +498,7 @@ def test_pallas_validation_kernels_in_the_step_give_the_xla_paths_states_and_tok
         e.state.sched.kv, jnp.zeros((cache.max_seqs,), jnp.int32)))
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_swaps_spill_to_a_bounded_disk_tier_and_come_back(shipped, trace, reference, tmp_path):
     """A host tier too small for the swaps: older swaps spill to the disk tier (in disk_dir) and come back from
     it; the outputs are still the greedy reference, and every tier slot is free at the end. When host and disk are

@@ -30,6 +30,7 @@ def reference(shipped):
     return greedy_generate(model, np.asarray([PROMPT]), 24)[0, len(PROMPT):].tolist()
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_a_seeded_request_ignores_its_slot_its_neighbours_and_speculation(shipped):
     """vLLM's per-request seed: the same tokens alone, behind three other requests (another slot, other
     parameters, other seeds), and without speculation (point-mass drafts emit exactly what plain sampling with

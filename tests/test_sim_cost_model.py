@@ -454,6 +454,7 @@ def starved():
     return run
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_the_simulator_prices_swaps_and_nothing_else(starved):
     """Arrivals at t = 0, so the schedule does not depend on the clock: swap runs schedule the same on every link,
     and their simulated time grows by the transfer time, twice as much on PCIe Gen4 as on Gen5. (A policy that

@@ -49,6 +49,7 @@ def _assert_same_run(alone: sim.SimLog, lanes_log: sim.SimLog, i: int) -> None:
                                       err_msg=field)
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_one_sweep_call_over_knobs_budget_load_and_seeds_matches_separate_runs():
     """16 lanes (draft length x KV budget x arrival rate x trace) in one compiled call, advanced in chunks until
     every lane is done. Every lane equals its own run: a KV budget of 24 blocks schedules exactly as a pool of 25

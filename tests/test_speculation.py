@@ -185,6 +185,7 @@ def test_typical_tree_verification_matches_medusas_evaluate_posterior(seed, shar
         assert np.asarray(got.path_tokens[r, :want_len]).tolist() == want_tokens
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(shipped, trace, reference):
     # naive_spec verifies all 15 nodes every step and indexes blocks as they fill (the slot-order view).
     e = _engine(shipped, policies.naive_spec(15), trace, tree=SMALL_TREE)
@@ -219,6 +220,7 @@ def test_the_goodput_controller_on_a_tree_is_greedy_and_drafts_to_depths(shipped
     assert tried[0] > 0 and not tried[4:].any()  # no depth beyond the tree's 4 is ever tried
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped):
     """2,000 steps, arrivals in bursts (the batch grows and shrinks), adaptive draft lengths: the number of
     programs compiled is counted from jax's cache, and stays <= buckets x batch buckets (the batch is one

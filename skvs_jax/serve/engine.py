@@ -10,7 +10,9 @@ One step is one jitted program, with no host round trip inside:
 The host loop around it admits arrived requests into free slots, picks the query width Q from a small ladder of
 buckets (decode-only steps use Q = 1 + K, steps with prompt work use Q = the prefill chunk), calls the step, and
 streams the new tokens. Q is an upper bound computed from state the host already read, so the scheduler's
-decisions never depend on it; the number of compiled programs is (number of buckets) per engine. Under the
+decisions never depend on it; the number of compiled programs is (number of buckets) per engine. The prompt
+width's program also holds the 1 + K width, which it runs when memory left the step without a prompt token
+(`engine_step.model_step_at`). Under the
 policy's `bucket_budget` the draft widths are chosen from the observed histogram (`warmup(draft_hist)`, and
 re-chosen as it drifts, `scheduler.buckets`): at most 1 + budget * (1 + re-choices) programs over its life.
 
