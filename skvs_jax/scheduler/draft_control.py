@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from skvs_jax.arrays import i32
+from skvs_jax.arrays import cdiv, i32
 from skvs_jax.scheduler.state import StepCost
 
 ONE = 4096  # fixed-point 1.0 of acceptance and survival probabilities
@@ -184,7 +184,7 @@ def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
     time = tokens * per_token_ns // 1000
     if cost.width_us is not None:
         w = cost.width_us.shape[0] - 1
-        time = time + (tokens + max(w, 1) - 1) // max(w, 1) * (cost.width_us[w] - cost.width_us[0])
+        time = time + cdiv(tokens, max(w, 1)) * (cost.width_us[w] - cost.width_us[0])
     return time.astype(i32)
 
 

@@ -444,7 +444,7 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         accepted=res.accepted, admitted=batch.admitted, hit_tokens=batch.hit_tokens,
         preempted=batch.preempted | batch.swap_out, oom=batch.oom, num_tokens=batch.num_tokens,
         blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
-        width_ok=jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= width) & batch.alloc_ok,
+        width_ok=(_widest_query(batch) <= width) & batch.alloc_ok,
         width=jnp.asarray(width, i32),
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
         prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch), next_want=next_want,
@@ -452,6 +452,11 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         sibling_tokens=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), i32),
         sibling_logprob=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), jnp.float32),
     )
+
+
+def _widest_query(batch: sc.Batch) -> jax.Array:
+    """int32[] the most query slots (known tokens + drafts) any scheduled row of the batch needs."""
+    return jnp.max(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0))
 
 
 def narrow_width(cfg: EngineConfig) -> int:
@@ -469,7 +474,7 @@ def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch,
     narrow = narrow_width(cfg)
     if width <= narrow:
         return model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
-    fits = narrow_ok & jnp.all(jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0) <= narrow)
+    fits = narrow_ok & (_widest_query(batch) <= narrow)
     return jax.lax.cond(fits, functools.partial(model_step, runner, cfg=cfg, width=narrow),
                         functools.partial(model_step, runner, cfg=cfg, width=width), params, st, batch, knobs)
 
