@@ -83,6 +83,7 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
     assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.prompt_width] * len(chosen_wide)
 
 
+@pytest.mark.slow  # the run's time budget; test_kv_precision swaps an int8 cache through the engine by default
 def test_swap_preemption_gives_the_same_tokens(shipped, trace, reference):
     e, out = _serve(shipped, policies.skvs(4).replace(preemption="swap"), trace, swap_blocks=64)
     assert out == reference

@@ -119,7 +119,13 @@ def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tu
     return ops
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# The default run keeps one config per concern; the rest (each also covered by a switch's own test below) run
+# with `pytest -m slow`: every config compiles its own scheduler (~10 s here), and the run has 20 minutes.
+SLOW_CONFIGS = {"skvs-index-2-rows", "no-prefix-cache-K2", "skvs_article-priced-swap", "naive_spec_vllm"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n
+                                  for n in CONFIGS])
 @settings(max_examples=4)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]),
        abort_p=hs.sampled_from([0.0, 0.05]))
@@ -130,8 +136,16 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
 
 
-@pytest.mark.parametrize("cost", list(COSTS))
-@pytest.mark.parametrize("name", ["skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic", "skvs-tree"])
+# Every config with every cost under `pytest -m slow`; the default run takes a diagonal (each config once, each
+# cost at least once: the engine's width cost with plain skvs and the tree, the simulator's roofline with mandatory
+# drafts, the per-token cost with opportunistic drafts).
+_GOODPUT_DEFAULT = {("skvs", "widths"), ("skvs-tree", "widths"), ("skvs-goodput-drafts-preempt", "roofline"),
+                    ("skvs-opportunistic", "tokens")}
+
+
+@pytest.mark.parametrize("name, cost", [
+    pytest.param(n, c, marks=() if (n, c) in _GOODPUT_DEFAULT else pytest.mark.slow, id=f"{n}-{c}")
+    for n in ("skvs", "skvs-goodput-drafts-preempt", "skvs-opportunistic", "skvs-tree") for c in COSTS])
 @settings(max_examples=3)
 @given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60), add_p=hs.sampled_from([0.25, 0.5, 0.8]))
 def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, cost, seed, steps, add_p):
@@ -267,6 +281,7 @@ def test_fcfs_within_a_priority_and_priorities_first():
 # ---------------------------------------------------------------------------------------- a long trace
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`); the lockstep tests check every step
 def test_a_trace_of_10000_requests_ends_with_every_block_free_or_cached():
     """10,000 requests through `schedule`/`update` alone (random accept masks, no model): at the end every block
     is free, pooled or cached, and the counters are consistent."""
@@ -570,7 +585,8 @@ def test_prefix_cache_barrier_and_insert_switches():
     assert int(validated.st.kv.prefix.counters.inserted) > 0
 
 
-@pytest.mark.parametrize("block_size, max_blocks, draft_len, trimmed", [(4, 8, 4, 1), (4, 8, 1, 1), (2, 16, 4, 2)])
+@pytest.mark.parametrize("block_size, max_blocks, draft_len, trimmed", [
+    (4, 8, 4, 1), (4, 8, 1, 1), pytest.param(2, 16, 4, 2, marks=pytest.mark.slow)])  # slow: the run's time budget
 def test_spec_hit_trim_shortens_a_hit_by_the_draft_reach_in_blocks(block_size, max_blocks, draft_len, trimmed):
     """A prompt served once is cached; the same prompt again hits its whole blocks (naive_spec), or those less
     ceil(K / S) blocks (naive_spec_vllm, vLLM's EAGLE/MTP path), K the draft-length knob."""
@@ -591,7 +607,7 @@ def test_spec_hit_trim_shortens_a_hit_by_the_draft_reach_in_blocks(block_size, m
         policies.preset(n).spec_hit_trim for n in ("vllm_default", "naive_spec", "skvs", "skvs_article"))
 
 
-def test_spec_in_prefill_reserves_slots_and_drafts_preempt_switch():
+def test_spec_in_prefill_reserves_draft_slots():
     cfg = _cfg(NAIVE, prefill_chunk=2)
     h = Harness(cfg, vocab=VOCAB)
     h.add([[1, 2, 1, 2, 1, 2, 1]], [4])
@@ -600,8 +616,12 @@ def test_spec_in_prefill_reserves_slots_and_drafts_preempt_switch():
     h2 = Harness(dataclasses.replace(cfg, policy=NAIVE.replace(spec_in_prefill=False)), vocab=VOCAB)
     h2.add([[1, 2, 1, 2, 1, 2, 1]], [4])
     assert int(np.asarray(h2.step(np.random.default_rng(0)).num_reserved)[0]) == 0
-    # Tight memory: mandatory drafts cause preemptions that opportunistic drafts never cause. One 50-step run is
-    # a noisy count (seed 3 alone gives 7 vs 8 since the cache fixes of issue 23), so three runs are summed.
+
+
+@pytest.mark.slow  # the run's time budget; test_drafts_preempting_are_attributed checks the switch by default
+def test_mandatory_drafts_run_out_of_blocks_more_often_than_opportunistic_ones():
+    """Tight memory: mandatory drafts cause preemptions that opportunistic drafts never cause. One 50-step run is
+    a noisy count (seed 3 alone gives 7 vs 8 since the cache fixes of issue 23), so three runs are summed."""
     tight = dict(num_blocks=14, max_running=6, token_budget=40)
     oom = lambda pol, seed: int(_run(_cfg(pol, **tight), seed=seed, steps=50).st.counters.oom_steps)  # noqa: E731
     pre = sum(oom(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0), seed) for seed in (3, 4, 5))

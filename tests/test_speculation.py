@@ -201,6 +201,7 @@ def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(
     assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0
 
 
+@pytest.mark.slow  # the run's time budget; the goodput controller's tree test below serves a tree by default
 def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(shipped, trace, reference):
     e = _engine(shipped, policies.skvs_article(15), trace, tree=SMALL_TREE, acceptance="typical")
     assert e.run() == reference
