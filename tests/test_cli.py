@@ -329,6 +329,20 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert a["rows"]["insert"]["identical_schedule"] and a["rows"]["insert"]["throughput_effect"] == "none"
 
 
+def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_each_round(tmp_path, capsys,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs": {1}}))
+    argv = ["bench", "--policies", "naive_spec,skvs", "--requests", "3", "--repeats", "3", "--quiet", "--no-plot",
+            "--out", str(tmp_path)]
+    assert commands.main(argv) == 0
+    out = capsys.readouterr().out
+    # Rounds: skvs 99 / 119 and 100 / 120; the second round (skvs stalled) is left out.
+    assert f"throughput / naive_spec's within each round, median [min-max]: skvs {(99 / 119 + 100 / 120) / 2:.3f}x " \
+           f"[{99 / 119:.3f}-{100 / 120:.3f}]" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["runs"]["paired_to_naive_spec"] == {"skvs": pytest.approx([99 / 119, 100 / 120])}
+
+
 def test_serving_groups_keep_order_and_the_program_limit():
     programs = {"a": 3, "b": 5, "c": 9, "d": 20, "e": 1}
     assert bench.serving_groups(list(programs), programs, limit=16) == [["a", "b"], ["c"], ["d"], ["e"]]

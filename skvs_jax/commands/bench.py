@@ -29,7 +29,9 @@ does one round fall back to THROUGHPUT_NOISE, the run-to-run spread of a 2-core 
 with overrides (`policies.parse_policies`), and --preemption, --victim, --kv-precision, --no-prefix-cache and
 --host-blocks set a switch for every policy (`policy_flags`). bench.json (SCHEMA_VERSION 2): the
 version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
-repeat, "stalled": policy -> a flag per repeat}) and with --ablation "ablation" (see `_ablation`); its config also
+repeat, "stalled": policy -> a flag per repeat, and without --ablation "paired_to_naive_spec": policy -> its
+throughput over naive_spec's in each round, stalled rounds left out}) and with --ablation "ablation" (see
+`_ablation`); its config also
 records the policy flags and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
 
 Why this module is ~620 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
@@ -61,6 +63,7 @@ from skvs_jax.serve import speculation
 SCHEMA_VERSION = 2
 # Run-to-run spread of throughput on a 2-core CPU (docs/benchmarks.md): with one repeat, a smaller change is noise.
 THROUGHPUT_NOISE = 0.20
+REFERENCE = "naive_spec"  # the policy the table's and the paired ratios divide by
 # Metrics that depend on the clock; with all arrivals at t = 0 every other metric is reproducible from the seed.
 TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
                   "scheduler_time_per_step", "scheduler_time_share", "wall_time")
@@ -457,6 +460,12 @@ def run(args: argparse.Namespace) -> int:
             for n, t in spread.items()))
         if args.rate is None:
             print(f"non-timing metrics identical across repeats: {_reproducible(runs)}")
+    paired = _paired_ratios(throughputs, stalled, names) if args.repeats > 1 and not args.ablation else {}
+    if paired:
+        # Load drift moves every policy of a round together, so a ratio within a round is steadier than the ratio
+        # of two medians taken from different rounds.
+        print(f"throughput / {REFERENCE}'s within each round, median [min-max]: " + ", ".join(
+            f"{n} {statistics.median(r):.3f}x [{min(r):.3f}-{max(r):.3f}]" for n, r in paired.items() if r))
     for n, st in stalls.items():
         if any(st):
             worst = max(x for x in st if x)
@@ -516,6 +525,8 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.repeats > 1 or args.ablation:
         doc["runs"] = {"throughput": throughputs, "stalled": stalled}
+        if paired:
+            doc["runs"][f"paired_to_{REFERENCE}"] = paired
     if ablation is not None:
         doc["ablation"] = ablation
     if priced is not None:
@@ -525,6 +536,17 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, out / "bench.png", cache.usable_blocks)
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
     return 0 if same in (None, True) else 1
+
+
+def _paired_ratios(throughputs: dict[str, list[float]], stalled: dict[str, list[bool]],
+                   names: list[str]) -> dict[str, list[float]]:
+    """Each policy's throughput over REFERENCE's in the same round of repeats (rounds where either run had a
+    stalled step left out), for every policy but REFERENCE; {} when REFERENCE was not run."""
+    if REFERENCE not in names:
+        return {}
+    ref, ref_stalled = throughputs[REFERENCE], stalled[REFERENCE]
+    return {n: [t / r for t, r, a, b in zip(throughputs[n], ref, stalled[n], ref_stalled, strict=True)
+                if not (a or b) and r > 0] for n in names if n != REFERENCE}
 
 
 def _stall(result: dict) -> tuple[float, float] | tuple[()]:
