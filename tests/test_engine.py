@@ -76,10 +76,7 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
     monkeypatch.setattr(engine_step, "fused_step", always_wide)
     wide, out_wide = _serve(shipped, policy, trace)
     assert out_wide == reference
-    def counters(x):
-        return {k: int(v) for k, v in dataclasses.asdict(x.state.sched.counters).items()}
-
-    assert counters(wide) == counters(e)
+    assert jax.tree.map(int, wide.state.sched.counters) == jax.tree.map(int, e.state.sched.counters)
     assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.prompt_width] * len(chosen_wide)
 
 

@@ -538,15 +538,21 @@ def run(args: argparse.Namespace) -> int:
     return 0 if same in (None, True) else 1
 
 
+def _round_ratios(tp: list[float], base_tp: list[float], stalled: list[bool],
+                  base_stalled: list[bool]) -> list[float | None]:
+    """tp / base_tp within each round of repeats; None in a round where either run had a stalled step."""
+    return [None if s or bs else t / b for t, b, s, bs in zip(tp, base_tp, stalled, base_stalled, strict=True)]
+
+
 def _paired_ratios(throughputs: dict[str, list[float]], stalled: dict[str, list[bool]],
                    names: list[str]) -> dict[str, list[float]]:
-    """Each policy's throughput over REFERENCE's in the same round of repeats (rounds where either run had a
-    stalled step left out), for every policy but REFERENCE; {} when REFERENCE was not run."""
+    """Each policy's throughput over REFERENCE's in the same round of repeats (`_round_ratios`, stalled rounds
+    left out), for every policy but REFERENCE; {} when REFERENCE was not run."""
     if REFERENCE not in names:
         return {}
     ref, ref_stalled = throughputs[REFERENCE], stalled[REFERENCE]
-    return {n: [t / r for t, r, a, b in zip(throughputs[n], ref, stalled[n], ref_stalled, strict=True)
-                if not (a or b) and r > 0] for n in names if n != REFERENCE}
+    return {n: [x for x in _round_ratios(throughputs[n], ref, stalled[n], ref_stalled) if x is not None]
+            for n in names if n != REFERENCE}
 
 
 def _stall(result: dict) -> tuple[float, float] | tuple[()]:
@@ -648,8 +654,7 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
         off = results[name]["metrics"]
         ratio = off["throughput"] / skvs_metrics["throughput"]
         base_tp, base_stalled = (paired_runs or {}).get(name, (throughputs["skvs"], stalled["skvs"]))
-        paired = [None if so or ss else o / t for o, t, so, ss in zip(throughputs[name], base_tp,
-                                                                    stalled[name], base_stalled, strict=True)]
+        paired = _round_ratios(throughputs[name], base_tp, stalled[name], base_stalled)
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
         row = {"policy": name,
