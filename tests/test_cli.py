@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -237,7 +238,7 @@ def test_console_script_entry_point_is_installed():
 # hurts), without the pool slower (it helps); the pool also costs hit rate; the insert mode changes
 # nothing (same counters and non-timing metrics), so its 10% is noise.
 _STUB_THROUGHPUT = {"naive_spec": 120.0, "skvs": 100.0, "skvs -release": 150.0, "skvs -spec_pool": 60.0,
-                    "skvs -insert": 90.0}
+                    "skvs -insert": 90.0, "vllm_default": 70.0}
 
 
 def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = None):
@@ -337,10 +338,42 @@ def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_eac
     assert commands.main(argv) == 0
     out = capsys.readouterr().out
     # Rounds: skvs 99 / 119 and 100 / 120; the second round (skvs stalled) is left out.
-    assert f"throughput / naive_spec's within each round, median [min-max]: skvs {(99 / 119 + 100 / 120) / 2:.3f}x " \
-           f"[{99 / 119:.3f}-{100 / 120:.3f}]" in out
+    lo, hi = bench.bootstrap_median_ci([99 / 119, 100 / 120])
+    assert "throughput / naive_spec's within each round, median [min-max] (95% bootstrap interval of the median; " \
+           f"rounds above 1): skvs {(99 / 119 + 100 / 120) / 2:.3f}x [{99 / 119:.3f}-{100 / 120:.3f}] " \
+           f"({lo:.3f}-{hi:.3f}; 0 of 2)" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["runs"]["paired_to_naive_spec"] == {"skvs": pytest.approx([99 / 119, 100 / 120])}
+    assert doc["runs"]["paired_to_naive_spec_ci95"] == {"skvs": pytest.approx([lo, hi])}
+
+
+def test_bench_rounds_alternate_the_policies_order(tmp_path, monkeypatch):
+    """ABBA: even rounds serve the policies as listed, odd rounds in reverse, so no policy always runs first."""
+    calls, stub = [], _stub_serve()
+
+    def serve(model, heads, policy, *args, **kwargs):
+        calls.append(policy.name)
+        return stub(model, heads, policy, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "serve", serve)
+    argv = ["bench", "--policies", "naive_spec,skvs,vllm_default", "--requests", "3", "--repeats", "3", "--quiet",
+            "--no-plot", "--out", str(tmp_path)]
+    assert commands.main(argv) == 0
+    forward = ["naive_spec", "skvs", "vllm_default"]
+    assert calls == forward + forward[::-1] + forward
+
+
+def test_bootstrap_interval_of_the_median_is_seeded_and_brackets_it():
+    values = [0.91, 1.05, 0.97, 1.12, 0.99, 1.01, 0.88]
+    lo, hi = bench.bootstrap_median_ci(values)
+    assert (lo, hi) == bench.bootstrap_median_ci(values)  # seeded: the same rounds, the same interval
+    assert min(values) <= lo <= statistics.median(values) <= hi <= max(values)
+    assert lo in values and hi in values  # an odd count: every resampled median is one of the values
+    narrow = bench.bootstrap_median_ci(values, level=0.5)
+    assert lo <= narrow[0] <= narrow[1] <= hi
+    assert bench.bootstrap_median_ci([1.03]) == (1.03, 1.03)
+    with pytest.raises(ValueError, match="values"):
+        bench.bootstrap_median_ci([])
 
 
 def test_serving_groups_keep_order_and_the_program_limit():
@@ -370,9 +403,9 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
     monkeypatch.setattr(bench.jax, "clear_caches", lambda: cleared.append(True))
     argv = ["bench", "--ablation", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 0
-    assert served == [("naive_spec", 0), ("skvs", 0), ("naive_spec", 0), ("skvs", 0),
-                      ("skvs", 1), ("skvs -release", 1), ("skvs", 1), ("skvs -release", 1),
-                      ("skvs", 2), ("skvs -spec_pool", 2), ("skvs", 2), ("skvs -spec_pool", 2)]
+    assert served == [("naive_spec", 0), ("skvs", 0), ("skvs", 0), ("naive_spec", 0),  # the second round reversed
+                      ("skvs", 1), ("skvs -release", 1), ("skvs -release", 1), ("skvs", 1),
+                      ("skvs", 2), ("skvs -spec_pool", 2), ("skvs -spec_pool", 2), ("skvs", 2)]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool"]
     # skvs's own runs are the first group's; each variant's rounds pair with the skvs runs of its own group (the

@@ -13,7 +13,8 @@ non-timing metrics — depend on timing; with the default (all at t = 0) everyth
 from the seed. A run in which one step takes over a second and over half the run has *stalled* (a program compiled
 inside the timed run, or the machine stopped): it is flagged, and left out of the median when the policy has other
 runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over
-the run hits every policy, and policies of one round can be compared pairwise); each policy's metrics are those of
+the run hits every policy, and policies of one round can be compared pairwise; odd rounds run in reverse order, so
+no policy always runs first); each policy's metrics are those of
 its run with the median throughput (the upper median for even N), and its min-max throughput is reported. More
 policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive
 groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles; under
@@ -30,7 +31,9 @@ with overrides (`policies.parse_policies`), and --preemption, --victim, --kv-pre
 --host-blocks set a switch for every policy (`policy_flags`). bench.json (SCHEMA_VERSION 2): the
 version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
 repeat, "stalled": policy -> a flag per repeat, and without --ablation "paired_to_naive_spec": policy -> its
-throughput over naive_spec's in each round, stalled rounds left out}) and with --ablation "ablation" (see
+throughput over naive_spec's in each round, stalled rounds left out, and "paired_to_naive_spec_ci95": policy ->
+[low, high], the 95% bootstrap interval of that ratio's median, `bootstrap_median_ci`}) and with --ablation
+"ablation" (see
 `_ablation`); its config also
 records the policy flags and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
 
@@ -239,11 +242,12 @@ def _scheduler_time(e: eng.Engine, snapshot) -> float:
     if snapshot is None:
         return 0.0
     fn = _jitted_schedule(e.cfg.sched)
-    jax.block_until_ready(fn(snapshot, e.knobs, e.step_cost))
+    cost = jax.device_put(e.step_cost)  # on the device once: a host copy would time its transfer on every call
+    jax.block_until_ready(fn(snapshot, e.knobs, cost))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        jax.block_until_ready(fn(snapshot, e.knobs, e.step_cost))
+        jax.block_until_ready(fn(snapshot, e.knobs, cost))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -396,10 +400,12 @@ def serving_groups(names: list[str], programs: dict[str, int], limit: int | None
 def _serve_group(group: list[str], out: dict, history: dict, model, heads, chosen: dict, specs: dict, cache, trace,
                  args, bar) -> None:
     """Every repeat of the group's policies into out[name], round-robin: load drift over the run shows in every
-    policy's spread, and the policies of one round can be compared pairwise. A policy with runs in `history`
-    (an earlier group's) warms up from and plans with those, as its later repeats do."""
+    policy's spread, and the policies of one round can be compared pairwise. Odd rounds serve the group in
+    reverse (ABBA), so a policy's place in the round (first after the previous round's last, say) does not
+    favour it in the pairs. A policy with runs in `history` (an earlier group's) warms up from and plans with
+    those, as its later repeats do."""
     for repeat in range(args.repeats):
-        for name in group:
+        for name in group if repeat % 2 == 0 else group[::-1]:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
             prior = out[name] or history.get(name, [])
@@ -464,8 +470,11 @@ def run(args: argparse.Namespace) -> int:
     if paired:
         # Load drift moves every policy of a round together, so a ratio within a round is steadier than the ratio
         # of two medians taken from different rounds.
-        print(f"throughput / {REFERENCE}'s within each round, median [min-max]: " + ", ".join(
-            f"{n} {statistics.median(r):.3f}x [{min(r):.3f}-{max(r):.3f}]" for n, r in paired.items() if r))
+        print(f"throughput / {REFERENCE}'s within each round, median [min-max] (95% bootstrap interval of the "
+              "median; rounds above 1): " + ", ".join(
+                  f"{n} {statistics.median(r):.3f}x [{min(r):.3f}-{max(r):.3f}] "
+                  f"({'-'.join(f'{v:.3f}' for v in bootstrap_median_ci(r))}; {sum(v > 1 for v in r)} of {len(r)})"
+                  for n, r in paired.items() if r))
     for n, st in stalls.items():
         if any(st):
             worst = max(x for x in st if x)
@@ -527,6 +536,8 @@ def run(args: argparse.Namespace) -> int:
         doc["runs"] = {"throughput": throughputs, "stalled": stalled}
         if paired:
             doc["runs"][f"paired_to_{REFERENCE}"] = paired
+            doc["runs"][f"paired_to_{REFERENCE}_ci95"] = {n: list(bootstrap_median_ci(r)) for n, r in paired.items()
+                                                          if r}
     if ablation is not None:
         doc["ablation"] = ablation
     if priced is not None:
@@ -553,6 +564,21 @@ def _paired_ratios(throughputs: dict[str, list[float]], stalled: dict[str, list[
     ref, ref_stalled = throughputs[REFERENCE], stalled[REFERENCE]
     return {n: [x for x in _round_ratios(throughputs[n], ref, stalled[n], ref_stalled) if x is not None]
             for n in names if n != REFERENCE}
+
+
+def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int = 10_000,
+                        seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of values (at least one): resamples draws of len(values)
+    with replacement from a seeded generator, so the same values give the same interval. With few rounds it is
+    coarse (five rounds: the interval's ends are among the five values), and it assumes rounds are independent
+    draws, which drift within a run only approximates; it says whether a difference is resolved, not more."""
+    if not values:
+        raise ValueError("values must hold at least one number")
+    x = np.asarray(values, np.float64)
+    draws = np.random.default_rng(seed).choice(x, size=(resamples, len(x)), replace=True)
+    medians = np.median(draws, axis=1)
+    tail = (1.0 - level) / 2
+    return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
 
 
 def _stall(result: dict) -> tuple[float, float] | tuple[()]:
