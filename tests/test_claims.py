@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -65,6 +66,29 @@ def test_the_report_renders_and_serialises(doc, tmp_path):
     path = tmp_path / "claims.json"
     path.write_text(json.dumps(metrics.json_safe(doc), default=float, allow_nan=False))
     assert json.loads(path.read_text())["claims"][0]["id"] == "s6_throughput"
+
+
+def test_from_json_re_renders_a_run_and_takes_the_fp8_row_from_precision_json(doc, tmp_path):
+    """A report merged from earlier runs (`--from-json`, which simulates nothing) gets its FP8 row from a separate
+    `skvs micro precision --json` result when one is passed."""
+    run = tmp_path / "run" / "claims.json"
+    run.parent.mkdir()
+    run.write_text(json.dumps(metrics.json_safe(doc), default=float, allow_nan=False))
+    k4 = lambda acc: {"4": {"acceptance": acc, "drafted": 400, "acceptance_vs_fp32_same_text": acc / 0.8,  # noqa: E731
+                            "acceptance_vs_fp32": acc / 0.8}}
+    precision = tmp_path / "precision.json"
+    precision.write_text(json.dumps({"results": {"float32": k4(0.8), "float8_e4m3fn": k4(0.78),
+                                                 "bfloat16": k4(0.79)}}))
+    out, report = tmp_path / "out", tmp_path / "claims.md"
+    base = ["--from-json", str(run), "--out", str(out), "--doc", str(report), "--no-plot", "--note", "merged"]
+    parser = argparse.ArgumentParser()
+    claims.add_arguments(parser)
+    assert claims.run(parser.parse_args(base)) == 0
+    assert "untested here" in [r for r in report.read_text().splitlines() if "FP8 KV" in r][0]
+    assert claims.run(parser.parse_args(base + ["--precision-json", str(precision)])) == 0
+    row = [r for r in report.read_text().splitlines() if "FP8 KV" in r][0]
+    assert "fp8/fp32 acceptance 0.975" in row and "untested here" not in row
+    assert (out / "claims.md").read_text() == report.read_text()
 
 
 def test_the_rules_turn_on_the_numbers():

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc", default=None, metavar="PATH", help="also write the report here (docs/claims.md)")
     parser.add_argument("--scenarios", default=None, help="comma-separated subset of the scenarios")
     parser.add_argument("--precision-json", default=None, metavar="PATH",
-                        help="use this `skvs micro precision --json` result instead of running it")
+                        help="use this `skvs micro precision --json` result instead of running it (with "
+                             "--from-json: the report's FP8 row)")
     parser.add_argument("--no-precision", action="store_true", help="skip the FP8 KV measurement (its row: untested)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--policies", default=None, help="comma-separated subset of each scenario's policies")
@@ -335,7 +336,7 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
 
     # Chunked prefill with speculation: the rule "no speculation during prefill".
     pairs = [("naive_spec", "naive_spec-no_spec_in_prefill"), ("skvs_article+spec_in_prefill", "skvs_article"),
-             ("skvs+spec_in_prefill", "skvs")]
+             ("skvs", "skvs-no_spec_in_prefill")]
     cases, parts = [], []
     for on, off in pairs:
         for key in ("ttft_p50",):
@@ -648,6 +649,8 @@ def run(args: argparse.Namespace) -> int:
             doc["regime"] += other["regime"]
             doc["precision"] = doc.get("precision") or other.get("precision")
             doc["wall_s"] += other["wall_s"]
+        if args.precision_json:  # the FP8 row from a separate `skvs micro precision --json` run
+            doc["precision"] = json.loads(pathlib.Path(args.precision_json).read_text())
         for r in doc["scenarios"].values():
             r["policies"], r["sweep"] = _nulls_to_nan(r["policies"]), _nulls_to_nan(r["sweep"])
         doc["regime"] = regime(doc["scenarios"])
