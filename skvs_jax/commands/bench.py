@@ -13,8 +13,8 @@ non-timing metrics — depend on timing; with the default (all at t = 0) everyth
 from the seed. A run in which one step takes over a second and over half the run has *stalled* (a program compiled
 inside the timed run, or the machine stopped): it is flagged, and left out of the median when the policy has other
 runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over
-the run hits every policy, and policies of one round can be compared pairwise; odd rounds run in reverse order, so
-no policy always runs first); each policy's metrics are those of
+the run hits every policy, and policies of one round can be compared pairwise; round r runs the policies rotated by
+r, so each takes every place equally often); each policy's metrics are those of
 its run with the median throughput (the upper median for even N), and its min-max throughput is reported. More
 policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive
 groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles; under
@@ -400,12 +400,15 @@ def serving_groups(names: list[str], programs: dict[str, int], limit: int | None
 def _serve_group(group: list[str], out: dict, history: dict, model, heads, chosen: dict, specs: dict, cache, trace,
                  args, bar) -> None:
     """Every repeat of the group's policies into out[name], round-robin: load drift over the run shows in every
-    policy's spread, and the policies of one round can be compared pairwise. Odd rounds serve the group in
-    reverse (ABBA), so a policy's place in the round (first after the previous round's last, say) does not
-    favour it in the pairs. A policy with runs in `history` (an earlier group's) warms up from and plans with
+    policy's spread, and the policies of one round can be compared pairwise. Round r serves the group rotated by
+    r (a Latin square): every policy takes every place in the round equally often, and with three or more none
+    ever runs right after itself. Measured (2026-12-02): reversing every other round (ABBA) instead made the end
+    policies run twice in a row at each round's seam, and the middle one of three came out ~4% slower paired,
+    whichever policy it was. A policy with runs in `history` (an earlier group's) warms up from and plans with
     those, as its later repeats do."""
     for repeat in range(args.repeats):
-        for name in group if repeat % 2 == 0 else group[::-1]:
+        shift = repeat % len(group)
+        for name in group[shift:] + group[:shift]:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
             prior = out[name] or history.get(name, [])
