@@ -25,7 +25,8 @@ def test_presets_are_the_designed_switch_settings():
     assert s.speculation and s.adaptive_draft_len and s.release == "immediate" and s.spec_pool
     assert s.generation_threshold > 0 and not s.prefix_barrier and s.insert == "validated"
     assert s.draft_control == "goodput" and s.draft_memory == "priced" and policies.skvs_article(4).prefix_barrier
-    assert not s.spec_in_prefill and s.max_spec_ratio == pytest.approx(0.3) and s.draft_buckets == (0, 2, 4)
+    assert s.spec_in_prefill and not policies.skvs_article(4).spec_in_prefill
+    assert s.max_spec_ratio == pytest.approx(0.3) and s.draft_buckets == (0, 2, 4)
     assert policies.preset("skvs", 6).draft_buckets == (0, 3, 6)
     assert len({hash(p) for p in (v, n, s)}) == 3 and hash(s) == hash(policies.skvs(4))
 
@@ -34,28 +35,29 @@ def test_each_ablation_changes_one_switch_family():
     base = policies.skvs(4)
     abl = policies.ablations(base)
     assert set(abl) == {f"skvs -{f}" for f in ("draft_memory", "draft_control", "adaptive_draft_len", "release",
-                                              "spec_pool", "insert", "spec_in_prefill", "drafts_preempt",
-                                              "max_spec_ratio")}
+                                              "spec_pool", "insert", "drafts_preempt", "max_spec_ratio")}
     for name, p in abl.items():
         changed = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(base, f.name)}
         switch = name.split(" -")[1]
         assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets",
                                                                     "draft_control"}
-    # skvs is the article's skvs with four switches changed: the controller, priced draft blocks, no barrier, no
-    # scrub; the article's own ablations leave the first two alone and ablate its barrier.
+    # skvs is the article's skvs with five switches changed: the controller, priced draft blocks, no barrier, no
+    # scrub, reservations while prefilling; the article's own ablations leave the first two alone and ablate its
+    # barrier and its dropped reservation.
     assert abl["skvs -draft_control"].replace(name="skvs_article", draft_memory="opportunistic",
-                                              prefix_barrier=True, scrub_rejected=True) == policies.skvs_article(4)
+                                              prefix_barrier=True, scrub_rejected=True,
+                                              spec_in_prefill=False) == policies.skvs_article(4)
     assert set(policies.ablations(policies.skvs_article(4))) == {
         n.replace("skvs", "skvs_article") for n in abl if n not in ("skvs -draft_control", "skvs -draft_memory")
-    } | {"skvs_article -prefix_barrier"}
+    } | {"skvs_article -prefix_barrier", "skvs_article -spec_in_prefill"}
 
 
-def test_skvs_is_the_article_with_the_goodput_controller_priced_blocks_and_no_barrier():
+def test_skvs_is_the_article_with_the_goodput_controller_priced_blocks_no_barrier_and_prefill_reservations():
     a, s = policies.skvs_article(4), policies.skvs(4)
     assert a.draft_control == "histogram" and not a.goodput_control and s.goodput_control
     assert not a.priced_drafts and s.priced_drafts and not s.replace(drafts_preempt=True).priced_drafts
     assert s == a.replace(name="skvs", draft_control="goodput", draft_memory="priced", prefix_barrier=False,
-                          scrub_rejected=False)
+                          scrub_rejected=False, spec_in_prefill=True)
     assert policies.preset("skvs_article") == a
     with pytest.raises(ValueError, match="draft_control"):
         s.replace(draft_control="magic")

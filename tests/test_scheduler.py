@@ -649,7 +649,9 @@ def test_generation_reclaim_knob():
 
 
 def test_max_spec_ratio_bounds_opportunistic_draft_blocks():
-    opp = SKVS.replace(draft_memory="opportunistic")  # skvs prices draft blocks; the ratio bounds opportunistic ones
+    # skvs prices draft blocks; the ratio bounds opportunistic ones. Without prefill reservations: an admitted
+    # row's reservation is fit against the available blocks, not the ratio (docs/scheduler.md, phase 5b).
+    opp = SKVS.replace(draft_memory="opportunistic", spec_in_prefill=False)
     none = _run(_cfg(opp, num_blocks=16), accept="none", steps=40)
     zero = Harness(_cfg(opp, num_blocks=16), vocab=VOCAB,
                    knobs=opp.knobs().replace(max_spec_ratio=jnp.asarray(0.0, jnp.float32)))

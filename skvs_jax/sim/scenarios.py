@@ -34,7 +34,7 @@ CORE = ("vllm_default", "naive_spec", "skvs_article", "skvs")  # every scenario 
 # naive_spec's values, for the +21% decomposition (memory copies / prefix hits / padding).
 VARIANTS: dict[str, tuple[str, dict]] = {
     "vllm_default-no_prefix_cache": ("vllm_default", {"prefix_cache": False}),
-    "skvs+spec_in_prefill": ("skvs", {"spec_in_prefill": True}),
+    "skvs-no_spec_in_prefill": ("skvs", {"spec_in_prefill": False}),
     "skvs_article+spec_in_prefill": ("skvs_article", {"spec_in_prefill": True}),
     "naive_spec-no_spec_in_prefill": ("naive_spec", {"spec_in_prefill": False}),
     "skvs_article-memory": ("skvs_article", {"release": "lazy", "spec_pool": False, "generation_threshold": 0,
@@ -280,7 +280,8 @@ SCENARIOS: dict[str, Scenario] = {
         workload_kw=(("mean_prompt_len", 8192.0), ("mean_output_len", 2048.0), ("prompt_sigma", 0.0),
                      ("output_sigma", 0.0), ("scale", 1.0)),
         requests=32, rate=None, max_prompt_len=8192, max_output_len=2048, max_seqs=32,
-        policies=_ALL + ("skvs_article+spec_in_prefill", "skvs+spec_in_prefill", "naive_spec-no_spec_in_prefill")),
+        policies=_ALL + ("skvs_article+spec_in_prefill", "skvs-no_spec_in_prefill",
+                         "naive_spec-no_spec_in_prefill")),
     # KV-starved: Llama-3-70B over 2 x H100-80GB: at 90% of memory, beside the weights and the 4 Medusa heads
     # (8.6 GB: each head has its own 128k-vocab projection), `CostModel.max_kv_tokens` leaves 741 blocks (11.9k
     # tokens, the issue said ~28k; without the heads 39k); the same on 2 x H200 (141 GB each).
