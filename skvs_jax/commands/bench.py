@@ -33,9 +33,8 @@ version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throu
 repeat, "stalled": policy -> a flag per repeat, and without --ablation "paired_to_naive_spec": policy -> its
 throughput over naive_spec's in each round, stalled rounds left out, and "paired_to_naive_spec_ci95": policy ->
 [low, high], the 95% bootstrap interval of that ratio's median, `bootstrap_median_ci`}) and with --ablation
-"ablation" (see
-`_ablation`); its config also
-records the policy flags and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
+"ablation" (see `_ablation`); its config also records the policy flags and every policy's fields
+("policy_fields"). A plain run has the version-1 shape.
 
 Why this module is ~620 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
 plot) reads as one command; the engine and the metrics it calls live elsewhere.
@@ -470,13 +469,14 @@ def run(args: argparse.Namespace) -> int:
         if args.rate is None:
             print(f"non-timing metrics identical across repeats: {_reproducible(runs)}")
     paired = _paired_ratios(throughputs, stalled, names) if args.repeats > 1 and not args.ablation else {}
+    paired_ci = {n: bootstrap_median_ci(r) for n, r in paired.items() if r}
     if paired:
         # Load drift moves every policy of a round together, so a ratio within a round is steadier than the ratio
         # of two medians taken from different rounds.
         print(f"throughput / {REFERENCE}'s within each round, median [min-max] (95% bootstrap interval of the "
               "median; rounds above 1): " + ", ".join(
                   f"{n} {statistics.median(r):.3f}x [{min(r):.3f}-{max(r):.3f}] "
-                  f"({'-'.join(f'{v:.3f}' for v in bootstrap_median_ci(r))}; {sum(v > 1 for v in r)} of {len(r)})"
+                  f"({paired_ci[n][0]:.3f}-{paired_ci[n][1]:.3f}; {sum(v > 1 for v in r)} of {len(r)})"
                   for n, r in paired.items() if r))
     for n, st in stalls.items():
         if any(st):
@@ -539,8 +539,7 @@ def run(args: argparse.Namespace) -> int:
         doc["runs"] = {"throughput": throughputs, "stalled": stalled}
         if paired:
             doc["runs"][f"paired_to_{REFERENCE}"] = paired
-            doc["runs"][f"paired_to_{REFERENCE}_ci95"] = {n: list(bootstrap_median_ci(r)) for n, r in paired.items()
-                                                          if r}
+            doc["runs"][f"paired_to_{REFERENCE}_ci95"] = {n: list(ci) for n, ci in paired_ci.items()}
     if ablation is not None:
         doc["ablation"] = ablation
     if priced is not None:

@@ -586,11 +586,16 @@ def _plot(doc: dict, out_dir: pathlib.Path) -> list[str]:
 # ------------------------------------------------------------------------------------------------ command
 
 
+def _read_precision(path: str) -> dict:
+    """A `skvs micro precision --json` result."""
+    return json.loads(pathlib.Path(path).read_text())
+
+
 def _precision(args, out_dir: pathlib.Path) -> dict | None:
     if args.no_precision:
         return None
     if args.precision_json:
-        return json.loads(pathlib.Path(args.precision_json).read_text())
+        return _read_precision(args.precision_json)
     from skvs_jax.commands import micro_precision
 
     path = out_dir / "precision.json"
@@ -650,7 +655,7 @@ def run(args: argparse.Namespace) -> int:
             doc["precision"] = doc.get("precision") or other.get("precision")
             doc["wall_s"] += other["wall_s"]
         if args.precision_json:  # the FP8 row from a separate `skvs micro precision --json` run
-            doc["precision"] = json.loads(pathlib.Path(args.precision_json).read_text())
+            doc["precision"] = _read_precision(args.precision_json)
         for r in doc["scenarios"].values():
             r["policies"], r["sweep"] = _nulls_to_nan(r["policies"]), _nulls_to_nan(r["sweep"])
         doc["regime"] = regime(doc["scenarios"])
