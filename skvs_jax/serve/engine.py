@@ -308,6 +308,8 @@ class Engine:
         self.step_cost = jax.device_get(sc.flat_step_cost(scfg, max_width=self.prompt_width)
                                         if isinstance(step_cost, str) else step_cost)
         self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
+        self._default_rows: sampling_mod.SamplingRows | None = None  # host copy (`_sampling_rows`)
+        self._host_backend = mesh is None and jax.default_backend() == "cpu"  # `_fetch`
         self.state = self._empty_state()
         self.chooser = (sc.buckets.BucketChooser(policy.draft_len, policy.bucket_budget, tuple(buckets))
                         if policy.bucket_budget else None)
@@ -368,6 +370,18 @@ class Engine:
     def _put(self, x: np.ndarray) -> jax.Array:
         """Host data into the step: replicated over the mesh if there is one (every process passes the same)."""
         return jnp.asarray(x) if self.mesh is None else jax.device_put(x, distributed.replicated(self.mesh))
+
+    def _arg(self, x: np.ndarray) -> np.ndarray | jax.Array:
+        """Host data as an argument of a jitted call (not a state leaf, which the step donates): numpy as is off a
+        mesh, where the call moves all of them at once (half the time of an admission's separate transfers,
+        measured on a 2-core CPU); replicated on a mesh (`_put`)."""
+        return x if self.mesh is None else self._put(x)
+
+    def _fetch(self, tree):
+        """A step's outputs on the host (numpy leaves). On a CPU backend without a mesh each leaf is read in place
+        (`np.asarray`): `jax.device_get` costs ~14 us a leaf there in its async-copy bookkeeping, ~1.2 ms of a
+        ~12 ms step for StepOut's leaves (measured on a 2-core CPU); elsewhere `device_get` overlaps the copies."""
+        return jax.tree.map(np.asarray, tree) if self._host_backend else jax.device_get(tree)
 
     @staticmethod
     def _check_speculation(runner: ModelRunner, policy: Policy, tree, acceptance_rule: str, sample_drafts: bool,
@@ -497,7 +511,7 @@ class Engine:
             prompts[row, : len(r.prompt)], lens[row], new[row], ids[row] = r.prompt, len(r.prompt), \
                 r.sampling.max_tokens, rid
             salts[row] = salt_id(r.cache_salt)
-        put = self._put
+        put = self._arg
         rows = jax.tree.map(put, self._sampling_rows([self.requests[rid] for rid in take]))
         self.state, slots = engine_step.add_requests(self.state, put(prompts), put(lens), put(new), put(prio), put(ids),
                                                      rows, put(salts), cfg=self.cfg)
@@ -513,7 +527,9 @@ class Engine:
         """B sampling rows (numpy) for these requests in order, defaults past them. A request's stream: its seed's
         (without one: a seed mixed from the engine's and the request id), folded with sample index 0."""
         b = self.cfg.sched.cache.max_seqs
-        rows = jax.tree.map(np.array, sampling_mod.default_rows(b))
+        if self._default_rows is None:  # built once: eager jnp ops cost ~3 ms an admission on a CPU host
+            self._default_rows = jax.device_get(sampling_mod.default_rows(b))
+        rows = jax.tree.map(np.array, self._default_rows)  # copies: the rows are written below
         seeds, index = np.zeros(b, np.uint32), np.zeros(b, np.int32)
         for row, r in enumerate(logs):
             sp = r.sampling
@@ -591,10 +607,11 @@ class Engine:
         order = [self.prompt_width] + decode
         empty = self._empty_state()
         b, max_len = self.cfg.sched.cache.max_seqs, self.cfg.sched.max_len
-        zeros, put = np.zeros((b,), np.int32), self._put  # all-padding rows: compiles `add` without adding anything
+        zeros, put = np.zeros((b,), np.int32), self._arg  # all-padding rows: compiles `add` without adding anything
         jax.block_until_ready(engine_step.add_requests(
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
             put(zeros), put(zeros - 1), jax.tree.map(put, self._sampling_rows([])), put(zeros), cfg=self.cfg))
+        jax.block_until_ready(sampling_mod.stream_keys(zeros.astype(np.uint32), zeros))  # what an admission runs
         for w in order:
             jax.block_until_ready(self._idle_step(empty, w))
             self.compiled.add((w, self.tiers is not None))
@@ -673,7 +690,7 @@ class Engine:
             self._swap(batch)
             self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, True, cfg=self.cfg,
                                                      width=width)
-        out = jax.device_get(out)
+        out = self._fetch(out)
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
         self.compiled.add((width, self.tiers is not None))
@@ -743,7 +760,7 @@ class Engine:
             parent, ids, first = (np.full(b, -1, np.int32) for _ in range(3))
             for row, (slot, cid, token) in enumerate(forks):
                 parent[row], ids[row], first[row] = slot, cid, token
-            put = self._put
+            put = self._arg
             rows = jax.tree.map(put, self._sampling_rows([self.requests[cid] for _, cid, _ in forks]))
             self.state, slots = engine_step.fork_requests(self.state, put(parent), put(ids), put(first), rows,
                                                           cfg=self.cfg)
@@ -855,7 +872,7 @@ class Engine:
         slot = self.slot_of.pop(rid)
         mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
         mask[slot] = True
-        self.state = self.state.replace(sched=sc.abort(self.state.sched, self._put(mask), cfg=self.cfg.sched))
+        self.state = self.state.replace(sched=sc.abort(self.state.sched, self._arg(mask), cfg=self.cfg.sched))
         if self.tiers is not None and slot in self.handles:
             self.tiers.release(self.handles.pop(slot))
         self.request_in[slot] = -1
