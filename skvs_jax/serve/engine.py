@@ -308,7 +308,9 @@ class Engine:
         self.step_cost = jax.device_get(sc.flat_step_cost(scfg, max_width=self.prompt_width)
                                         if isinstance(step_cost, str) else step_cost)
         self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
-        self._default_rows: sampling_mod.SamplingRows | None = None  # host copy (`_sampling_rows`)
+        # B default sampling rows on the host, built once: eager jnp ops rebuilding them cost ~2.5 ms an admission
+        # on a CPU host (`_sampling_rows` copies them).
+        self._default_rows = jax.device_get(sampling_mod.default_rows(b))
         self._host_backend = mesh is None and jax.default_backend() == "cpu"  # `_fetch`
         self.state = self._empty_state()
         self.chooser = (sc.buckets.BucketChooser(policy.draft_len, policy.bucket_budget, tuple(buckets))
@@ -527,8 +529,6 @@ class Engine:
         """B sampling rows (numpy) for these requests in order, defaults past them. A request's stream: its seed's
         (without one: a seed mixed from the engine's and the request id), folded with sample index 0."""
         b = self.cfg.sched.cache.max_seqs
-        if self._default_rows is None:  # built once: eager jnp ops cost ~3 ms an admission on a CPU host
-            self._default_rows = jax.device_get(sampling_mod.default_rows(b))
         rows = jax.tree.map(np.array, self._default_rows)  # copies: the rows are written below
         seeds, index = np.zeros(b, np.uint32), np.zeros(b, np.int32)
         for row, r in enumerate(logs):
