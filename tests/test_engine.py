@@ -49,7 +49,7 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
     assert out == reference
     c = e.state.sched.counters
     # The run really exercised the machinery it claims not to disturb.
-    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0
+    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0 and e.split_steps > 0
     if name != "vllm_default":
         assert int(c.drafted) > 0 and 0 < int(c.accepted) < int(c.drafted)
     assert len(e.compiled) <= len(e.widths)
@@ -58,8 +58,8 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
 def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_width(shipped, trace, reference,
                                                                                     monkeypatch):
     """The host picks the prompt width while a row waits; when `schedule` then admits no prompt token, the program
-    runs its narrow branch (`engine_step.model_step_at`). The same run with the branch off (narrow_ok=False, what
-    the step-cost fit times) makes the same decisions and tokens at the wide width every such step."""
+    runs its narrow branch (`engine_step.model_step_at`). The same run forced to the wide branch (WIDE, what the
+    step-cost fit times) makes the same decisions and tokens at the wide width every such step."""
     policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
     e, out = _serve(shipped, policy, trace)
     narrow = engine_step.narrow_width(e.cfg)
@@ -70,14 +70,47 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
 
     fused = engine_step.fused_step
 
-    def always_wide(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
-        return fused(runner, params, st, knobs, False, cfg=cfg, width=width)
+    def always_wide(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
+        return fused(runner, params, st, knobs, engine_step.WIDE, cfg=cfg, width=width)
 
     monkeypatch.setattr(engine_step, "fused_step", always_wide)
     wide, out_wide = _serve(shipped, policy, trace)
     assert out_wide == reference
     assert jax.tree.map(int, wide.state.sched.counters) == jax.tree.map(int, e.state.sched.counters)
     assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.prompt_width] * len(chosen_wide)
+
+
+def test_the_split_branch_computes_what_the_wide_one_does(shipped, trace, reference, monkeypatch):
+    """Every prompt-width step of a run, from the same state through the split branch (narrow rows, each long
+    chunk's head in extra rows) and the wide one: where the split fits, the same tokens, hidden states and K/V.
+    The run goes on from the wide branch's state and still gives the greedy reference; split_rows < 0 is
+    refused."""
+    policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
+    fused, compared = engine_step.fused_step, []
+
+    def both(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
+        if width <= engine_step.narrow_width(cfg):
+            return fused(runner, params, st, knobs, branch, cfg=cfg, width=width)
+        s_split, split = fused(runner, params, jax.tree.map(lambda x: x.copy(), st), knobs, engine_step.SPLIT,
+                               cfg=cfg, width=width)
+        st, wide = fused(runner, params, st, knobs, engine_step.WIDE, cfg=cfg, width=width)
+        if bool(split.width_ok):  # the chunks fit the extra rows (else the split is not what AUTO runs)
+            for field in ("num_new", "new_tokens", "accepted", "num_drafts", "scheduled", "finished"):
+                assert np.asarray(getattr(split, field)).tolist() == np.asarray(getattr(wide, field)).tolist()
+            np.testing.assert_allclose(np.asarray(s_split.hidden), np.asarray(st.hidden), atol=1e-5)
+            for a, b in zip(runner.kv_pages(s_split.cache), runner.kv_pages(st.cache)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+            compared.append(int(wide.num_tokens))  # tokens the step computed
+        return st, wide
+
+    monkeypatch.setattr(engine_step, "fused_step", both)
+    e, out = _serve(shipped, policy, trace)
+    assert out == reference
+    # Among the compared steps, ones whose chunks needed extra rows (more tokens than the narrow rows hold).
+    assert len(compared) >= 5 and max(compared) > engine_step.narrow_width(e.cfg) * e.cfg.sched.cache.max_seqs
+    model, heads = shipped
+    with pytest.raises(ValueError, match="split_rows"):
+        engine.Engine(model, heads, policy, CACHE, split_rows=-1)
 
 
 @pytest.mark.slow  # the run's time budget; test_kv_precision swaps an int8 cache through the engine by default
@@ -251,8 +284,10 @@ def test_warm_up_fits_the_step_cost_of_the_programs_it_runs(served, reference):
     assert out == reference
     widths = sorted(set(e.decode_widths) | {e.prompt_width})
     assert e.step_cost_mode == "fit" and sorted(e.step_cost_times) == widths == [1, 3, 5, 32]
-    assert all(t > 0 for t in e.step_cost_times.values())
-    want = step_cost.fit(e.step_cost_times, widths, e.cfg.sched.token_budget, e.prompt_width)
+    assert all(t > 0 for t in e.step_cost_times.values()) and e.split_step_us > 0
+    # A step with prompt work is priced at the split branch's time (what it runs while the chunks fit it).
+    want = step_cost.fit(e.step_cost_times | {e.prompt_width: e.split_step_us}, widths, e.cfg.sched.token_budget,
+                         e.prompt_width)
     for field in ("token_us", "width_us"):
         assert np.asarray(getattr(e.state.step_cost, field)).tolist() == np.asarray(getattr(want, field)).tolist()
     assert sorted(w for w, _ in e.compiled) == widths
@@ -378,10 +413,10 @@ def _record_batches(monkeypatch) -> list:
     batch on the host, so a test can see which slots held which drafts."""
     seen = []
 
-    def fused_with_batch(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
+    def fused_with_batch(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
         st, batch = engine_step.schedule_only(st, knobs, cfg=cfg)
         seen.append(jax.device_get(batch))
-        return engine_step.model_only(runner, params, st, batch, knobs, narrow_ok, cfg=cfg, width=width)
+        return engine_step.model_only(runner, params, st, batch, knobs, branch, cfg=cfg, width=width)
 
     monkeypatch.setattr(engine_step, "fused_step", fused_with_batch)
     return seen

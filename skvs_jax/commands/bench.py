@@ -118,6 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the goodput controller and priced draft blocks price a step with: fit = the "
                              "policy's programs timed at its first warm-up (serve.step_cost; later repeats reuse "
                              "it), flat = every step the same (schedules reproducible across runs)")
+    parser.add_argument("--split-rows", type=int, default=None,
+                        help="extra query rows of the prompt width's split branch (default: the engine's; 0: no split)")
     parser.add_argument("--impl", default="xla", choices=("xla", "pallas", "reference"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="skvs-results", help="output folder")
@@ -143,7 +145,7 @@ def _host_blocks(args) -> int:
 
 def _engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
-                  step_cost=getattr(args, "step_cost", "fit"))
+                  step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None))
     if policy.preemption == "swap":
         kwargs["swap_blocks"] = _host_blocks(args)
     if policy.speculation:
@@ -167,7 +169,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     if getattr(args, "warmup", True):
         e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
     if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
-        fitted = (e.step_cost, e.step_cost_times)
+        fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
     pending = sorted(trace.requests, key=lambda r: r.arrival_time)
     sched_snapshot = None
     while pending or e.has_work():
@@ -213,14 +215,20 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
             "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
             "fitted": fitted,
             "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
+            "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
+            "split": {"steps": e.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
+                      "rows": e.cfg.split_rows},
             "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
 
 
 def _priced_schedules(results: dict, names: list[str]) -> dict | None:
     """Each policy's reported run priced by one fitted step cost, the first policy's that has one: sum over its
     steps of that fit's time at the step's query width (`serve.step_cost.fit`, widths it did not time
-    interpolated). What each schedule costs on this machine's compiled programs, free of the wall clock's noise
-    (the scheduler's own work per step is in the fit only as it is on empty slots). None when no policy fitted."""
+    interpolated), a step that ran the prompt width's split branch at the fit's split time. What each schedule
+    costs on this machine's compiled programs, free of the wall clock's noise (the scheduler's own work per step
+    is in the fit only as it is on empty slots). A policy whose split branch has another shape (narrow width,
+    extra rows: another draft length) than the fit's is left out ("unpriced"): its split steps cost what no
+    fit measured. None when no policy fitted."""
     from skvs_jax.serve import step_cost
 
     fit_of = next((n for n in names if results[n].get("step_cost_us")), None)
@@ -230,8 +238,26 @@ def _priced_schedules(results: dict, names: list[str]) -> dict | None:
     widths = sorted(set(times) | {int(w) for n in names for w in results[n]["width_hist"]})
     cost = step_cost.fit(times, widths, token_budget=1, max_width=widths[-1])
     base, table = int(np.asarray(cost.token_us)[0]), np.asarray(cost.width_us)
-    ms = {n: sum(k * (base + int(table[int(w)])) for w, k in results[n]["width_hist"].items()) / 1e3 for n in names}
-    return {"fit_of": fit_of, "step_cost_us": results[fit_of]["step_cost_us"], "ms": ms}
+    split_us, shape = results[fit_of].get("split_step_us"), _split_shape(results[fit_of])
+    ms, unpriced = {}, []
+    for n in names:
+        split = results[n].get("split") or {}
+        wide = sum(k * (base + int(table[int(w)])) for w, k in results[n]["width_hist"].items())
+        steps = split.get("steps", 0)
+        if steps and (split_us is None or _split_shape(results[n]) != shape):
+            unpriced.append(n)
+            continue
+        prompt = max(int(w) for w in results[n]["width_hist"])  # split steps are counted at the prompt width
+        ms[n] = (wide - steps * (base + int(table[prompt]) - (split_us or 0))) / 1e3
+    if not ms:
+        return None
+    return {"fit_of": fit_of, "step_cost_us": results[fit_of]["step_cost_us"], "split_step_us": split_us,
+            "ms": ms, "unpriced": unpriced}
+
+
+def _split_shape(result: dict) -> tuple:
+    split = result.get("split") or {}
+    return split.get("narrow_width"), split.get("rows")
 
 
 def _scheduler_time(e: eng.Engine, snapshot) -> float:
@@ -489,14 +515,18 @@ def run(args: argparse.Namespace) -> int:
     for n in names:
         if results[n].get("step_cost_us"):
             print(f"{n}: step cost fitted at warm-up (us per step by query width): "
-                  + ", ".join(f"{w}: {t:.0f}" for w, t in results[n]["step_cost_us"].items()))
+                  + ", ".join(f"{w}: {t:.0f}" for w, t in results[n]["step_cost_us"].items())
+                  + (f"; its prompt width's split branch: {results[n]['split_step_us']:.0f}"
+                     if results[n].get("split_step_us") is not None else ""))
     priced = _priced_schedules(results, names)
     if priced is not None:
-        base = names[0]
+        base = next(iter(priced["ms"]))
         print(f"steps priced by {priced['fit_of']}'s fit (each reported run's steps by width, without the clock's "
               "noise): " + ", ".join(f"{n} {ms:.1f} ms" + ("" if n == base else f" ({ms / priced['ms'][base]:.2f}x "
                                                                                  f"{base})")
-                                    for n, ms in priced["ms"].items()))
+                                    for n, ms in priced["ms"].items())
+              + "".join(f"; {n} unpriced (its split steps have a shape the fit did not time)"
+                        for n in priced["unpriced"]))
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
@@ -532,7 +562,8 @@ def run(args: argparse.Namespace) -> int:
         "policies": {n: {"metrics": results[n]["metrics"], "counters": results[n]["counters"],
                          "compiled_buckets": results[n]["compiled"], "series": results[n]["series"],
                          "step_cost_us": results[n].get("step_cost_us", {}),
-                         "steps_by_width": results[n].get("width_hist", {})}
+                         "steps_by_width": results[n].get("width_hist", {}),
+                         "split_step_us": results[n].get("split_step_us"), "split": results[n].get("split", {})}
                      for n in names},
     }
     if args.repeats > 1 or args.ablation:

@@ -11,8 +11,9 @@ The host loop around it admits arrived requests into free slots, picks the query
 buckets (decode-only steps use Q = 1 + K, steps with prompt work use Q = the prefill chunk), calls the step, and
 streams the new tokens. Q is an upper bound computed from state the host already read, so the scheduler's
 decisions never depend on it; the number of compiled programs is (number of buckets) per engine. The prompt
-width's program also holds the 1 + K width, which it runs when memory left the step without a prompt token
-(`engine_step.model_step_at`). Under the
+width's program also holds the 1 + K width, which it runs when memory left the step without a prompt token,
+and a split of it: the rows at 1 + K slots plus extra rows carrying the head of each long prompt chunk, so one
+row's chunk does not pad every row to the chunk's width (`engine_step.model_step_at`). Under the
 policy's `bucket_budget` the draft widths are chosen from the observed histogram (`warmup(draft_hist)`, and
 re-chosen as it drifts, `scheduler.buckets`): at most 1 + budget * (1 + re-choices) programs over its life.
 
@@ -223,6 +224,9 @@ class Engine:
     `warmup` (`serve.step_cost`: the step's time by its widest row; flat until then, so an engine never warmed
     up schedules reproducibly), "flat" every step the same (drafts free, a recompute free: only acceptance
     decides), or a `scheduler.StepCost` to use as given (docs/speculation.md, "The engine's step cost").
+    split_rows: extra query rows of the prompt width's split branch (`engine_step.model_step_at`): None (default)
+    enough for two full prompt chunks beside the narrow rows (`engine_step.split_rows_for`), 0 no split (every
+    step with prompt work pads all rows to the chunk).
     Swap tiers (`preemption="swap"`): swap_blocks host-tier blocks, backed by disk_blocks blocks of a disk tier in
     disk_dir (None: a temporary directory); a swap that does not fit the host spills the least recently swapped
     sequences to disk (`kv.tiers.SwapSpace`), and the scheduler counts both tiers' room, recomputing when both are
@@ -251,13 +255,16 @@ class Engine:
                sample_drafts: bool = False, posterior_threshold: float = POSTERIOR_THRESHOLD,
                posterior_alpha: float = POSTERIOR_ALPHA,
                clock=time.perf_counter, mesh: jax.sharding.Mesh | None = None,
-               step_cost: sc.StepCost | str = "fit", disk_blocks: int = 0, disk_dir: str | None = None) -> None:
+               step_cost: sc.StepCost | str = "fit", disk_blocks: int = 0, disk_dir: str | None = None,
+               split_rows: int | None = None) -> None:
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a Policy, got {type(policy).__name__}")
         if impl not in pk.IMPLS:
             raise ValueError(f"impl must be one of {pk.IMPLS}, got {impl!r}")
         checks.at_least("swap_blocks", swap_blocks, 0)
         checks.at_least("disk_blocks", disk_blocks, 0)
+        if split_rows is not None:
+            checks.at_least("split_rows", split_rows, 0)
         if disk_dir is not None and not isinstance(disk_dir, str):
             raise TypeError(f"disk_dir must be a directory path (str) or None, got {type(disk_dir).__name__}")
         if not checks.is_int(seed):
@@ -289,6 +296,9 @@ class Engine:
                                 posterior_alpha=float(posterior_alpha), kv_shardings=kv_shardings)
         self.runner, self.params = runner, params
         b = cache_config.max_seqs
+        prompt_width = max(scfg.chunk, 1 + policy.draft_len)  # scfg.chunk: prefill_chunk 0 = the budget
+        self.cfg = dataclasses.replace(self.cfg, split_rows=engine_step.split_rows_for(self.cfg, prompt_width)
+                                       if split_rows is None else int(split_rows))
         self._seed = seed
         if isinstance(step_cost, str):
             if step_cost not in ("fit", "flat"):
@@ -299,7 +309,7 @@ class Engine:
         # the histogram under `bucket_budget`), one wide width for steps with prompt work.
         buckets = (policy.draft_buckets or (policy.draft_len,)) if policy.speculation else (0,)
         self.decode_widths = tuple(1 + x for x in buckets)
-        self.prompt_width = max(scfg.chunk, 1 + policy.draft_len)  # scfg.chunk: prefill_chunk 0 = the budget
+        self.prompt_width = prompt_width
         self.widths = tuple(sorted(set(self.decode_widths) | {self.prompt_width}))  # every width had so far
         # The state always carries a StepCost of one shape (a width table up to the prompt width), so a fit at
         # warm-up replaces data and recompiles nothing.
@@ -308,6 +318,8 @@ class Engine:
         self.step_cost = jax.device_get(sc.flat_step_cost(scfg, max_width=self.prompt_width)
                                         if isinstance(step_cost, str) else step_cost)
         self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
+        self.split_step_us: float | None = None  # the fit's time of the prompt width's split branch (us)
+        self.split_steps = 0  # steps that ran the split branch (counted at the prompt width in `width_hist`)
         # B default sampling rows on the host, built once: eager jnp ops rebuilding them cost ~2.5 ms an admission
         # on a CPU host (`_sampling_rows` copies them).
         self._default_rows = jax.device_get(sampling_mod.default_rows(b))
@@ -628,37 +640,52 @@ class Engine:
         (empty slots: a padded step computes every slot whatever it holds)."""
         empty = self._empty_state()
 
-        def prepare(w):
+        def prepare(key):
             state = jax.tree.map(lambda x: x.copy(), empty)  # untimed: the step donates its state
-            return lambda: self._idle_step(state, w, copy=False)
+            return lambda: self._idle_step(state, *key, copy=False)
 
         now = self._runnable_widths()
-        self.step_cost_times = step_cost_mod.measure(prepare, now, rounds)
+        keys = [(w, engine_step.WIDE) for w in now]
+        if self._splits():
+            keys.append((self.prompt_width, engine_step.SPLIT))
+        timed = step_cost_mod.measure(prepare, keys, rounds)
+        self.step_cost_times = {w: t for (w, branch), t in timed.items() if branch == engine_step.WIDE}
+        self.split_step_us = timed.get((self.prompt_width, engine_step.SPLIT))
         self.compiled |= {(w, self.tiers is not None) for w in now}
         self._install_step_cost()
         return self.step_cost
 
-    def _idle_step(self, state: engine_step.EngineState, width: int, copy: bool = True):
+    def _idle_step(self, state: engine_step.EngineState, width: int, branch: int = engine_step.WIDE,
+                   copy: bool = True):
         """One step at `width` on a state with no requests (a copy of it unless copy=False: the step donates it),
-        through the program a serving step at that width runs; returns its outputs. What `warmup` compiles with
-        and `fit_step_cost` times."""
+        through the program a serving step at that width runs, its `branch` forced (`engine_step.model_step_at`:
+        WIDE, the whole width, by default); returns its outputs. What `warmup` compiles with and `fit_step_cost`
+        times."""
         if copy:
             state = jax.tree.map(lambda x: x.copy(), state)
         if self.tiers is None:
-            return engine_step.fused_step(self.runner, self.params, state, self.knobs, False, cfg=self.cfg,
+            return engine_step.fused_step(self.runner, self.params, state, self.knobs, branch, cfg=self.cfg,
                                           width=width)
         state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
-        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, False, cfg=self.cfg,
+        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, branch, cfg=self.cfg,
                                       width=width)
+
+    def _splits(self) -> bool:
+        """The prompt width's program has a split branch (`engine_step.model_step_at`)."""
+        return self.cfg.split_rows > 0 and self.prompt_width > engine_step.narrow_width(self.cfg)
 
     def _runnable_widths(self) -> list[int]:
         """The query widths a step can run now: the decode widths and the prompt width."""
         return sorted(set(self.decode_widths) | {self.prompt_width})
 
     def _install_step_cost(self) -> None:
-        """The fit of `step_cost_times` over the current widths, into the state (same shapes: no recompile)."""
-        cost = step_cost_mod.fit(self.step_cost_times, self._runnable_widths(), self.cfg.sched.token_budget,
-                                 self.prompt_width)
+        """The fit of `step_cost_times` over the current widths, into the state (same shapes: no recompile). With
+        a split branch, a step with prompt work is priced at the split's time: what it runs unless the chunks
+        outgrow the extra rows."""
+        times = dict(self.step_cost_times)
+        if self.split_step_us is not None:
+            times[self.prompt_width] = self.split_step_us
+        cost = step_cost_mod.fit(times, self._runnable_widths(), self.cfg.sched.token_budget, self.prompt_width)
         self.step_cost = jax.device_get(cost)
         self.state = self.state.replace(step_cost=self._device_step_cost())
 
@@ -684,12 +711,13 @@ class Engine:
         start = self.now()
         args = (self.runner, self.params)
         if self.tiers is None:
-            self.state, out = engine_step.fused_step(*args, self.state, self.knobs, True, cfg=self.cfg, width=width)
+            self.state, out = engine_step.fused_step(*args, self.state, self.knobs, engine_step.AUTO, cfg=self.cfg,
+                                                     width=width)
         else:
             self.state, batch = engine_step.schedule_only(self.state, self.knobs, cfg=self.cfg)
             self._swap(batch)
-            self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, True, cfg=self.cfg,
-                                                     width=width)
+            self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
+                                                     cfg=self.cfg, width=width)
         out = self._fetch(out)
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
@@ -698,6 +726,9 @@ class Engine:
         self._prompt_work = bool(out.prompt_work)
         self._next_drafts, self._drafts_knobs = int(out.next_want), self.knobs
         ran = int(out.width)  # narrower than `width` when memory kept every prompt row out (`model_step_at`)
+        if bool(out.split):  # the prompt width's split branch: counted at the width the host chose
+            ran = width
+            self.split_steps += 1
         self.width_hist[ran] += 1
         self.draft_hist[int(np.max(out.num_drafts))] += 1
         end = self.now()
@@ -713,7 +744,8 @@ class Engine:
         rows, drafted = int(np.sum(out.scheduled)), int(np.sum(out.num_drafts))
         pad = rows * (width - 1) - drafted if bound is not None else 0
         self.padding += pad
-        self.step_log[-1].update(width=width, bound=-1 if bound is None else bound, padding=pad)
+        self.step_log[-1].update(width=width, bound=-1 if bound is None else bound, padding=pad,
+                                 split=bool(out.split))
         if bound is None or self.chooser is None or not rows:
             return
         self.chooser.observe(bound, rows, drafted)

@@ -48,6 +48,7 @@ class EngineConfig:
     posterior_threshold: float = POSTERIOR_THRESHOLD  # typical acceptance (Medusa's defaults)
     posterior_alpha: float = POSTERIOR_ALPHA
     kv_shardings: tuple | None = None  # on a mesh: a NamedSharding per `runner.kv_pages` array, else None
+    split_rows: int = 0  # extra query rows of the prompt width's split branch (`model_step_at`); 0: no split
 
 
 @struct.dataclass
@@ -89,6 +90,7 @@ class StepOut:
     top_logprobs: jax.Array  # float32[B, K+1, MAX_LOGPROBS] their raw logprobs
     sibling_tokens: jax.Array  # int32[B, MAX_N - 1] first tokens of a prompt's outputs 1.. (`sampling.siblings`)
     sibling_logprob: jax.Array  # float32[B, MAX_N - 1] their raw logprobs
+    split: jax.Array  # bool[] the prompt width's split branch ran (`model_step_at`): narrow rows + extra rows
 
 
 # ------------------------------------------------------------------------------------------ the jitted step
@@ -107,7 +109,7 @@ class _Queries:
 
 
 def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, knobs, *, cfg: EngineConfig,
-                width: int):
+               width: int, split_rows: int = 0):
     """Everything after `schedule`, one phase per call: copy-on-write, the [B, Q] queries (Q = width), the paged
     forward, verification, the stop-token cut, the next hidden state, a tree's accepted K/V moved into place,
     the rejected drafts' K/V scrubbed (when the policy asks), the cache's sharding, `update` (its commit's block
@@ -117,25 +119,34 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     rows = st.sampling
     cache = _copy_on_write(runner, st.cache, batch)
     context = _penalty_context(st.sched.seqs, batch, rows, runner.vocab_size)
-    queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs.tokens, batch, cfg=cfg,
+    # With split rows, `view` is the batch as its [B, Q] home rows see it (each row's last Q tokens; the earlier
+    # ones of a long prompt chunk ride in extra rows); everything after the forward reads it, `update` the batch.
+    view = _home_view(batch, width) if split_rows else batch
+    queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs.tokens, view, cfg=cfg,
                                 width=width)
-    logits, hidden, cache = _forward(runner, params, queries, cache, batch, impl=cfg.impl)
-    targets = _process_targets(logits, queries, batch, rows, context, cfg=cfg)
-    accepted, path, path_tokens, bonus = _verify_drafts(targets, queries, batch, rows, cfg=cfg)
+    if split_rows:
+        logits, hidden, cache, fits = _forward_split(runner, params, queries, cache, batch, view,
+                                                     st.sched.seqs.tokens, rows=split_rows, impl=cfg.impl)
+    else:
+        logits, hidden, cache = _forward(runner, params, queries, cache, batch, impl=cfg.impl)
+        fits = _widest_query(batch) <= width
+    targets = _process_targets(logits, queries, view, rows, context, cfg=cfg)
+    accepted, path, path_tokens, bonus = _verify_drafts(targets, queries, view, rows, cfg=cfg)
     new_tokens, accepted, next_token, stop = _truncate_at_stop(accepted, path_tokens, bonus, rows,
-                                                               st.sched.seqs, batch, k=k)
+                                                               st.sched.seqs, view, k=k)
     logprobs = _emitted_logprobs(targets.raw, path, new_tokens, rows)
-    hidden = _hidden_at_last_accepted(hidden, path, accepted, batch, st.hidden)
-    cache = _move_accepted_kv(runner, cache, batch, path, accepted, cfg=cfg)
-    cache = _scrub_rejected_drafts(runner, cache, batch, accepted, cfg=cfg)
+    hidden = _hidden_at_last_accepted(hidden, path, accepted, view, st.hidden)
+    cache = _move_accepted_kv(runner, cache, view, path, accepted, cfg=cfg)
+    cache = _scrub_rejected_drafts(runner, cache, view, accepted, cfg=cfg)
     cache = _keep_kv_sharding(runner, cache, cfg.kv_shardings)
     view_tokens = None if k == 0 or spec.is_chain(cfg.tree) else queries.nodes  # the drafts in tree-slot order
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
                                      view_tokens=view_tokens)
     st = st.replace(sched=sched, cache=cache, hidden=hidden)
     out = _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
-                    logprobs=logprobs)
-    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1])
+                    logprobs=logprobs, fits=fits)
+    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1],
+                           split=jnp.asarray(split_rows > 0))
 
 
 def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
@@ -226,6 +237,76 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: samp
     query_lens = jnp.where(batch.scheduled, num_query + num_drafts, 0)
     return _Queries(tokens=tokens, positions=jnp.where(slot < query_lens[:, None], positions, 0),
                     query_lens=query_lens, tree_mask=tree_mask, nodes=nodes, draft_logits=draft_logits)
+
+
+def _home_view(batch: sc.Batch, width: int) -> sc.Batch:
+    """The batch as the split branch's home rows see it: a row needing more than `width` query slots (a prompt
+    chunk) keeps its last `width` tokens (the sampling slot and any drafts among them) in its own row; its first
+    `_chunk_heads` go to extra rows (`_split_rows`). start and num_query move by that many, so start +
+    num_query, where the new tokens land, is the batch's."""
+    off = _chunk_heads(batch, width)
+    return batch.replace(start=batch.start + off, num_query=batch.num_query - off)
+
+
+def _chunk_heads(batch: sc.Batch, width: int) -> jax.Array:
+    """int32[B]: how many of each scheduled row's first query tokens do not fit its home row of `width` slots,
+    num_query + num_drafts - width or 0; at most num_query - 1, since drafts never exceed width - 1."""
+    need = jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0)
+    return jnp.maximum(need - width, 0).astype(i32)
+
+
+@struct.dataclass
+class _SplitRows:
+    """The split branch's E extra query rows of width Q: row e computes tokens [start, start + length) of batch
+    row parent (length 0: an unused row)."""
+
+    parent: jax.Array  # int32[E]
+    start: jax.Array  # int32[E]
+    length: jax.Array  # int32[E] in [0, Q]
+    need: jax.Array  # int32[] extra rows the batch needs (it fits iff need <= E)
+
+
+def _split_rows(start: jax.Array, off: jax.Array, width: int, rows: int) -> _SplitRows:
+    """Row b's head tokens [start, start + off) (int32[B] each), cut into ceil(off / width) extra rows of
+    `width` slots, numbered after the rows of the rows before b; `rows` extra rows in all (need says how many
+    the batch wanted)."""
+    need = (off + width - 1) // width
+    end = jnp.cumsum(need)  # extra rows [end - need, end) are row b's
+    e = jnp.arange(rows, dtype=i32)
+    parent = jnp.clip(jnp.searchsorted(end, e, side="right").astype(i32), 0, off.shape[0] - 1)
+    j = e - (end - need)[parent]  # which of its parent's extra rows
+    length = jnp.where(e < end[-1], jnp.clip(off[parent] - j * width, 0, width), 0)
+    return _SplitRows(parent=parent, start=start[parent] + j * width, length=length.astype(i32),
+                      need=end[-1].astype(i32))
+
+
+def _forward_split(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, view: sc.Batch,
+                   seq_tokens: jax.Array, *, rows: int, impl: str):
+    """The paged forward of the split branch: the B home rows (`_home_view`'s queries) and `rows` extra rows
+    holding the head of every long prompt chunk, in one [B + rows, Q] call. Exact: each layer writes every row's
+    K/V before any row attends (`ModelRunner.forward`), so a home row sees its chunk's head in the extra rows
+    through the shared block table, and an extra row the extra rows before it. Returns (logits float[B, Q, V],
+    hidden float[B, Q, Dm] of the home rows, cache, fits bool[]: every row fit, i.e. the extra rows sufficed)."""
+    b, width = queries.tokens.shape
+    ex = _split_rows(batch.start, view.start - batch.start, width, rows)
+    slot = jnp.arange(width, dtype=i32)[None, :]
+    live = slot < ex.length[:, None]  # [E, Q]
+    pos = ex.start[:, None] + slot
+    known = jnp.take_along_axis(seq_tokens[ex.parent], jnp.clip(pos, 0, seq_tokens.shape[1] - 1), axis=1)
+    tokens = jnp.concatenate([queries.tokens, jnp.where(live, known, 0)])
+    positions = jnp.concatenate([queries.positions, jnp.where(live, pos, 0)])
+    query_lens = jnp.concatenate([queries.query_lens, ex.length])
+    context_lens = jnp.concatenate([view.start + queries.query_lens,
+                                    jnp.where(ex.length > 0, ex.start + ex.length, 0)])
+    tables = jnp.concatenate([batch.block_table, batch.block_table[ex.parent]])
+    tree_mask = queries.tree_mask
+    if tree_mask is not None:  # extra rows hold known tokens only: causal
+        causal = jnp.broadcast_to(slot.T >= slot, (rows, width, width))
+        tree_mask = jnp.concatenate([tree_mask, causal])
+    logits, hidden, cache = runner.forward(params, tokens, positions, cache, tables, context_lens, query_lens,
+                                           impl=impl, tree_mask=tree_mask)
+    fits = (ex.need <= rows) & (_widest_query(view) <= width)
+    return logits[:b], hidden[:b], cache, fits
 
 
 def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, *, impl: str):
@@ -434,9 +515,9 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, st
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,
-              cfg: sc.SchedulerConfig, width: int, step_cost=None, logprobs: tuple) -> StepOut:
+              cfg: sc.SchedulerConfig, width: int, step_cost=None, logprobs: tuple, fits: jax.Array) -> StepOut:
     """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result,
-    new_tokens int32[B, K + 1] and `_emitted_logprobs`."""
+    new_tokens int32[B, K + 1], `_emitted_logprobs` and fits (bool[]: every row's query fit the program)."""
     prompt_work, next_drafts, next_want = _next_width_bounds(sched, knobs, cfg, step_cost)
     return StepOut(
         num_new=res.num_new, new_tokens=new_tokens, finished=res.finished, scheduled=batch.scheduled,
@@ -444,13 +525,14 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         accepted=res.accepted, admitted=batch.admitted, hit_tokens=batch.hit_tokens,
         preempted=batch.preempted | batch.swap_out, oom=batch.oom, num_tokens=batch.num_tokens,
         blocks_used=batch.blocks_used, spec_blocks=batch.spec_blocks,
-        width_ok=(_widest_query(batch) <= width) & batch.alloc_ok,
+        width_ok=fits & batch.alloc_ok,
         width=jnp.asarray(width, i32),
         free_slots=jnp.sum(sched.seqs.status == sc.EMPTY, dtype=i32),
         prompt_work=prompt_work, next_drafts=next_drafts, shape=sc.step_shape(batch), next_want=next_want,
         token_logprob=logprobs[0], top_ids=logprobs[1], top_logprobs=logprobs[2],
         sibling_tokens=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), i32),
         sibling_logprob=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), jnp.float32),
+        split=jnp.asarray(False),
     )
 
 
@@ -464,25 +546,54 @@ def narrow_width(cfg: EngineConfig) -> int:
     return 1 + cfg.sched.policy.draft_len
 
 
-def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, knobs, narrow_ok=True, *,
+AUTO, NARROW, SPLIT, WIDE = -1, 0, 1, 2  # `model_step_at`'s branch: picked by the batch, or forced
+
+
+def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, knobs, branch=AUTO, *,
                   cfg: EngineConfig, width: int):
-    """`model_step` at `width`, or at `narrow_width` when the batch fits it (and narrow_ok, a bool[]): the width
-    is picked before `schedule` runs, from whether some row has prompt work, but memory can keep every prompt
-    row out of the step (a waiting row that does not fit); computing its empty prompt slots was a fifth of a busy
-    engine's time. Both widths are branches of one program (a `lax.cond`): no program more than the buckets, no
-    host sync. narrow_ok=False always runs `width` (the step-cost fit times each width's own branch)."""
+    """`model_step` at `width` when it is wider than `narrow_width`, through the cheapest of three branches of
+    one program (a `lax.switch`: no program more than the buckets, no host sync):
+
+        NARROW  the batch fits narrow_width: memory can keep every prompt row out of a step the host gave the
+                wide width (it picks the width before `schedule` runs); computing empty prompt slots was a fifth
+                of a busy engine's time
+        SPLIT   (cfg.split_rows > 0) [B + split_rows, narrow] rows: every row's last narrow tokens in its own
+                row, the head of each long prompt chunk in extra rows (`_forward_split`); one row's 32-token
+                chunk no longer pads all B rows to 32 slots
+        WIDE    [B, width], every row padded to the widest (what the chunks need when they do not fit SPLIT)
+
+    branch (int32[]): AUTO picks the first that fits; NARROW, SPLIT or WIDE forces one (the step-cost fit times
+    each on empty slots; a forced SPLIT without split rows runs WIDE). At `width` <= narrow_width there is one
+    branch."""
     narrow = narrow_width(cfg)
     if width <= narrow:
         return model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
-    fits = narrow_ok & (_widest_query(batch) <= narrow)
-    return jax.lax.cond(fits, functools.partial(model_step, runner, cfg=cfg, width=narrow),
-                        functools.partial(model_step, runner, cfg=cfg, width=width), params, st, batch, knobs)
+    step = functools.partial(model_step, runner, cfg=cfg)
+    branches, fits = [functools.partial(step, width=narrow)], [_widest_query(batch) <= narrow]
+    if cfg.split_rows:
+        branches.append(functools.partial(step, width=narrow, split_rows=cfg.split_rows))
+        fits.append(_split_rows(batch.start, _chunk_heads(batch, narrow), narrow, cfg.split_rows).need
+                    <= cfg.split_rows)
+    branches.append(functools.partial(step, width=width))
+    pick = jnp.argmax(jnp.stack(fits + [jnp.asarray(True)])).astype(i32)  # the first branch that fits
+    forced = jnp.minimum(jnp.asarray(branch, i32), len(branches) - 1)  # without a split, SPLIT and WIDE: WIDE
+    return jax.lax.switch(jnp.where(forced >= 0, forced, pick), branches, params, st, batch, knobs)
+
+
+def split_rows_for(cfg: EngineConfig, width: int, chunks: int = 2) -> int:
+    """Extra rows enough for `chunks` full prompt chunks of `width` tokens beside narrow rows: chunks *
+    ceil((width - narrow) / narrow), 0 when width <= narrow (the default `Engine(split_rows=None)`). Two chunks:
+    on `skvs bench`'s trace one chunk's rows (6) fitted 17 of naive_spec's 33 prompt steps, two (12) fitted 25 and
+    four (24) all 33, and the priced runs were 0.83x, 0.80x and 0.84-0.88x of the wide-only schedule: past two
+    chunks the larger split step costs more than the rarer wide steps it avoids (docs/speculation.md)."""
+    narrow = narrow_width(cfg)
+    return chunks * max(0, -(-(width - narrow) // narrow))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
-def fused_step(runner, params, st, knobs, narrow_ok=True, *, cfg, width):
+def fused_step(runner, params, st, knobs, branch=AUTO, *, cfg, width):
     sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
-    return model_step_at(runner, params, st.replace(sched=sched), batch, knobs, narrow_ok, cfg=cfg, width=width)
+    return model_step_at(runner, params, st.replace(sched=sched), batch, knobs, branch, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
@@ -492,8 +603,8 @@ def schedule_only(st, knobs, *, cfg):
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width"), donate_argnums=(2,))
-def model_only(runner, params, st, batch, knobs, narrow_ok=True, *, cfg, width):
-    return model_step_at(runner, params, st, batch, knobs, narrow_ok, cfg=cfg, width=width)
+def model_only(runner, params, st, batch, knobs, branch=AUTO, *, cfg, width):
+    return model_step_at(runner, params, st, batch, knobs, branch, cfg=cfg, width=width)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))

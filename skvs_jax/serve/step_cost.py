@@ -7,7 +7,8 @@ about the same at Q = 1, 3 or 5 and a prompt-width step about twice that. A toke
 cannot say that; its width table can (`StepCost.width_us`, the extra time of a step whose widest row computes w
 tokens):
 
-    measure(engine)          median time of one step per compiled width, {Q: us}, on empty slots
+    measure(prepare, keys)   median time of one step per compiled width, {Q: us}, on empty slots (the engine
+                             also times its prompt width's split branch: priced for steps with prompt work)
     fit(times, widths, ...)  token_us = the narrowest program's time; width_us[w] = time(the narrowest compiled
                              width >= w) - that, non-decreasing in w (noise cannot make a wider program look
                              cheaper); widths compiled but not timed are interpolated between timed ones
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ import numpy as np
 
 from skvs_jax import scheduler as sc
 
+K = TypeVar("K", bound=Hashable)
 MEASURE_ROUNDS = 7  # timed runs per width, interleaved across widths so a slow moment hits every width alike
 
 
@@ -57,18 +60,18 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
                        width_us=jnp.asarray(np.clip(np.round(table), 0, 2**24), jnp.int32))
 
 
-def measure(prepare: Callable[[int], Callable[[], object]], widths: Sequence[int], rounds: int = MEASURE_ROUNDS
-            ) -> dict[int, float]:
-    """Median wall time in microseconds of one step per width: `prepare(w)` (untimed: e.g. copying the state a
-    step donates) returns a call that runs the compiled step at width w and returns what to block on. One untimed
-    run per width, then `rounds` interleaved rounds."""
-    for w in widths:
-        jax.block_until_ready(prepare(w)())
-    samples: dict[int, list[float]] = {w: [] for w in widths}
+def measure(prepare: Callable[[K], Callable[[], object]], keys: Sequence[K], rounds: int = MEASURE_ROUNDS
+            ) -> dict[K, float]:
+    """Median wall time in microseconds of one step per key (a width, or the engine's (width, branch)):
+    `prepare(key)` (untimed: e.g. copying the state a step donates) returns a call that runs the compiled step
+    and returns what to block on. One untimed run per key, then `rounds` rounds interleaved across the keys."""
+    for key in keys:
+        jax.block_until_ready(prepare(key)())
+    samples: dict[K, list[float]] = {key: [] for key in keys}
     for _ in range(rounds):
-        for w in widths:
-            go = prepare(w)
+        for key in keys:
+            go = prepare(key)
             t0 = time.perf_counter()
             jax.block_until_ready(go())
-            samples[w].append((time.perf_counter() - t0) * 1e6)
-    return {w: statistics.median(v) for w, v in samples.items()}
+            samples[key].append((time.perf_counter() - t0) * 1e6)
+    return {key: statistics.median(v) for key, v in samples.items()}
