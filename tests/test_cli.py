@@ -37,6 +37,8 @@ def test_micro_allocator_small_run_prints_its_ratios(capsys):
     assert re.fullmatch(r"allocator speedup vs python oracle: [0-9.]+x", lines[-1])
 
 
+# Slow-marked for the default run's time budget: a benchmark's report; the refusal test below runs its checks.
+@pytest.mark.slow
 def test_micro_scheduler_small_run_prints_its_ratio(capsys):
     argv = ("micro scheduler --seqs 8 --blocks 512 --max-blocks-per-seq 16 --prompt-len 24 --calls 1 "
             "--steps-per-call 2")

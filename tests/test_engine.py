@@ -43,7 +43,9 @@ def _serve(shipped, policy, trace, **kw):
     return e, e.run()
 
 
-@pytest.mark.parametrize("name", ["vllm_default", "naive_spec", "skvs"])
+# vllm_default's run is slow-marked for the default run's time budget: the speculating policies are the ones whose
+# output must equal plain decoding, and `skvs bench` checks every policy's greedy outputs against each other.
+@pytest.mark.parametrize("name", [pytest.param("vllm_default", marks=pytest.mark.slow), "naive_spec", "skvs"])
 def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, reference, name):
     e, out = _serve(shipped, policies.preset(name), trace)
     assert out == reference
@@ -335,6 +337,7 @@ def _engine_controller_cost(e):
     return e.state.step_cost
 
 
+@pytest.mark.slow  # the default run's time budget; tests/test_sim_cost_model.py checks the pricing itself
 def test_the_cost_model_prices_the_schedule_a_large_model_would_run(served, trace):
     """The same schedule on Llama-3.1-8B / A100: memory-bound steps of ~10 ms; nothing about the schedule moves."""
     e, out, runs = served

@@ -194,6 +194,8 @@ def test_engine_serves_greedy_requests_with_an_fp8_cache(bench_run):
         assert same == round(r["same_as_fp32"] * 96)
 
 
+@pytest.mark.slow  # the default run's time budget; tests/test_tiers.py swaps through the tiers and the fp8 engine test
+# above serves a quantised cache
 def test_engine_swaps_an_int8_cache_to_the_host_tier_and_back(shipped, bench_run):
     """int8 KV with swap preemption: the scales travel with the pages (lost or stale scales would dequantise the
     swapped sequences to garbage), and the outputs stay close to the float32-KV run of the benchmark

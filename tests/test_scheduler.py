@@ -121,7 +121,9 @@ def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tu
 
 # The default run keeps one config per concern; the rest (each also covered by a switch's own test below) run
 # with `pytest -m slow`: every config compiles its own scheduler (~10 s here), and the run has 20 minutes.
-SLOW_CONFIGS = {"skvs-index-2-rows", "no-prefix-cache-K2", "skvs_article-priced-swap", "naive_spec_vllm"}
+SLOW_CONFIGS = {"skvs-index-2-rows", "no-prefix-cache-K2", "skvs_article-priced-swap", "naive_spec_vllm",
+                "skvs-fixedK-prefillspec-preempt-most_progress", "skvs-lazy-nopool-nobarrier-onfill",
+                "skvs-swap-least_progress"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_CONFIGS else n
@@ -487,7 +489,8 @@ def test_speculation_switch_and_draft_length_knob():
     assert max(int(np.asarray(b.num_drafts).max()) for b in batches) == 1
 
 
-@pytest.mark.parametrize("pol", [NAIVE, SKVS], ids=["naive_spec", "skvs"])
+# naive_spec slow-marked for the default run's time budget; skvs drafts through the same path.
+@pytest.mark.parametrize("pol", [pytest.param(NAIVE, marks=pytest.mark.slow), SKVS], ids=["naive_spec", "skvs"])
 def test_the_last_prompt_token_is_computed_without_drafts(pol):
     """A prefill chunk that ends one token before the prompt's end leaves a row with one token to compute, like a
     decode row; but no step has sampled for it, so there is nothing to draft from (the engine's hidden state is
@@ -586,7 +589,8 @@ def test_prefix_cache_barrier_and_insert_switches():
 
 
 @pytest.mark.parametrize("block_size, max_blocks, draft_len, trimmed", [
-    (4, 8, 4, 1), (4, 8, 1, 1), pytest.param(2, 16, 4, 2, marks=pytest.mark.slow)])  # slow: the run's time budget
+    pytest.param(4, 8, 4, 1, marks=pytest.mark.slow), (4, 8, 1, 1),
+    pytest.param(2, 16, 4, 2, marks=pytest.mark.slow)])  # slow: the run's time budget
 def test_spec_hit_trim_shortens_a_hit_by_the_draft_reach_in_blocks(block_size, max_blocks, draft_len, trimmed):
     """A prompt served once is cached; the same prompt again hits its whole blocks (naive_spec), or those less
     ceil(K / S) blocks (naive_spec_vllm, vLLM's EAGLE/MTP path), K the draft-length knob."""
@@ -629,6 +633,8 @@ def test_mandatory_drafts_run_out_of_blocks_more_often_than_opportunistic_ones()
     assert pre > opp
 
 
+# Slow-marked for the default run's time budget: the lockstep config naive-swap-most_blocks swaps by default.
+@pytest.mark.slow
 def test_swap_and_recompute_preemption():
     tight = dict(num_blocks=12, max_running=6, token_budget=40)
     rec = _run(_cfg(NAIVE, **tight), steps=50)

@@ -49,6 +49,7 @@ def simulate_rates(mode: str, rates: list[float]) -> list[dict[str, float]]:
     return sweep.summaries(logs, traces, lanes, cfg)
 
 
+@pytest.mark.slow  # the default run's time budget; a fidelity figure (docs/simulator.md), not a unit check
 def test_measured_mode_reproduces_vidur_within_5_percent():
     rates = sorted(VIDUR)
     for rate, got in zip(rates, simulate_rates("measured-vidur", rates), strict=True):
@@ -57,6 +58,7 @@ def test_measured_mode_reproduces_vidur_within_5_percent():
             assert got[key] == pytest.approx(value, rel=TOLERANCE), (rate, key, got[key], value)
 
 
+@pytest.mark.slow  # the default run's time budget; the contrast to the fidelity figure above
 def test_the_roofline_does_not():
     """The gap the issue found, from the cost model alone: the roofline's TPOT is 1.46x below Vidur's at 16 req/s."""
     (got,) = simulate_rates("roofline", [16.0])

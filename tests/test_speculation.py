@@ -209,6 +209,8 @@ def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(s
     assert int(e.state.sched.counters.accepted) > 0
 
 
+@pytest.mark.slow  # the default run's time budget; the scheduler's lockstep tests run the controller on a tree
+# (skvs-tree), and tests/test_models_hf.py checks tree verification against HF
 def test_the_goodput_controller_on_a_tree_is_greedy_and_drafts_to_depths(shipped, trace, reference):
     """skvs (the goodput controller) on SMALL_TREE: it prices a row's slots by the depth they reach, so the
     output is still greedy, and the per-depth counts it learns from are the depths the tree's slots reached."""
@@ -291,6 +293,9 @@ def test_knobs_replaced_between_steps_take_effect_without_a_query_outgrowing_its
     assert max(e.draft_hist) == 4 and e.draft_hist[1] > 0
 
 
+# Slow-marked for the default run's time budget: tests/test_acceptance.py checks the rule itself, and the warm-up
+# test below serves sample_drafts.
+@pytest.mark.slow
 def test_sampled_drafts_with_the_general_lossless_rule(shipped, trace, reference):
     small = dataclasses.replace(trace, requests=trace.requests[:3])
     e = _engine(shipped, policies.skvs(4), small, sample_drafts=True)  # temperature 0: argmax drafts, greedy rule
