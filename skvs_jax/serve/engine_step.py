@@ -144,9 +144,8 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
                                      view_tokens=view_tokens)
     st = st.replace(sched=sched, cache=cache, hidden=hidden)
     out = _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
-                    logprobs=logprobs, fits=fits)
-    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1],
-                           split=jnp.asarray(split_rows > 0))
+                    logprobs=logprobs, fits=fits, split=split_rows > 0)
+    return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1])
 
 
 def _copy_on_write(runner: ModelRunner, cache, batch: sc.Batch):
@@ -515,9 +514,11 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, st
 
 
 def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tokens: jax.Array, knobs, *,
-              cfg: sc.SchedulerConfig, width: int, step_cost=None, logprobs: tuple, fits: jax.Array) -> StepOut:
+              cfg: sc.SchedulerConfig, width: int, step_cost=None, logprobs: tuple, fits: jax.Array,
+              split: bool) -> StepOut:
     """The step's report to the host (`StepOut`), from the state after `update`, the batch, update's result,
-    new_tokens int32[B, K + 1], `_emitted_logprobs` and fits (bool[]: every row's query fit the program)."""
+    new_tokens int32[B, K + 1], `_emitted_logprobs`, fits (bool[]: every row's query fit the program) and split
+    (static: the split branch ran)."""
     prompt_work, next_drafts, next_want = _next_width_bounds(sched, knobs, cfg, step_cost)
     return StepOut(
         num_new=res.num_new, new_tokens=new_tokens, finished=res.finished, scheduled=batch.scheduled,
@@ -532,7 +533,7 @@ def _step_out(sched: sc.SchedState, batch: sc.Batch, res: sc.StepResult, new_tok
         token_logprob=logprobs[0], top_ids=logprobs[1], top_logprobs=logprobs[2],
         sibling_tokens=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), i32),
         sibling_logprob=jnp.zeros((cfg.cache.max_seqs, sampling.MAX_N - 1), jnp.float32),
-        split=jnp.asarray(False),
+        split=jnp.asarray(split),
     )
 
 
