@@ -21,8 +21,9 @@ NON_TIMING = ("tokens", "blocks_used", "spec_blocks", "oom", "preempted", "draft
 
 
 # The subprocess compiles for correctness, not speed: XLA's backend optimisations off halve its compile time, and
-# both engines compared run under the same flags.
-XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# both engines compared run under the same flags (tests/conftest.py's, which it probed this jaxlib for).
+XLA_FLAGS = os.environ.get("SKVS_TEST_XLA_FLAGS",
+                           "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def _check(devices: int, swap: bool) -> dict:

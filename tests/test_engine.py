@@ -391,7 +391,8 @@ def test_reset_prefix_cache_forgets_cached_prefixes(shipped, trace, reference):
     r = trace.requests[0]
     hits = {}
     for reset in (False, True):
-        e = engine.Engine(model, heads, policies.vllm_default(), CACHE, token_budget=96, prefill_chunk=32)
+        # naive_spec: the greedy test's engine configuration, whose programs are compiled already.
+        e = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, token_budget=96, prefill_chunk=32)
         first = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens))
         e.run()
         if reset:
@@ -491,7 +492,8 @@ def test_freed_and_rejected_slots_are_never_read_and_rejected_drafts_are_scrubbe
     length) is overwritten with garbage: the outputs stay the greedy reference, so no sequence reads a freed or
     rejected slot. Under skvs with scrub_rejected (the preset leaves it off) every slot of a rejected draft holds
     zeros right after its step."""
-    e = _engine(shipped, policies.skvs(4).replace(scrub_rejected=True), monkeypatch)
+    # One draft bucket (widths 5 and the prompt's): each width is a program of ~20 s to compile here.
+    e = _engine(shipped, policies.skvs(4).replace(draft_buckets=(4,), scrub_rejected=True), monkeypatch)
     requests = trace.requests[:6]
     out, rejected, dirty = _serve_checked(e, requests, poison=True)
     assert out == {r.request_id: reference[r.request_id] for r in requests}
@@ -561,7 +563,7 @@ def test_cache_salt_isolates_tenants_and_equal_salts_share(shipped, trace, refer
     unsalted, and the hit an unsalted repeat gets to the same prompt under "a" again. Outputs never change."""
     model, heads = shipped
     r = trace.requests[0]
-    e = engine.Engine(model, heads, policies.vllm_default(), CACHE, token_budget=96, prefill_chunk=32)
+    e = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, token_budget=96, prefill_chunk=32)
     hits = {}
     for name, salt in (("first", "a"), ("other", "b"), ("unsalted", None), ("same", "a"), ("unsalted again", None)):
         rid = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), cache_salt=salt)

@@ -52,9 +52,10 @@ CONFIGS = {
         victim="most_progress"), admit_window=2),
     "no-prefix-cache-K2": _cfg(policies.naive_spec(2).replace(prefix_cache=False, prefix_barrier=False),
                                token_budget=6, max_running=6),
-    # Compute-aware drafting: 1 decode row drafts K, 2 rows 2 each, 3 rows 1, 4 or more none.
-    "skvs-verify-budget-6": _cfg(SKVS.replace(verify_budget=6)),
-    "naive-verify-budget-5": _cfg(NAIVE.replace(verify_budget=5)),
+    # Compute-aware drafting: 1 decode row drafts K, 2 rows 2 each, 3 rows 1, 4 or more none. The budget is a
+    # knob (data, KNOBS below), so these run skvs's and naive_spec's compiled schedulers.
+    "skvs-verify-budget-6": _cfg(SKVS),
+    "naive-verify-budget-5": _cfg(NAIVE),
     # The article's histogram rule (skvs is the goodput controller now), and the controller with mandatory drafts
     # (its attribution counters count the preemptions drafts cause).
     "skvs_article": _cfg(policies.skvs_article(4)),
@@ -69,6 +70,9 @@ CONFIGS = {
     # it drafts to a depth in the fewest slots, and counts the depths reached.
     "skvs-tree": _cfg(SKVS, reach_table=(0, 1, 1, 2, 2)),
 }
+# Knobs other than the config's policy's own (`Policy.knobs()`), by config name.
+KNOBS = {"skvs-verify-budget-6": SKVS.replace(verify_budget=6).knobs(),
+         "naive-verify-budget-5": NAIVE.replace(verify_budget=5).knobs()}
 # A step cost for the goodput controller: 400 us a step, 60 us a token, a row 3 us, a context token 20 ns, heads
 # 150 us: drafts pay only while the rows' acceptance is high enough.
 GOODPUT_COST = sc.StepCost(token_us=jnp.asarray(400 + 60 * np.arange(17), jnp.int32), row_us=jnp.asarray(3, jnp.int32),
@@ -133,7 +137,7 @@ SLOW_CONFIGS = {"skvs-index-2-rows", "no-prefix-cache-K2", "skvs_article-priced-
        abort_p=hs.sampled_from([0.0, 0.05]))
 def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort_p):
     cfg = CONFIGS[name]
-    h = Harness(cfg, vocab=VOCAB)
+    h = Harness(cfg, vocab=VOCAB, knobs=KNOBS.get(name))
     h.run(workload(cfg, seed, steps, add_p, abort_p))
     event(f"preempted: {int(h.st.counters.preempt_recompute) + int(h.st.counters.preempt_swap) > 0}")
 
@@ -536,10 +540,11 @@ def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, li
 
 def test_verify_budget_shares_drafts_evenly_and_stops_them_past_the_budget():
     """With R decode rows every row drafts at most floor(verify_budget / R) - 1 (never more than K); no cap
-    without a budget. Measured on naive_spec (fixed K = 4), so the cap is the only thing that varies."""
+    without a budget. Measured on naive_spec (fixed K = 4), so the cap is the only thing that varies. The budget
+    is a knob (data): one compiled scheduler serves every budget."""
+    cfg = _cfg(NAIVE, num_blocks=48, max_blocks=8, token_budget=64)
     for budget, rows, want in ((None, 5, 4), (12, 1, 4), (12, 2, 4), (12, 3, 3), (12, 5, 1), (9, 5, 0)):
-        pol = NAIVE.replace(verify_budget=budget)
-        h = Harness(_cfg(pol, num_blocks=48, max_blocks=8, token_budget=64), vocab=VOCAB)
+        h = Harness(cfg, vocab=VOCAB, knobs=NAIVE.replace(verify_budget=budget).knobs())
         h.add([[1, 2, 1 + i % 2] for i in range(rows)], [20] * rows)
         rng = np.random.default_rng(0)
         h.step(rng)  # prefill

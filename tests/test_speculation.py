@@ -336,9 +336,10 @@ def _compilations() -> int:
 def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
     model, heads = shipped
     small = dataclasses.replace(trace, requests=trace.requests[:2])
-    e = _engine(shipped, policies.skvs(4), small, sample_drafts=True)  # at temperature 0: greedy
-    order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
-    assert order == [e.prompt_width, 3, 1, 5] and sorted(order) == list(e.widths)
+    # Two draft buckets, not skvs's three: each width is a program of ~20 s to compile here (the default run's time).
+    e = _engine(shipped, policies.skvs(4).replace(draft_buckets=(0, 4)), small, sample_drafts=True)  # temperature 0
+    order = e.warmup({4: 50, 2: 1, 0: 3})  # the prompt width, then drafts 4 (width 5; 2 pads up to it), 0 (width 1)
+    assert order == [e.prompt_width, 5, 1] and sorted(order) == list(e.widths)
     before = _compilations()
     assert e.run() == {r.request_id: reference[r.request_id] for r in small.requests}
     assert _compilations() == before

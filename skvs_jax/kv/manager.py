@@ -190,8 +190,15 @@ def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: j
     """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`, in two passes: rows
     whose request spans <= W columns (every decode row) in a [B, W] window, then, only if some row is wider
     (prefill chunks, swap-ins), those rows over the full [B, M] table. The scheduler has already made everything
-    fit, so both passes grant everything; the oracle mirrors the two passes (they decide which rows pop first)."""
+    fit, so both passes grant everything; the oracle mirrors the two passes (they decide which rows pop first).
+    Drafts take the window pass alone: a row's at most K drafts start in its partial block and span at most
+    ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the window pass refuses
+    it as the full one would (one `_grow` fewer to compile and run)."""
     s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
+    if speculative:
+        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
+                                                  window=w, speculative=True)
+        return kv.replace(alloc=alloc), res
     have = alloc.seqs.num_allocated
     narrow = cdiv(have + num_tokens, s) - have // s <= w
     alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order,

@@ -717,8 +717,11 @@ class OracleScheduler:
         return min(cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
 
     def _allocate_two_pass(self, tokens, order, speculative):
-        """Rows spanning <= W columns first (window W), then the wider ones (full table), as the jitted one."""
+        """Rows spanning <= W columns first (window W), then the wider ones (full table), as the jitted one;
+        drafts in the window pass alone (no valid draft request is wider)."""
         a, s, w = self.alloc, self.cfg.cache.block_size, self._window()
+        if speculative:
+            return a.allocate(tokens, order, speculative=True, generation=self.step, window=w)
         narrow = [cdiv(a.allocated[b] + tokens[b], s) - a.allocated[b] // s <= w for b in range(len(tokens))]
         first = [t if nw else 0 for t, nw in zip(tokens, narrow)]
         wide = [0 if nw else t for t, nw in zip(tokens, narrow)]
