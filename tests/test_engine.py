@@ -57,6 +57,22 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
     assert len(e.compiled) <= len(e.widths)
 
 
+def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
+    """`Engine.warmup` compiles the prompt width first, then the draft buckets by the steps a histogram puts in
+    them; a run after it compiles nothing. skvs's configuration of the greedy test: its programs are reused."""
+    model, heads = shipped
+    e = engine.Engine(model, heads, policies.preset("skvs"), CACHE, token_budget=96, prefill_chunk=32)
+    order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
+    assert order == [e.prompt_width, 3, 1, 5] and sorted(order) == list(e.widths)
+    before = engine_step.fused_step._cache_size()
+    small = trace.requests[:2]
+    for r in small:
+        e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
+    assert e.run() == {r.request_id: reference[r.request_id] for r in small}
+    assert engine_step.fused_step._cache_size() == before
+    assert sum(e.draft_hist.values()) == sum(e.width_hist.values()) > 0
+
+
 def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_width(shipped, trace, reference,
                                                                                     monkeypatch):
     """The host picks the prompt width while a row waits; when `schedule` then admits no prompt token, the program

@@ -293,8 +293,8 @@ def test_knobs_replaced_between_steps_take_effect_without_a_query_outgrowing_its
     assert max(e.draft_hist) == 4 and e.draft_hist[1] > 0
 
 
-# Slow-marked for the default run's time budget: tests/test_acceptance.py checks the rule itself, and the warm-up
-# test below serves sample_drafts.
+# Slow-marked for the default run's time budget: tests/test_acceptance.py checks the rule itself, and
+# test_sampled_drafts_at_temperature_zero_give_the_greedy_tokens below serves sample_drafts.
 @pytest.mark.slow
 def test_sampled_drafts_with_the_general_lossless_rule(shipped, trace, reference):
     small = dataclasses.replace(trace, requests=trace.requests[:3])
@@ -333,17 +333,15 @@ def _compilations() -> int:
     return engine_step.fused_step._cache_size()
 
 
-def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
-    model, heads = shipped
+def test_sampled_drafts_at_temperature_zero_give_the_greedy_tokens(shipped, trace, reference):
+    """sample_drafts at temperature 0 draws the argmax drafts and verifies them by the greedy rule: the engine's
+    sampled-draft program gives the greedy reference. One draft bucket (two programs: each ~30 s to compile
+    here); the seeded temperature-1 runs are test_sampled_drafts_with_the_general_lossless_rule's (`-m slow`)."""
     small = dataclasses.replace(trace, requests=trace.requests[:2])
-    # Two draft buckets, not skvs's three: each width is a program of ~20 s to compile here (the default run's time).
-    e = _engine(shipped, policies.skvs(4).replace(draft_buckets=(0, 4)), small, sample_drafts=True)  # temperature 0
-    order = e.warmup({4: 50, 2: 1, 0: 3})  # the prompt width, then drafts 4 (width 5; 2 pads up to it), 0 (width 1)
-    assert order == [e.prompt_width, 5, 1] and sorted(order) == list(e.widths)
-    before = _compilations()
+    e = _engine(shipped, policies.skvs(4).replace(draft_buckets=(4,)), small, sample_drafts=True)
     assert e.run() == {r.request_id: reference[r.request_id] for r in small.requests}
-    assert _compilations() == before
-    assert sum(e.draft_hist.values()) == sum(e.width_hist.values()) > 0
+    c = e.state.sched.counters
+    assert int(c.drafted) > 0 and 0 < int(c.accepted) < int(c.drafted)
 
 
 def test_adaptive_draft_length_compares_the_expected_acceptance_with_each_buckets_reach():
