@@ -42,7 +42,9 @@ def _fast_compile_flags() -> str:
     return os.environ["SKVS_TEST_XLA_FLAGS"]
 
 
-if not os.environ.get("SKVS_TEST_XLA_DEFAULTS"):
+if os.environ.get("SKVS_TEST_XLA_DEFAULTS"):
+    os.environ["SKVS_TEST_XLA_FLAGS"] = ""  # what the suite's own subprocesses add to XLA_FLAGS: nothing
+else:
     _flags = _fast_compile_flags()
     if _flags not in os.environ.get("XLA_FLAGS", ""):  # an xdist worker inherits its controller's XLA_FLAGS
         os.environ["XLA_FLAGS"] = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), _flags)))
