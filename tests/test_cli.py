@@ -250,7 +250,10 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
     run), at 5 tok/s."""
     repeats = {}
 
-    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None):
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None,
+              rehearsal=False):
+        if rehearsal:  # `--rehearse`: its result is dropped, its fit reused
+            return {"fitted": None}
         i = repeats[policy.name] = repeats.get(policy.name, -1) + 1
         stalled = i in (stall or {}).get(policy.name, ())
         m = {key: 0.5 for key, _, _ in metrics.METRICS}
@@ -354,17 +357,40 @@ def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):
     after itself (reversing every other round would put the end policies back to back at each seam)."""
     calls, stub = [], _stub_serve()
 
-    def serve(model, heads, policy, *args, **kwargs):
-        calls.append(policy.name)
-        return stub(model, heads, policy, *args, **kwargs)
+    def serve(model, heads, policy, *args, rehearsal=False, **kwargs):
+        calls.append(policy.name + " (rehearsal)" * rehearsal)
+        return stub(model, heads, policy, *args, rehearsal=rehearsal, **kwargs)
 
     monkeypatch.setattr(bench, "serve", serve)
     argv = ["bench", "--policies", "naive_spec,skvs,vllm_default", "--requests", "3", "--repeats", "3", "--quiet",
             "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 0
-    assert calls == ["naive_spec", "skvs", "vllm_default", "skvs", "vllm_default", "naive_spec",
+    rehearsals, timed = calls[:3], calls[3:]  # every policy serves the trace once untimed first
+    assert rehearsals == ["naive_spec (rehearsal)", "skvs (rehearsal)", "vllm_default (rehearsal)"]
+    assert timed == ["naive_spec", "skvs", "vllm_default", "skvs", "vllm_default", "naive_spec",
                      "vllm_default", "naive_spec", "skvs"]
-    assert all(a != b for a, b in zip(calls, calls[1:]))
+    assert all(a != b for a, b in zip(timed, timed[1:]))
+    calls.clear()
+    assert commands.main([*argv, "--no-rehearse"]) == 0
+    assert calls == timed
+
+
+def test_bench_timed_runs_plan_with_the_rehearsals_step_cost_fit(tmp_path, monkeypatch):
+    """The rehearsal fits the step cost (a fresh engine's warm-up); every timed run is handed that fit."""
+    handed, stub = [], _stub_serve()
+
+    def serve(model, heads, policy, *args, rehearsal=False, fitted=None, **kwargs):
+        if rehearsal:
+            return {"fitted": ("fit of the rehearsal", policy.name)}
+        handed.append(fitted)
+        return stub(model, heads, policy, *args, fitted=fitted, **kwargs)
+
+    monkeypatch.setattr(bench, "serve", serve)
+    argv = ["bench", "--policies", "naive_spec,skvs", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot",
+            "--out", str(tmp_path)]
+    assert commands.main(argv) == 0
+    assert handed == [("fit of the rehearsal", "naive_spec"), ("fit of the rehearsal", "skvs"),
+                      ("fit of the rehearsal", "skvs"), ("fit of the rehearsal", "naive_spec")]
 
 
 def test_bootstrap_interval_of_the_median_is_seeded_and_brackets_it():
@@ -398,17 +424,21 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
     served, cleared = [], []
     stub = _stub_serve()
 
-    def serve(model, heads, policy, *args, **kwargs):
-        served.append((policy.name, len(cleared)))
-        return stub(model, heads, policy, *args, **kwargs)
+    def serve(model, heads, policy, *args, rehearsal=False, **kwargs):
+        served.append((policy.name + " (rehearsal)" * rehearsal, len(cleared)))
+        return stub(model, heads, policy, *args, rehearsal=rehearsal, **kwargs)
 
     monkeypatch.setattr(bench, "serve", serve)
     monkeypatch.setattr(bench, "MAX_LIVE_PROGRAMS", 10)  # naive_spec 3 + skvs 5; skvs again + each ablation 5
     monkeypatch.setattr(bench.jax, "clear_caches", lambda: cleared.append(True))
     argv = ["bench", "--ablation", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 0
-    assert served == [("naive_spec", 0), ("skvs", 0), ("skvs", 0), ("naive_spec", 0),  # the second round rotated
+    # Each group rehearses its policies after the previous group's programs were freed (its own are new).
+    assert served == [("naive_spec (rehearsal)", 0), ("skvs (rehearsal)", 0),
+                      ("naive_spec", 0), ("skvs", 0), ("skvs", 0), ("naive_spec", 0),  # the second round rotated
+                      ("skvs (rehearsal)", 1), ("skvs -release (rehearsal)", 1),
                       ("skvs", 1), ("skvs -release", 1), ("skvs -release", 1), ("skvs", 1),
+                      ("skvs (rehearsal)", 2), ("skvs -spec_pool (rehearsal)", 2),
                       ("skvs", 2), ("skvs -spec_pool", 2), ("skvs -spec_pool", 2), ("skvs", 2)]
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool"]
@@ -542,7 +572,8 @@ def test_bench_policy_flags_and_overrides_reach_the_policies_and_engines():
 def test_bench_run_with_overrides_records_them_and_both_hit_rates(tmp_path, capsys, monkeypatch):
     seen = {}
 
-    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None):
+    def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None, fitted=None,
+              rehearsal=False):
         seen[policy.name] = (policy, int(knobs.draft_len))
         m = {key: 0.25 for key, _, _ in metrics.METRICS} | {"kv_hit_rate": 0.3, "kv_hit_rate_first": 0.1}
         m |= {"num_requests": 2.0, "num_aborted": 0.0, "num_steps": 3.0, "output_tokens": 6.0, "wall_time": 0.1}

@@ -7,34 +7,35 @@ ratios measured in this run. It writes `bench.json` (every metric, the config, v
 `bench.png` (throughput and memory over time per policy) to the output folder.
 
 Timings are wall clock on this machine, compile time excluded: each policy's engine first compiles every one of its
-query buckets (`Engine.warmup`: the prompt width and one width per draft bucket). Greedy outputs must be identical
-across policies (checked). With `--rate`, arrivals follow the wall clock, so which requests share a step — and the
-non-timing metrics — depend on timing; with the default (all at t = 0) everything but the timings is reproducible
-from the seed. A run in which one step takes over a second and over half the run has *stalled* (a program compiled
-inside the timed run, or the machine stopped): it is flagged, and left out of the median when the policy has other
-runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over
-the run hits every policy, and policies of one round can be compared pairwise; round r runs the policies rotated by
-r, so each takes every place equally often); each policy's metrics are those of
-its run with the median throughput (the upper median for even N), and its min-max throughput is reported. More
-policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive
-groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles; under
-`--ablation` every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run of
-its own group (skvs's reported metrics stay those of the first group's runs).
-`--ablation` serves naive_spec, skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to
-naive_spec's value ("skvs -<switch>"). After the usual table it prints the decomposition: per switch, the metrics
-with the switch off and their change vs full skvs measured in the same run, the switch's share of the skvs -
-naive_spec gap (in engine steps, which are deterministic, and in throughput), and which switches help, hurt or stay
-within noise (`throughput_effect`: engine steps decide where the same tokens took different steps; otherwise the
-spread of the ratios within each round, off / skvs; one round with equal steps is no evidence, and only with --rate
-does one round fall back to THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU). `--policies` takes presets
-with overrides (`policies.parse_policies`), and --preemption, --victim, --kv-precision, --no-prefix-cache and
---host-blocks set a switch for every policy (`policy_flags`). bench.json (SCHEMA_VERSION 2): the
-version-1 keys, unchanged, plus with --repeats > 1 or --ablation "runs" ({"throughput": policy -> tok/s of each
-repeat, "stalled": policy -> a flag per repeat, and without --ablation "paired_to_naive_spec": policy -> its
-throughput over naive_spec's in each round, stalled rounds left out, and "paired_to_naive_spec_ci95": policy ->
-[low, high], the 95% bootstrap interval of that ratio's median, `bootstrap_median_ci`}) and with --ablation
-"ablation" (see `_ablation`); its config also records the policy flags and every policy's fields
-("policy_fields"). A plain run has the version-1 shape.
+query buckets (`Engine.warmup`: the prompt width and one width per draft bucket), and each policy serves the trace
+once untimed before its timed runs (`--rehearse`, on by default: XLA:CPU runs a kernel slowly the first time it
+executes, and an empty warm-up step does not reach the kernels of preemption or eviction). Greedy outputs must be
+identical across policies (checked). With `--rate`, arrivals follow the wall clock, so which requests share a step —
+and the non-timing metrics — depend on timing; with the default (all at t = 0) everything but the timings is
+reproducible from the seed. A run in which one step takes over a second and over half the run has *stalled* (a
+program compiled inside the timed run, or the machine stopped): it is flagged, and left out of the median when the
+policy has other runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the
+machine's load over the run hits every policy, and policies of one round can be compared pairwise; round r runs the
+policies rotated by r, so each takes every place equally often); each policy's metrics are those of its run with the
+median throughput (the upper median for even N), and its min-max throughput is reported. More policies than one
+process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive groups
+(`serving_groups`), each group's rounds done and its programs freed before the next compiles; under `--ablation`
+every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run of its own group
+(skvs's reported metrics stay those of the first group's runs). `--ablation` serves naive_spec, skvs and
+`policies.ablations(skvs)`: skvs with one switch at a time turned back to naive_spec's value ("skvs -<switch>").
+After the usual table it prints the decomposition: per switch, the metrics with the switch off and their change vs
+full skvs measured in the same run, the switch's share of the skvs - naive_spec gap (in engine steps, which are
+deterministic, and in throughput), and which switches help, hurt or stay within noise (`throughput_effect`: engine
+steps decide where the same tokens took different steps; otherwise the spread of the ratios within each round, off /
+skvs; one round with equal steps is no evidence, and only with --rate does one round fall back to THROUGHPUT_NOISE,
+the run-to-run spread of a 2-core CPU). `--policies` takes presets with overrides (`policies.parse_policies`), and
+--preemption, --victim, --kv-precision, --no-prefix-cache and --host-blocks set a switch for every policy
+(`policy_flags`). bench.json (SCHEMA_VERSION 2): the version-1 keys, unchanged, plus with --repeats > 1 or
+--ablation "runs" ({"throughput": policy -> tok/s of each repeat, "stalled": policy -> a flag per repeat, and
+without --ablation "paired_to_naive_spec": policy -> its throughput over naive_spec's in each round, stalled rounds
+left out, and "paired_to_naive_spec_ci95": policy -> [low, high], the 95% bootstrap interval of that ratio's median,
+`bootstrap_median_ci`}) and with --ablation "ablation" (see `_ablation`); its config also records the policy flags
+and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
 
 Why this module is ~620 lines: the main job's whole report (serving, the table, the ablation and its verdicts, the
 plot) reads as one command; the engine and the metrics it calls live elsewhere.
@@ -127,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     checkpoints.add_arguments(parser)
     startup.add_arguments(parser, warmup=True)
+    parser.add_argument("--rehearse", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve the trace once untimed per policy before its timed runs (default: on): XLA:CPU "
+                             "runs each kernel of a compiled program slowly the first time it executes, and warm-up's "
+                             "empty steps never execute a step's preemption, eviction or prefix-hit kernels")
 
 
 def _tree(args):
@@ -154,12 +159,13 @@ def _engine_kwargs(policy, args) -> dict:
 
 
 def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
-          fitted=None) -> dict:
+          fitted=None, rehearsal=False) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
     knobs with a `--policies` draft-length knob (default `policy.knobs()`). bucket_hist: the previous repeat's
     `Engine.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
     result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
-    and times), used as given so every repeat plans with the same cost (the first repeat fits it)."""
+    and times), used as given so every repeat plans with the same cost (the first run fits it). rehearsal: an
+    untimed run (`--rehearse`), so the scheduler's own time is not measured after it."""
     kwargs = _engine_kwargs(policy, args)
     if fitted is not None:
         kwargs["step_cost"] = fitted[0]
@@ -182,7 +188,7 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
             time.sleep(max(0.0, pending[0].arrival_time - e.now()))
             continue
         new = e.step()
-        if len(e.step_log) == 4:
+        if len(e.step_log) == 4 and not rehearsal:
             sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
         if progress is not None:
             progress(sum(len(t) for _, t, _ in new))
@@ -430,7 +436,22 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
     ever runs right after itself. Measured (2026-12-02): reversing every other round (ABBA) instead made the end
     policies run twice in a row at each round's seam, and the middle one of three came out ~4% slower paired,
     whichever policy it was. A policy with runs in `history` (an earlier group's) warms up from and plans with
-    those, as its later repeats do."""
+    those, as its later repeats do.
+
+    With `--rehearse` every policy of the group first serves the trace once untimed (its result is dropped; its
+    step-cost fit is what the timed runs plan with): the group's programs were compiled for it alone (`run` frees
+    the previous group's), and XLA:CPU spends ~1 ms on each kernel's first execution, which an empty warm-up step
+    reaches only for the kernels an empty step runs (measured on a 2-core CPU: the first timed run of a policy was
+    ~0.3 s slower, its first preemption's steps 150 ms each instead of 10-20)."""
+    rehearsal = {}
+    if getattr(args, "rehearse", False):
+        for name in group:
+            if bar is not None:
+                bar.set_postfix_str(f"{name} (rehearsal)")
+            prior = out[name] or history.get(name, [])
+            rehearsal[name] = serve(model, heads, chosen[name], cache, trace, args, knobs=specs[name].knobs(),
+                                    bucket_hist=prior[-1].get("bucket_hist") if prior else None,
+                                    fitted=prior[0].get("fitted") if prior else None, rehearsal=True)
     for repeat in range(args.repeats):
         shift = repeat % len(group)
         for name in group[shift:] + group[:shift]:
@@ -439,6 +460,8 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
             prior = out[name] or history.get(name, [])
             last = prior[-1].get("bucket_hist") if prior else None  # a later repeat warms up from it
             fitted = prior[0].get("fitted") if prior else None  # and plans with the first one's fit
+            if fitted is None and name in rehearsal:  # or with the rehearsal's, then every timed run plans alike
+                fitted = rehearsal[name].get("fitted")
             out[name].append(serve(model, heads, chosen[name], cache, trace, args,
                                    progress=bar.update if bar else None, knobs=specs[name].knobs(),
                                    bucket_hist=last, fitted=fitted))
