@@ -607,6 +607,11 @@ class Engine:
         fall into them. Runs each program once on a copy of the state with no requests, so the engine's state is
         unchanged; an engine warmed up before its first request restarts its clock afterwards (times are measured
         from when it was ready to serve). Returns the widths in the order compiled.
+
+        Empty steps execute only the kernels an empty step reaches. XLA:CPU spends ~1 ms on each kernel's first
+        execution (measured on a 2-core CPU), so the first preemption, eviction or prefix hit of this process's
+        programs runs slower once (two steps of 150 ms instead of 10-20 on the bench trace); a timing should serve
+        its workload once untimed first (`skvs bench --rehearse`). Engines of one configuration share programs.
         """
         hist = self.draft_hist if draft_hist is None else draft_hist
         if self.chooser is not None and any(hist.values()):  # choose the programs from the histogram first
