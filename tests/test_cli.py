@@ -383,7 +383,7 @@ def test_bench_timed_runs_plan_with_the_rehearsals_step_cost_fit(tmp_path, monke
         if rehearsal:
             return {"fitted": ("fit of the rehearsal", policy.name)}
         handed.append(fitted)
-        return stub(model, heads, policy, *args, fitted=fitted, **kwargs)
+        return stub(model, heads, policy, *args, fitted=fitted, **kwargs) | {"fitted": fitted}  # as serve does
 
     monkeypatch.setattr(bench, "serve", serve)
     argv = ["bench", "--policies", "naive_spec,skvs", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot",

@@ -443,28 +443,28 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
     the previous group's), and XLA:CPU spends ~1 ms on each kernel's first execution, which an empty warm-up step
     reaches only for the kernels an empty step runs (measured on a 2-core CPU: the first timed run of a policy was
     ~0.3 s slower, its first preemption's steps 150 ms each instead of 10-20)."""
-    rehearsal = {}
+    fits = {}  # the rehearsals' step-cost fits: what a policy's timed runs plan with when it has no earlier run
+
+    def carried(name):  # (bucket histogram, fit) a run starts from: the last run's histogram, the first run's fit
+        prior = out[name] or history.get(name, [])
+        return (prior[-1].get("bucket_hist"), prior[0].get("fitted")) if prior else (None, fits.get(name))
+
     if getattr(args, "rehearse", False):
         for name in group:
             if bar is not None:
                 bar.set_postfix_str(f"{name} (rehearsal)")
-            prior = out[name] or history.get(name, [])
-            rehearsal[name] = serve(model, heads, chosen[name], cache, trace, args, knobs=specs[name].knobs(),
-                                    bucket_hist=prior[-1].get("bucket_hist") if prior else None,
-                                    fitted=prior[0].get("fitted") if prior else None, rehearsal=True)
+            hist, fitted = carried(name)
+            fits[name] = serve(model, heads, chosen[name], cache, trace, args, knobs=specs[name].knobs(),
+                               bucket_hist=hist, fitted=fitted, rehearsal=True).get("fitted")
     for repeat in range(args.repeats):
         shift = repeat % len(group)
         for name in group[shift:] + group[:shift]:
             if bar is not None:
                 bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
-            prior = out[name] or history.get(name, [])
-            last = prior[-1].get("bucket_hist") if prior else None  # a later repeat warms up from it
-            fitted = prior[0].get("fitted") if prior else None  # and plans with the first one's fit
-            if fitted is None and name in rehearsal:  # or with the rehearsal's, then every timed run plans alike
-                fitted = rehearsal[name].get("fitted")
+            hist, fitted = carried(name)
             out[name].append(serve(model, heads, chosen[name], cache, trace, args,
                                    progress=bar.update if bar else None, knobs=specs[name].knobs(),
-                                   bucket_hist=last, fitted=fitted))
+                                   bucket_hist=hist, fitted=fitted))
 
 
 def run(args: argparse.Namespace) -> int:
