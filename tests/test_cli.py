@@ -9,6 +9,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -274,6 +275,13 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
     return serve
 
 
+def _patch_serve(monkeypatch, serve):
+    """`serve` stands in for `bench.serve`, and for each run of `bench.serve_together` (lockstep rounds, the
+    default), called in the order the round gives."""
+    monkeypatch.setattr(bench, "serve", serve)
+    monkeypatch.setattr(bench, "serve_together", lambda calls: [serve(**call) for call in calls])
+
+
 def _keep_ablations(monkeypatch, *names):
     """`policies.ablations` reduced to the named switches."""
     full = policies.ablations
@@ -288,7 +296,7 @@ def two_ablations(monkeypatch):
 
 def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     _keep_ablations(monkeypatch, "release", "spec_pool", "insert")
-    monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs -spec_pool": {0}}))
+    _patch_serve(monkeypatch, _stub_serve(stall={"skvs -spec_pool": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--max-output", "6", "--repeats", "3", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -337,7 +345,7 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
 
 def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_each_round(tmp_path, capsys,
                                                                                         monkeypatch):
-    monkeypatch.setattr(bench, "serve", _stub_serve(stall={"skvs": {1}}))
+    _patch_serve(monkeypatch, _stub_serve(stall={"skvs": {1}}))
     argv = ["bench", "--policies", "naive_spec,skvs", "--requests", "3", "--repeats", "3", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -361,7 +369,7 @@ def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):
         calls.append(policy.name + " (rehearsal)" * rehearsal)
         return stub(model, heads, policy, *args, rehearsal=rehearsal, **kwargs)
 
-    monkeypatch.setattr(bench, "serve", serve)
+    _patch_serve(monkeypatch, serve)
     argv = ["bench", "--policies", "naive_spec,skvs,vllm_default", "--requests", "3", "--repeats", "3", "--quiet",
             "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -373,6 +381,60 @@ def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):
     calls.clear()
     assert commands.main([*argv, "--no-rehearse"]) == 0
     assert calls == timed
+    calls.clear()
+    monkeypatch.setattr(bench, "serve_together", lambda _: pytest.fail("--no-lockstep serves one after another"))
+    assert commands.main([*argv, "--no-lockstep"]) == 0
+    assert calls[3:] == timed
+
+
+def test_turn_clock_runs_only_during_turns_and_skips_waits():
+    clock = bench.TurnClock()
+    assert clock() == 0.0
+    clock.start()
+    time.sleep(0.02)
+    clock.stop()
+    spent = clock()
+    assert 0.02 <= spent < 0.5
+    time.sleep(0.02)  # another engine's turn: not on this clock
+    assert clock() == spent
+    clock.skip(1.5)
+    clock.skip(-1.0)  # an arrival already past: no time
+    assert clock() == spent + 1.5
+    clock.start()
+    assert clock() >= spent + 1.5
+    clock.stop()
+
+
+def test_serve_together_steps_the_policies_in_turn_each_on_its_own_clock(monkeypatch):
+    """One step of each busy policy in the order given, round after round; a policy's clock holds its own
+    steps' time and none of the others' (on one shared wall clock each would be charged all of them)."""
+    turns = []
+
+    class Fake:
+        def __init__(self, name, steps, clock):
+            self.name, self.left, self.clock, self.seen, self.own = name, steps, clock, [], 0.0
+
+        def busy(self):
+            return self.left > 0
+
+        def turn(self):
+            self.seen.append(self.clock())
+            t0 = time.perf_counter()
+            time.sleep(0.01)
+            self.own += time.perf_counter() - t0
+            self.left -= 1
+            turns.append(self.name)
+
+        def result(self):
+            return {"name": self.name, "clock": self.clock(), "seen": self.seen, "own": self.own}
+
+    monkeypatch.setattr(bench, "_Serving", Fake)
+    results = bench.serve_together([dict(name="a", steps=3), dict(name="b", steps=1), dict(name="c", steps=2)])
+    assert turns == ["a", "b", "c", "a", "c", "a"]
+    assert [r["name"] for r in results] == ["a", "b", "c"]
+    for r, steps in zip(results, (3, 1, 2), strict=True):
+        assert r["own"] <= r["clock"] < r["own"] + 0.005  # its own turns; the other five or so took >= 0.03 s
+        assert r["seen"] == sorted(r["seen"]) and len(r["seen"]) == steps
 
 
 def test_bench_timed_runs_plan_with_the_rehearsals_step_cost_fit(tmp_path, monkeypatch):
@@ -385,7 +447,7 @@ def test_bench_timed_runs_plan_with_the_rehearsals_step_cost_fit(tmp_path, monke
         handed.append(fitted)
         return stub(model, heads, policy, *args, fitted=fitted, **kwargs) | {"fitted": fitted}  # as serve does
 
-    monkeypatch.setattr(bench, "serve", serve)
+    _patch_serve(monkeypatch, serve)
     argv = ["bench", "--policies", "naive_spec,skvs", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot",
             "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -428,7 +490,7 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
         served.append((policy.name + " (rehearsal)" * rehearsal, len(cleared)))
         return stub(model, heads, policy, *args, rehearsal=rehearsal, **kwargs)
 
-    monkeypatch.setattr(bench, "serve", serve)
+    _patch_serve(monkeypatch, serve)
     monkeypatch.setattr(bench, "MAX_LIVE_PROGRAMS", 10)  # naive_spec 3 + skvs 5; skvs again + each ablation 5
     monkeypatch.setattr(bench.jax, "clear_caches", lambda: cleared.append(True))
     argv = ["bench", "--ablation", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot", "--out", str(tmp_path)]
@@ -453,7 +515,7 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
 
 
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
-    monkeypatch.setattr(bench, "serve", _stub_serve(differ="skvs -spec_pool", stall={"skvs -release": {0}}))
+    _patch_serve(monkeypatch, _stub_serve(differ="skvs -spec_pool", stall={"skvs -release": {0}}))
     argv = ["bench", "--ablation", "--requests", "3", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
     out = capsys.readouterr().out
@@ -486,7 +548,7 @@ def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
     def no_serve(*args, **kwargs):
         raise AssertionError("a bad flag must be refused before anything is served")
 
-    monkeypatch.setattr(bench, "serve", no_serve)
+    _patch_serve(monkeypatch, no_serve)
     with pytest.raises(SystemExit, match=re.escape(says)) as exc:
         commands.main(["bench", "--quiet", "--no-plot", *flags.split()])
     assert str(exc.value.code).startswith("skvs bench: ")
@@ -581,7 +643,7 @@ def test_bench_run_with_overrides_records_them_and_both_hit_rates(tmp_path, caps
                                                                  "blocks_used": [1], "spec_blocks": [0]},
                 "counters": {}, "compiled": []}
 
-    monkeypatch.setattr(bench, "serve", serve)
+    _patch_serve(monkeypatch, serve)
     argv = ["bench", "--requests", "2", "--max-output", "4", "--quiet", "--no-plot", "--out", str(tmp_path),
             "--policies", "skvs:preemption=swap,name=swapper,skvs:1", "--host-blocks", "5"]
     assert commands.main(argv) == 0

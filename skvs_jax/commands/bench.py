@@ -16,9 +16,12 @@ reproducible from the seed. A run in which one step takes over a second and over
 program compiled inside the timed run, or the machine stopped): it is flagged, and left out of the median when the
 policy has other runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the
 machine's load over the run hits every policy, and policies of one round can be compared pairwise; round r runs the
-policies rotated by r, so each takes every place equally often); each policy's metrics are those of its run with the
-median throughput (the upper median for even N), and its min-max throughput is reported. More policies than one
-process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive groups
+policies rotated by r, so each takes every place equally often). Within a round the policies are served in lockstep
+(`--lockstep`, the default: one step of each in turn, each engine timed on its own `TurnClock`, `serve_together`),
+so the machine's drift from one second to the next lands on every policy of the round alike; `--no-lockstep` serves
+them one after another (each engine alone on the machine, its own programs warm). Each policy's metrics are those
+of its run with the median throughput (the upper median for even N), and its min-max throughput is reported.
+More policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive groups
 (`serving_groups`), each group's rounds done and its programs freed before the next compiles; under `--ablation`
 every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run of its own group
 (skvs's reported metrics stay those of the first group's runs). `--ablation` serves naive_spec, skvs and
@@ -128,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     checkpoints.add_arguments(parser)
     startup.add_arguments(parser, warmup=True)
+    parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                        help="serve a round's policies in lockstep, one step of each in turn, each timed on its own "
+                             "clock (default: on): this CPU's speed drifts between runs of a second, and in lockstep "
+                             "the drift hits every policy alike; --no-lockstep serves them one after another")
     parser.add_argument("--rehearse", action=argparse.BooleanOptionalAction, default=True,
                         help="serve the trace once untimed per policy before its timed runs (default: on): XLA:CPU "
                              "runs each kernel of a compiled program slowly the first time it executes, and warm-up's "
@@ -158,6 +165,113 @@ def _engine_kwargs(policy, args) -> dict:
     return kwargs
 
 
+class TurnClock:
+    """A wall clock that runs only during its owner's turns (`start` .. `stop`), plus the waits it `skip`s: engines
+    served in lockstep (`serve_together`) each see the time of their own steps, not of each other's."""
+
+    def __init__(self) -> None:
+        self._spent, self._since = 0.0, None
+
+    def __call__(self) -> float:
+        return self._spent if self._since is None else self._spent + time.perf_counter() - self._since
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        self._spent, self._since = self(), None
+
+    def skip(self, seconds: float) -> None:
+        """An idle wait for the next arrival, taken on this clock alone instead of slept."""
+        self._spent += max(0.0, seconds)
+
+
+class _Serving:
+    """One policy's engine serving the trace one `turn` at a time: `serve` takes its turns back to back,
+    `serve_together` takes several policies' turns in lockstep. Arguments as `serve`'s; clock: the engine's clock
+    (a `TurnClock` in lockstep; default the wall clock, and an idle engine sleeps until the next arrival)."""
+
+    def __init__(self, model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
+                 fitted=None, rehearsal=False, clock: TurnClock | None = None):
+        kwargs = _engine_kwargs(policy, args)
+        if fitted is not None:
+            kwargs["step_cost"] = fitted[0]
+        if clock is not None:
+            kwargs["clock"] = clock
+        self.e = e = eng.Engine(model, heads, policy, cache, **kwargs)
+        if knobs is not None:
+            e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
+        if getattr(args, "warmup", True):
+            e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
+        if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
+            fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
+        self.cache, self.args, self.progress, self.rehearsal, self.clock = cache, args, progress, rehearsal, clock
+        self.fitted = fitted
+        self.pending = sorted(trace.requests, key=lambda r: r.arrival_time)
+        self.sched_snapshot = None
+
+    def busy(self) -> bool:
+        return bool(self.pending) or self.e.has_work()
+
+    def turn(self) -> None:
+        """Admit what has arrived, then one engine step, or (nothing to run) wait for the next arrival."""
+        e, args = self.e, self.args
+        now = e.now()
+        while self.pending and (args.rate is None or self.pending[0].arrival_time <= now):
+            r = self.pending.pop(0)
+            e.add_request(r.prompt, eng.SamplingParams(max_tokens=r.max_new_tokens, temperature=args.temperature),
+                          arrival_time=r.arrival_time if args.rate is not None else 0.0, request_id=r.request_id)
+        if not e.has_work():
+            wait = self.pending[0].arrival_time - e.now()
+            if self.clock is not None:
+                self.clock.skip(wait)
+            else:
+                time.sleep(max(0.0, wait))
+            return
+        new = e.step()
+        if len(e.step_log) == 4 and not self.rehearsal:
+            self.sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
+        if self.progress is not None:
+            self.progress(sum(len(t) for _, t, _ in new))
+
+    def result(self) -> dict:
+        """The run's metrics, outputs, per-step series, counters and fit (after the last turn)."""
+        e, cache = self.e, self.cache
+        sched_time = _scheduler_time(e, self.sched_snapshot)
+        log = metrics.StepLog()
+        blocks_total = cache.usable_blocks
+        for s in e.step_log:
+            log.append(start_time=s["start"], duration=s["duration"], blocks_used=s["blocks_used"],
+                       blocks_total=blocks_total, scheduler_time=min(sched_time, s["duration"]),
+                       spec_waste_blocks=s["spec_blocks"], oom=s["oom"], num_preempted=s["preempted"],
+                       num_drafted=s["drafted"], num_accepted=s["accepted"], num_verifications=s["verifications"],
+                       num_output_tokens=s["output_tokens"])
+        records = [metrics.RequestRecord(
+            request_id=r.request_id, arrival_time=r.arrival_time, first_token_time=r.first_token_time,
+            finish_time=r.finish_time, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.tokens),
+            num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
+            num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
+            num_first_cached_prompt_tokens=r.first_cached_tokens,
+        ) for r in e.requests.values()]
+        result = metrics.summarize(records, log.freeze())
+        series = {"time": [s["start"] + s["duration"] for s in e.step_log],
+                  "output_tokens": [s["output_tokens"] for s in e.step_log],
+                  "blocks_used": [s["blocks_used"] for s in e.step_log],
+                  "spec_blocks": [s["spec_blocks"] for s in e.step_log]}
+        outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
+        counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
+        result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
+        fitted = self.fitted
+        return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
+                "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
+                "fitted": fitted,
+                "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
+                "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
+                "split": {"steps": e.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
+                          "rows": e.cfg.split_rows},
+                "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
+
+
 def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
           fitted=None, rehearsal=False) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
@@ -166,65 +280,29 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
     and times), used as given so every repeat plans with the same cost (the first run fits it). rehearsal: an
     untimed run (`--rehearse`), so the scheduler's own time is not measured after it."""
-    kwargs = _engine_kwargs(policy, args)
-    if fitted is not None:
-        kwargs["step_cost"] = fitted[0]
-    e = eng.Engine(model, heads, policy, cache, **kwargs)
-    if knobs is not None:
-        e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
-    if getattr(args, "warmup", True):
-        e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
-    if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
-        fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
-    pending = sorted(trace.requests, key=lambda r: r.arrival_time)
-    sched_snapshot = None
-    while pending or e.has_work():
-        now = e.now()
-        while pending and (args.rate is None or pending[0].arrival_time <= now):
-            r = pending.pop(0)
-            e.add_request(r.prompt, eng.SamplingParams(max_tokens=r.max_new_tokens, temperature=args.temperature),
-                          arrival_time=r.arrival_time if args.rate is not None else 0.0, request_id=r.request_id)
-        if not e.has_work():
-            time.sleep(max(0.0, pending[0].arrival_time - e.now()))
-            continue
-        new = e.step()
-        if len(e.step_log) == 4 and not rehearsal:
-            sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
-        if progress is not None:
-            progress(sum(len(t) for _, t, _ in new))
-    sched_time = _scheduler_time(e, sched_snapshot)
+    run = _Serving(model, heads, policy, cache, trace, args, progress=progress, knobs=knobs, bucket_hist=bucket_hist,
+                   fitted=fitted, rehearsal=rehearsal)
+    while run.busy():
+        run.turn()
+    return run.result()
 
-    log = metrics.StepLog()
-    blocks_total = cache.usable_blocks
-    for s in e.step_log:
-        log.append(start_time=s["start"], duration=s["duration"], blocks_used=s["blocks_used"],
-                   blocks_total=blocks_total, scheduler_time=min(sched_time, s["duration"]),
-                   spec_waste_blocks=s["spec_blocks"], oom=s["oom"], num_preempted=s["preempted"],
-                   num_drafted=s["drafted"], num_accepted=s["accepted"], num_verifications=s["verifications"],
-                   num_output_tokens=s["output_tokens"])
-    records = [metrics.RequestRecord(
-        request_id=r.request_id, arrival_time=r.arrival_time, first_token_time=r.first_token_time,
-        finish_time=r.finish_time, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.tokens),
-        num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
-        num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
-        num_first_cached_prompt_tokens=r.first_cached_tokens,
-    ) for r in e.requests.values()]
-    result = metrics.summarize(records, log.freeze())
-    series = {"time": [s["start"] + s["duration"] for s in e.step_log],
-              "output_tokens": [s["output_tokens"] for s in e.step_log],
-              "blocks_used": [s["blocks_used"] for s in e.step_log],
-              "spec_blocks": [s["spec_blocks"] for s in e.step_log]}
-    outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
-    counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
-    result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
-    return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
-            "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
-            "fitted": fitted,
-            "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
-            "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
-            "split": {"steps": e.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
-                      "rows": e.cfg.split_rows},
-            "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
+
+def serve_together(calls: list[dict]) -> list[dict]:
+    """Serve several policies in lockstep: one step of each in the order given, round after round, each engine on
+    a `TurnClock` that runs only during its own steps. calls: `serve`'s keyword arguments, one dict per policy;
+    returns `serve`'s results in the same order. Every engine is warmed up (and fits its step cost) before the
+    first step. Why: this CPU's speed drifts by 8% or more between runs of a second (docs/benchmarks.md), so
+    policies served one after another see different machines; stepped in turn, each policy's steps are spread
+    over the same seconds as the others', and the drift cancels out of their ratios. Each step runs right after
+    another policy's program, not its own (cold caches for all alike)."""
+    runs = [_Serving(**call, clock=TurnClock()) for call in calls]
+    while any(r.busy() for r in runs):
+        for r in runs:
+            if r.busy():
+                r.clock.start()
+                r.turn()
+                r.clock.stop()
+    return [r.result() for r in runs]
 
 
 def _priced_schedules(results: dict, names: list[str]) -> dict | None:
@@ -458,13 +536,24 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
                                bucket_hist=hist, fitted=fitted, rehearsal=True).get("fitted")
     for repeat in range(args.repeats):
         shift = repeat % len(group)
-        for name in group[shift:] + group[:shift]:
-            if bar is not None:
-                bar.set_postfix_str(name if args.repeats == 1 else f"{name} ({repeat + 1}/{args.repeats})")
+        order = group[shift:] + group[:shift]
+        calls = []
+        for name in order:
             hist, fitted = carried(name)
-            out[name].append(serve(model, heads, chosen[name], cache, trace, args,
-                                   progress=bar.update if bar else None, knobs=specs[name].knobs(),
-                                   bucket_hist=hist, fitted=fitted))
+            calls.append(dict(model=model, heads=heads, policy=chosen[name], cache=cache, trace=trace, args=args,
+                              progress=bar.update if bar else None, knobs=specs[name].knobs(), bucket_hist=hist,
+                              fitted=fitted))
+        rnd = "" if args.repeats == 1 else f" ({repeat + 1}/{args.repeats})"
+        if getattr(args, "lockstep", False):
+            if bar is not None:
+                bar.set_postfix_str(f"lockstep{rnd}")
+            for name, result in zip(order, serve_together(calls), strict=True):
+                out[name].append(result)
+            continue
+        for name, call in zip(order, calls, strict=True):
+            if bar is not None:
+                bar.set_postfix_str(name + rnd)
+            out[name].append(serve(**call))
 
 
 def run(args: argparse.Namespace) -> int:
