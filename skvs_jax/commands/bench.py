@@ -9,23 +9,26 @@ ratios measured in this run. It writes `bench.json` (every metric, the config, v
 Timings are wall clock on this machine, compile time excluded: each policy's engine first compiles every one of its
 query buckets (`Engine.warmup`: the prompt width and one width per draft bucket), and each policy serves the trace
 once untimed before its timed runs (`--rehearse`, on by default: XLA:CPU runs a kernel slowly the first time it
-executes, and an empty warm-up step does not reach the kernels of preemption or eviction). Greedy outputs must be
-identical across policies (checked). With `--rate`, arrivals follow the wall clock, so which requests share a step —
-and the non-timing metrics — depend on timing; with the default (all at t = 0) everything but the timings is
-reproducible from the seed. A run in which one step takes over a second and over half the run has *stalled* (a
-program compiled inside the timed run, or the machine stopped): it is flagged, and left out of the median when the
-policy has other runs. `--repeats N` serves every policy N times, in N rounds of every policy (so drift of the
-machine's load over the run hits every policy, and policies of one round can be compared pairwise; round r runs the
-policies rotated by r, so each takes every place equally often). Within a round the policies are served in lockstep
-(`--lockstep`, the default: one step of each in turn, each engine timed on its own `TurnClock`, `serve_together`),
-so the machine's drift from one second to the next lands on every policy of the round alike; `--no-lockstep` serves
-them one after another (each engine alone on the machine, its own programs warm). Each policy's metrics are those
-of its run with the median throughput (the upper median for even N), and its min-max throughput is reported.
-More policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in consecutive groups
-(`serving_groups`), each group's rounds done and its programs freed before the next compiles; under `--ablation`
-every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run of its own group
-(skvs's reported metrics stay those of the first group's runs). `--ablation` serves naive_spec, skvs and
-`policies.ablations(skvs)`: skvs with one switch at a time turned back to naive_spec's value ("skvs -<switch>").
+executes, and an empty warm-up step does not reach the kernels of preemption or eviction); a policy that fits its
+step cost fits it again after that run, on warm programs (`_Serving.refit`), and its timed runs plan with that fit.
+Greedy outputs must be identical across policies (checked). With `--rate`, arrivals follow each engine's clock, so
+which requests share a step — and the non-timing metrics — depend on timing; with the default (all at t = 0)
+everything but the timings is reproducible from the seed. A run in which one step takes over a second and over half
+the run has *stalled* (a program compiled inside the timed run, or the machine stopped): it is flagged, and left out
+of the median when the policy has other runs. `--repeats N` serves every policy N times, in N rounds of every policy
+(so drift of the machine's load over the run hits every policy, and policies of one round can be compared pairwise;
+round r runs the policies rotated by r, so each takes every place equally often). Within a round the policies are
+served in lockstep (`--lockstep`, the default: one step of each in turn, each engine timed on its own `TurnClock`,
+`serve_together`), so the machine's drift from one second to the next lands on every policy of the round alike;
+`--no-lockstep` serves them one after another (each engine alone on the machine, its own programs warm). Each
+policy's metrics are those of its run with the median throughput (the upper median for even N), and its min-max
+throughput is reported.
+More policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in
+consecutive groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles;
+under `--ablation` every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run
+of its own group (skvs's reported metrics stay those of the first group's runs). `--ablation` serves naive_spec,
+skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to naive_spec's value
+("skvs -<switch>").
 After the usual table it prints the decomposition: per switch, the metrics with the switch off and their change vs
 full skvs measured in the same run, the switch's share of the skvs - naive_spec gap (in engine steps, which are
 deterministic, and in throughput), and which switches help, hurt or stay within noise (`throughput_effect`: engine
@@ -73,12 +76,14 @@ REFERENCE = "naive_spec"  # the policy the table's and the paired ratios divide 
 # Metrics that depend on the clock; with all arrivals at t = 0 every other metric is reproducible from the seed.
 TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
                   "scheduler_time_per_step", "scheduler_time_share", "wall_time")
-# The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
-# noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
 # Compiled engine programs one process keeps at once. XLA:CPU maps ~2,500 memory regions per engine step of the
 # shipped model, and Linux's default limit is 65,530 maps a process: the ablation's ~40 programs together abort in
 # LLVM ("Cannot allocate memory"). Policies beyond this are served in groups, each group's programs freed after it.
 MAX_LIVE_PROGRAMS = 16
+# Timed rounds of the rehearsal's refit of the step cost (`_Serving.refit`): 3x the engine's default, ~1 s here.
+REFIT_ROUNDS = 21
+# The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
+# noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
 ABLATION_METRICS = (("throughput", True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
                     ("kv_hit_rate", True), ("kv_hit_rate_first", True), ("oom_rate", False),
                     ("preemptions_per_request", False), ("mean_accepted_length", True))
@@ -136,9 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "clock (default: on): this CPU's speed drifts between runs of a second, and in lockstep "
                              "the drift hits every policy alike; --no-lockstep serves them one after another")
     parser.add_argument("--rehearse", action=argparse.BooleanOptionalAction, default=True,
-                        help="serve the trace once untimed per policy before its timed runs (default: on): XLA:CPU "
-                             "runs each kernel of a compiled program slowly the first time it executes, and warm-up's "
-                             "empty steps never execute a step's preemption, eviction or prefix-hit kernels")
+                        help="serve the trace once untimed per policy before its timed runs, and refit a fitting "
+                             "policy's step cost after it (default: on): XLA:CPU runs each kernel of a compiled "
+                             "program slowly the first time it executes, and warm-up's empty steps never execute a "
+                             "step's preemption, eviction or prefix-hit kernels")
 
 
 def _tree(args):
@@ -234,6 +240,16 @@ class _Serving:
         if self.progress is not None:
             self.progress(sum(len(t) for _, t, _ in new))
 
+    def refit(self, rounds: int | None = None) -> None:
+        """Fit the step cost again, now that the trace has run every kernel of the engine's programs once, with
+        more rounds (default `REFIT_ROUNDS`): what the timed runs plan with. The warm-up's fit times programs
+        fresh from compilation; measured on the default trace, its ratio of the width-5 to the width-1 step
+        ranged 0.88-1.41 over nine bench runs (below 1, the fit makes every draft free), against 1.08-1.25 for
+        fits taken after a served trace."""
+        e = self.e
+        e.fit_step_cost(REFIT_ROUNDS if rounds is None else rounds)
+        self.fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
+
     def result(self) -> dict:
         """The run's metrics, outputs, per-step series, counters and fit (after the last turn)."""
         e, cache = self.e, self.cache
@@ -284,6 +300,8 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
                    fitted=fitted, rehearsal=rehearsal)
     while run.busy():
         run.turn()
+    if rehearsal and run.e.step_cost_times:
+        run.refit()
     return run.result()
 
 
