@@ -512,6 +512,10 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
     assert rows["release"]["metrics"]["throughput"]["paired"] == pytest.approx([149 / 100, 151 / 99])
     assert rows["spec_pool"]["metrics"]["throughput"]["paired"] == pytest.approx([59 / 101, 61 / 100])
     assert rows["naive_spec"]["metrics"]["throughput"]["paired"] == pytest.approx([119 / 99, 121 / 101])
+    # The reported ratio too: each reported (upper-median) run against that of the skvs runs of its own group.
+    assert rows["release"]["metrics"]["throughput"]["change"] == pytest.approx(151 / 100)  # not the first's 101
+    assert rows["spec_pool"]["metrics"]["throughput"]["change"] == pytest.approx(61 / 101)
+    assert rows["naive_spec"]["metrics"]["throughput"]["change"] == pytest.approx(121 / 101)
 
 
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):

@@ -820,9 +820,10 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
     rows: one per ablated switch in `policies.ablations` order, then "naive_spec" (every switch off at once);
       each has the policy name, the fields that differ from skvs, and per metric of ABLATION_METRICS
       {"off": value with the switch off, "skvs": full skvs's value, "change": off - skvs}. For throughput,
-      "change" is off / skvs (reported runs) and "paired" the ratios off / skvs within each round of repeats
-      (both ran under the same load: with serving groups, the skvs runs of the variant's own group, paired_runs:
-      name -> (throughputs, stalled flags); null where either run stalled), "ratio_min"/"ratio_max" their range.
+      "change" is off / skvs (reported runs: skvs's of the variant's own serving group) and "paired" the ratios
+      off / skvs within each round of repeats (both ran under the same load: with serving groups, the skvs runs
+      of the variant's own group, paired_runs: name -> (throughputs, stalled flags); null where either run
+      stalled), "ratio_min"/"ratio_max" their range.
       "throughput_effect": "helps" (skvs is faster with the switch), "hurts", "within noise", "none" (the
       schedule is identical to skvs's: same counters and non-timing metrics, so any difference is noise), "not
       measured" (every run of either policy stalled), decided by `throughput_effect`; "verdict_basis" says by
@@ -841,8 +842,11 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
     rows = {}
     for name in [n for n in chosen if n not in ("skvs", "naive_spec")] + ["naive_spec"]:
         off = results[name]["metrics"]
-        ratio = off["throughput"] / skvs_metrics["throughput"]
         base_tp, base_stalled = (paired_runs or {}).get(name, (throughputs["skvs"], stalled["skvs"]))
+        # Against the skvs runs of the variant's own serving group, chosen as the reported runs are: a later
+        # group's medians against the first group's compared two stretches of the machine, not two policies.
+        base_valid = [t for t, st in zip(base_tp, base_stalled, strict=True) if not st] or list(base_tp)
+        ratio = off["throughput"] / sorted(base_valid)[len(base_valid) // 2]
         paired = _round_ratios(throughputs[name], base_tp, stalled[name], base_stalled)
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
