@@ -597,12 +597,10 @@ def run(args: argparse.Namespace) -> int:
         paired_with |= {n: out[anchor] for n in group if anchor in out and n != anchor}
     if bar is not None:
         bar.close()
-    # Each policy's reported run: the one with the median throughput (the upper median for an even count: on a
-    # shared machine interference only ever slows a run down) among its runs without a stalled step, if any.
     stalls = {n: [_stall(r) for r in rs] for n, rs in runs.items()}
     stalled = {n: [bool(st) for st in sts] for n, sts in stalls.items()}
-    valid = {n: [r for r, st in zip(rs, stalled[n], strict=True) if not st] or rs for n, rs in runs.items()}
-    results = {n: sorted(rs, key=lambda r: r["metrics"]["throughput"])[len(rs) // 2] for n, rs in valid.items()}
+    valid = {n: _unstalled(rs, stalled[n]) for n, rs in runs.items()}
+    results = {n: _upper_median(rs, stalled[n], key=lambda r: r["metrics"]["throughput"]) for n, rs in runs.items()}
     throughputs = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in runs.items()}
 
     same = None
@@ -710,6 +708,18 @@ def run(args: argparse.Namespace) -> int:
         _plot(results, out / "bench.png", cache.usable_blocks)
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))
     return 0 if same in (None, True) else 1
+
+
+def _unstalled(items: list, stalled: list[bool]) -> list:
+    """The items (one per repeat) of the runs without a stalled step; all of them if every run stalled."""
+    return [x for x, st in zip(items, stalled, strict=True) if not st] or list(items)
+
+
+def _upper_median(items: list, stalled: list[bool], key=None):
+    """What a policy reports (its run, or its throughput): the median by `key` of its `_unstalled` repeats, the
+    upper one for an even count (on a shared machine interference only ever slows a run down)."""
+    valid = sorted(_unstalled(items, stalled), key=key)
+    return valid[len(valid) // 2]
 
 
 def _round_ratios(tp: list[float], base_tp: list[float], stalled: list[bool],
@@ -834,7 +844,7 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
     """
     base = chosen["skvs"]
     skvs_metrics = results["skvs"]["metrics"]
-    skvs_valid = [t for t, st in zip(throughputs["skvs"], stalled["skvs"], strict=True) if not st]
+    skvs_valid = _unstalled(throughputs["skvs"], stalled["skvs"])
 
     def non_timing(name):
         return {k: v for k, v in results[name]["metrics"].items() if k not in TIMING_METRICS}
@@ -845,8 +855,7 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
         base_tp, base_stalled = (paired_runs or {}).get(name, (throughputs["skvs"], stalled["skvs"]))
         # Against the skvs runs of the variant's own serving group, chosen as the reported runs are: a later
         # group's medians against the first group's compared two stretches of the machine, not two policies.
-        base_valid = [t for t, st in zip(base_tp, base_stalled, strict=True) if not st] or list(base_tp)
-        ratio = off["throughput"] / sorted(base_valid)[len(base_valid) // 2]
+        ratio = off["throughput"] / _upper_median(base_tp, base_stalled)
         paired = _round_ratios(throughputs[name], base_tp, stalled[name], base_stalled)
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
@@ -883,8 +892,8 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
                            "they hold 1); one repeat with equal steps is within noise; with --rate and one repeat, "
                            f"|ratio - 1| <= {THROUGHPUT_NOISE}"),
             "non_timing_deterministic": args.rate is None, "gap_within_noise": gap_within_noise,
-            "skvs_ratio_min": min(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"],
-            "skvs_ratio_max": max(skvs_valid or throughputs["skvs"]) / skvs_metrics["throughput"], "rows": rows}
+            "skvs_ratio_min": min(skvs_valid) / skvs_metrics["throughput"],
+            "skvs_ratio_max": max(skvs_valid) / skvs_metrics["throughput"], "rows": rows}
 
 
 def _fmt(value: float, key: str = "") -> str:
