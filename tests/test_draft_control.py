@@ -236,3 +236,20 @@ def test_preemption_pays_when_its_tokens_per_second_are_higher(tk, tp, time_k, t
         assert got == (pre > keep)
     assert bool(dc.preemption_pays(jnp.asarray(tk), jnp.asarray(7), jnp.asarray(tp), jnp.asarray(7),
                                    jnp.asarray(0))) == (tp > tk)
+
+
+@settings(max_examples=60)
+@given(tk=hs.integers(0, 10**6), tp=hs.integers(0, 10**6), time_k=hs.integers(0, 10**5), time_p=hs.integers(0, 10**5),
+       rec=hs.integers(0, 10**5), m1=hs.integers(0, 1024), m2=hs.integers(0, 1024))
+def test_a_margin_asks_the_preemption_to_win_by_that_share(tk, tp, time_k, time_p, rec, m1, m2):
+    """With a cost's margin m (1/1024), drafts preempt only when their side's tokens per microsecond beat keeping
+    by more than m / 1024 of it; margin 0 is no margin; a larger margin never preempts where a smaller one did
+    not."""
+    args = [jnp.asarray(x) for x in (tk, time_k, tp, time_p, rec)]
+    pays = lambda m: bool(dc.preemption_pays(*args, None if m is None else jnp.asarray(m, jnp.int32)))  # noqa: E731
+    assert pays(0) == pays(None)
+    keep, pre = tk / max(time_k, 1), tp / (max(time_p, 1) + rec)
+    if abs(pre - keep * (1 + m1 / 1024)) > 1e-5 * max(keep, pre):
+        assert pays(m1) == (pre > keep * (1 + m1 / 1024))
+    lo, hi = sorted((m1, m2))
+    assert pays(lo) or not pays(hi)

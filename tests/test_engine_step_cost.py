@@ -26,6 +26,7 @@ def test_the_fit_prices_a_step_by_the_program_its_widest_row_needs():
     assert w.shape == (33,) and w[:4].tolist() == [0, 0, 0, 0] and w[4:6].tolist() == [100, 100]
     assert np.all(w[6:] == 1200)
     assert int(cost.row_us) == int(cost.ctx_ns) == int(cost.head_us) == 0 and cost.compute_us is None
+    assert int(cost.margin) == fit_mod.FIT_MARGIN  # a fit is an estimate: drafts preempt past its error only
 
 
 def test_untimed_widths_are_interpolated_and_bad_input_is_refused():
@@ -36,6 +37,9 @@ def test_untimed_widths_are_interpolated_and_bad_input_is_refused():
         fit_mod.fit({}, [1, 32], 8, 32)
     with pytest.raises(ValueError, match="widths must be >= 1"):
         fit_mod.fit({1: 1.0}, [0, 1], 8, 32)
+    with pytest.raises(ValueError, match="margin must lie in"):
+        fit_mod.fit({1: 1.0}, [1, 32], 8, 32, margin=-1)
+    assert int(fit_mod.fit({1: 1.0}, [1, 32], 8, 32, margin=0).margin) == 0
 
 
 @settings(max_examples=40)
@@ -60,6 +64,7 @@ def test_the_engine_step_cost_argument(shipped):
         e = make(step_cost=mode) if mode == "flat" else make()
         assert e.step_cost_mode == mode and not e.step_cost_times
         assert np.asarray(e.state.step_cost.width_us).tolist() == [0] * (e.prompt_width + 1)
+        assert int(e.state.step_cost.margin) == 0  # the fit's structure, so fitting recompiles nothing
     given_cost = fit_mod.fit({1: 900.0, 32: 2000.0}, [1, 32], 96, 32)
     e = make(step_cost=given_cost)
     assert e.step_cost_mode == "given" and np.asarray(e.step_cost.token_us).tolist() == [900] * 97
@@ -74,3 +79,5 @@ def test_the_engine_step_cost_argument(shipped):
         make(step_cost=given_cost.replace(token_us=jnp.ones((5,), jnp.int32)))
     with pytest.raises(ValueError, match="compute_us, mem_us and overlap go together"):
         make(step_cost=given_cost.replace(mem_us=jnp.asarray(3, jnp.int32)))
+    with pytest.raises(ValueError, match="step_cost.margin must lie in"):
+        make(step_cost=given_cost.replace(margin=jnp.asarray(2000, jnp.int32)))

@@ -88,7 +88,9 @@ ROOF_COST = sc.StepCost(token_us=jnp.full((17,), 30, jnp.int32), row_us=jnp.asar
                         ctx_ns=jnp.asarray(2000, jnp.int32), head_us=jnp.asarray(40, jnp.int32),
                         compute_us=jnp.asarray(60 * np.arange(17), jnp.int32), mem_us=jnp.asarray(300, jnp.int32),
                         overlap=jnp.asarray(1024, jnp.int32))
-COSTS = {"tokens": GOODPUT_COST, "widths": WIDTH_COST, "roofline": ROOF_COST}
+# A fitted engine's cost carries its uncertainty: priced draft preemptions must then win by that margin.
+COSTS = {"tokens": GOODPUT_COST, "widths": WIDTH_COST, "roofline": ROOF_COST,
+         "widths-margin": WIDTH_COST.replace(margin=jnp.asarray(96, jnp.int32))}
 
 
 def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tuple[int, ...] = ()) -> list:
@@ -143,10 +145,10 @@ def test_matches_the_oracle_and_the_ground_truth(name, seed, steps, add_p, abort
 
 
 # Every config with every cost under `pytest -m slow`; the default run takes a diagonal (each config once, each
-# cost at least once: the engine's width cost with plain skvs and the tree, the simulator's roofline with mandatory
-# drafts, the per-token cost with opportunistic drafts).
+# cost at least once: the engine's width cost with plain skvs (with and without a margin) and the tree, the
+# simulator's roofline with mandatory drafts, the per-token cost with opportunistic drafts).
 _GOODPUT_DEFAULT = {("skvs", "widths"), ("skvs-tree", "widths"), ("skvs-goodput-drafts-preempt", "roofline"),
-                    ("skvs-opportunistic", "tokens")}
+                    ("skvs-opportunistic", "tokens"), ("skvs", "widths-margin")}
 
 
 @pytest.mark.parametrize("name, cost", [
@@ -175,7 +177,8 @@ def test_drafts_preempting_are_attributed():
 
 def test_priced_draft_blocks_preempt_only_when_it_pays():
     """Priced draft blocks, in lockstep with the oracle: with the flat cost a recompute is free, so drafts preempt
-    in the steps where the tokens they add beat the victims' lost output (counted as theirs); when the step cost
+    in the steps where the tokens they add beat the victims' lost output (counted as theirs), and less often when
+    the cost's margin asks them to win by it; when the step cost
     makes a recomputed token expensive (62 ms each), they preempt only victims whose tokens the prefix index
     holds (nothing to recompute), and without a prefix cache never: they take only blocks that are there."""
     cfg = CONFIGS["skvs"]
@@ -185,6 +188,10 @@ def test_priced_draft_blocks_preempt_only_when_it_pays():
     ct = h.st.counters
     assert 0 < int(ct.oom_steps_drafts) <= int(ct.oom_steps) and 0 < int(ct.preempt_drafts)
     flat_preempts = int(ct.preempt_drafts)
+    # A cost that may be off by 100% (margin 1024): drafts must double the step's goodput to preempt.
+    h = Harness(cfg, vocab=VOCAB, step_cost=sc.flat_step_cost(cfg).replace(margin=jnp.asarray(1024, jnp.int32)))
+    h.run(ops)
+    assert int(h.st.counters.preempt_drafts) < flat_preempts
     costly = sc.StepCost(token_us=jnp.asarray([100] * cfg.token_budget + [10**6], jnp.int32),
                          row_us=jnp.asarray(0, jnp.int32), ctx_ns=jnp.asarray(0, jnp.int32),
                          head_us=jnp.asarray(0, jnp.int32))

@@ -112,6 +112,9 @@ def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
         checks.in_range("step_cost.mem_us", cost.mem_us, 0, 2**24)
         checks.scalar_int("step_cost.overlap", cost.overlap)
         checks.in_range("step_cost.overlap", cost.overlap, 0, 1024)
+    if cost.margin is not None:
+        checks.scalar_int("step_cost.margin", cost.margin)
+        checks.in_range("step_cost.margin", cost.margin, 0, 1024)
     if cost.width_us is not None:
         shape = tuple(getattr(cost.width_us, "shape", ()))
         if not hasattr(cost.width_us, "dtype"):

@@ -189,12 +189,15 @@ def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
 
 
 def preemption_pays(tokens_keep: jax.Array, time_keep: jax.Array, tokens_preempt: jax.Array,
-                    time_preempt: jax.Array, recompute: jax.Array) -> jax.Array:
+                    time_preempt: jax.Array, recompute: jax.Array, margin: jax.Array | None = None) -> jax.Array:
     """bool[] drafts should preempt: the step's expected output tokens * ONE per microsecond when the drafts take
     the victims' blocks (tokens_preempt, which has lost the victims' output; time_preempt plus the victims'
-    `recompute_us`) beats the step without those victims (tokens_keep, time_keep). All int32[]; compared as
-    float32 cross products (one rounding per side), so the plain-Python oracle agrees bit for bit."""
+    `recompute_us`) beats the step without those victims (tokens_keep, time_keep) by more than margin / 1024 of
+    it (`StepCost.margin`; None: 0). All int32[]; compared as float32 cross products (one rounding per side, the
+    margin's factor exact), so the plain-Python oracle agrees bit for bit."""
     f = jnp.float32
     lhs = tokens_preempt.astype(f) * jnp.maximum(time_keep, 1).astype(f)
     rhs = tokens_keep.astype(f) * (jnp.maximum(time_preempt, 1) + recompute).astype(f)
-    return lhs > rhs
+    if margin is None:
+        return lhs > rhs
+    return lhs * f(1024) > rhs * (1024 + margin).astype(f)

@@ -372,7 +372,7 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     tokens2, time2 = side(kept2, jnp.where(kept2, grant.drafts, 0))
     extra = all_victims & ~keep_victims
     recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, recompute_tokens(st, cfg), 0), dtype=i32))
-    return jnp.any(extra) & draft_control.preemption_pays(tokens1, time1, tokens2, time2, recompute)
+    return jnp.any(extra) & draft_control.preemption_pays(tokens1, time1, tokens2, time2, recompute, cost.margin)
 
 
 def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: SchedulerConfig,

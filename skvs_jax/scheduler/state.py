@@ -281,7 +281,13 @@ class StepCost:
         core = C + M - overlap * min(C, M) // 1024,  C = compute_us[T],  M = mem_us + ctx_ns * context_tokens // 1000
     and time = token_us[T] + row_us * rows + [drafts > 0] * head_us + core, token_us then holding only what does
     not overlap (host overhead, all-reduces). The simulator's roofline mode builds one (a decode step of 128 rows
-    reading their KV is memory-bound, so drafts that a sum of terms would price are nearly free there)."""
+    reading their KV is memory-bound, so drafts that a sum of terms would price are nearly free there).
+
+    margin (None, or int32[] in 1/1024): how uncertain the cost is. Drafts preempt a running row only when that
+    beats keeping it by more than this share of the step's goodput (`draft_control.preemption_pays`): a
+    preemption cannot be taken back, so a call that the cost's own error could reverse keeps the row. None (the
+    simulator's, whose clock is this cost): 0. `serve.step_cost.fit` sets `FIT_MARGIN`, from the run-to-run spread
+    of fits measured on a 2-core CPU."""
 
     token_us: jax.Array  # int32[T_max + 1] time of a one-row step computing t tokens, no context (>= 1)
     row_us: jax.Array  # int32[] time per further running row
@@ -291,6 +297,7 @@ class StepCost:
     compute_us: jax.Array | None = None  # int32[T_max + 1] a roofline's compute time of t tokens (overlapped)
     mem_us: jax.Array | None = None  # int32[] its memory time of a step reading no context (weights)
     overlap: jax.Array | None = None  # int32[] share of min(compute, memory) hidden, in 1/1024
+    margin: jax.Array | None = None  # int32[] the cost's uncertainty, in 1/1024 (None: exact)
 
 
 @struct.dataclass
@@ -357,11 +364,15 @@ class StepResult:
 
 def flat_step_cost(cfg: SchedulerConfig, max_width: int | None = None) -> StepCost:
     """Every step costs the same (1 us): drafts are free, the controller takes every draft worth >= one level.
-    max_width: also a width table of zeros, int32[max_width + 1] (the shape an engine's fitted cost will have,
-    so fitting one replaces data, not the compiled step's structure); the decisions are the same as without."""
-    width = None if max_width is None else jnp.zeros((max_width + 1,), i32)
+    max_width: also a width table of zeros, int32[max_width + 1], and a margin of 0 (the structure an engine's
+    fitted cost will have, so fitting one replaces data, not the compiled step's); the decisions are the same
+    as without."""
+    if max_width is None:
+        width = margin = None
+    else:
+        width, margin = jnp.zeros((max_width + 1,), i32), jnp.zeros((), i32)
     return StepCost(token_us=jnp.ones((cfg.token_budget + 1,), i32), row_us=jnp.zeros((), i32),
-                    ctx_ns=jnp.zeros((), i32), head_us=jnp.zeros((), i32), width_us=width)
+                    ctx_ns=jnp.zeros((), i32), head_us=jnp.zeros((), i32), width_us=width, margin=margin)
 
 
 def init(cfg: SchedulerConfig) -> SchedState:

@@ -13,6 +13,9 @@ tokens):
                              width >= w) - that, non-decreasing in w (noise cannot make a wider program look
                              cheaper); widths compiled but not timed are interpolated between timed ones
 
+A fit is an estimate, and carries how far it may be off (`StepCost.margin` = `FIT_MARGIN`): drafts preempt a row
+only when that beats keeping it by more than the margin.
+
 The fit is a table, so the controller evaluates it in-graph like the simulator's cost model; `Engine(...,
 step_cost=...)` takes one instead (docs/speculation.md, "The engine's step cost").
 """
@@ -32,9 +35,16 @@ from skvs_jax import scheduler as sc
 
 K = TypeVar("K", bound=Hashable)
 MEASURE_ROUNDS = 7  # timed runs per width, interleaved across widths so a slow moment hits every width alike
+# A fit's uncertainty (`StepCost.margin`, in 1/1024): 64 = 6.25%. Six `skvs bench` runs on the 2-core CPU fitted
+# the prompt width's split step at 1.49-1.66x the width-1 step, and skvs's memory-starved schedule flipped with
+# it: below ~1.53 the fit priced one early draft preemption ~5% better than keeping its victim, and taking it led
+# to 11 preemptions and 69 steps instead of 6 and 67. With this margin the schedule held at 66-67 steps under
+# every fit from 1.3x to 1.9x (docs/speculation.md, "A fitted cost's margin").
+FIT_MARGIN = 64
 
 
-def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int, max_width: int) -> sc.StepCost:
+def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int, max_width: int,
+        margin: int = FIT_MARGIN) -> sc.StepCost:
     """The `StepCost` of a padded engine whose programs have query widths `widths` (each >= 1: the ones a step
     can run now), from measured step times (times_us: width -> microseconds, at least one; a width of `widths`
     not among them is interpolated linearly between the nearest timed ones, clamped at the ends).
@@ -42,7 +52,7 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
     Returns token_us int32[token_budget + 1] (every entry the narrowest program's time), row_us = ctx_ns =
     head_us = 0 (the program computes every slot and its heads whatever the rows hold), width_us
     int32[max_width + 1]: width_us[w] = time(the smallest width >= w, max_width's program past the last) minus the
-    narrowest's, made non-decreasing."""
+    narrowest's, made non-decreasing; margin (in 1/1024, `StepCost.margin`) how far the fit may be off."""
     if not times_us:
         raise ValueError("times_us must hold at least one measured width")
     widths = sorted(set(int(w) for w in widths))
@@ -56,8 +66,11 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
     table = cost[np.minimum(program, len(widths) - 1)] - base  # non-decreasing: cost is, and so is program
     token_us = jnp.full((token_budget + 1,), int(round(base)), jnp.int32)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731  (one buffer each: the engine's step donates them)
+    if not 0 <= margin <= 1024:
+        raise ValueError(f"margin must lie in [0, 1024] (1/1024 units), got {margin}")
     return sc.StepCost(token_us=token_us, row_us=zero(), ctx_ns=zero(), head_us=zero(),
-                       width_us=jnp.asarray(np.clip(np.round(table), 0, 2**24), jnp.int32))
+                       width_us=jnp.asarray(np.clip(np.round(table), 0, 2**24), jnp.int32),
+                       margin=jnp.asarray(margin, jnp.int32))
 
 
 def measure(prepare: Callable[[K], Callable[[], object]], keys: Sequence[K], rounds: int = MEASURE_ROUNDS
