@@ -198,6 +198,5 @@ def preemption_pays(tokens_keep: jax.Array, time_keep: jax.Array, tokens_preempt
     f = jnp.float32
     lhs = tokens_preempt.astype(f) * jnp.maximum(time_keep, 1).astype(f)
     rhs = tokens_keep.astype(f) * (jnp.maximum(time_preempt, 1) + recompute).astype(f)
-    if margin is None:
-        return lhs > rhs
+    margin = jnp.zeros((), i32) if margin is None else margin  # x 1024 on both sides is exact: 0 is no margin
     return lhs * f(1024) > rhs * (1024 + margin).astype(f)

@@ -55,6 +55,8 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
     narrowest's, made non-decreasing; margin (in 1/1024, `StepCost.margin`) how far the fit may be off."""
     if not times_us:
         raise ValueError("times_us must hold at least one measured width")
+    if not 0 <= margin <= 1024:
+        raise ValueError(f"margin must lie in [0, 1024] (1/1024 units), got {margin}")
     widths = sorted(set(int(w) for w in widths))
     if not widths or widths[0] < 1 or max_width < widths[0]:
         raise ValueError(f"widths must be >= 1 and max_width >= the narrowest, got {widths}, {max_width}")
@@ -66,8 +68,6 @@ def fit(times_us: Mapping[int, float], widths: Sequence[int], token_budget: int,
     table = cost[np.minimum(program, len(widths) - 1)] - base  # non-decreasing: cost is, and so is program
     token_us = jnp.full((token_budget + 1,), int(round(base)), jnp.int32)
     zero = lambda: jnp.zeros((), jnp.int32)  # noqa: E731  (one buffer each: the engine's step donates them)
-    if not 0 <= margin <= 1024:
-        raise ValueError(f"margin must lie in [0, 1024] (1/1024 units), got {margin}")
     return sc.StepCost(token_us=token_us, row_us=zero(), ctx_ns=zero(), head_us=zero(),
                        width_us=jnp.asarray(np.clip(np.round(table), 0, 2**24), jnp.int32),
                        margin=jnp.asarray(margin, jnp.int32))

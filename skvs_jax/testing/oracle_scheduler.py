@@ -515,9 +515,8 @@ class OracleScheduler:
             recompute += -(-lost // w_max) * (terms[4][-1] - terms[4][0])
         lhs = np.float32(tokens2) * np.float32(max(time1, 1))
         rhs = np.float32(tokens1) * np.float32(max(time2, 1) + recompute)
-        if step_cost is None or step_cost.margin is None:
-            return bool(lhs > rhs)
-        return bool(lhs * np.float32(1024) > rhs * np.float32(1024 + int(step_cost.margin)))
+        margin = 0 if step_cost is None or step_cost.margin is None else int(step_cost.margin)
+        return bool(lhs * np.float32(1024) > rhs * np.float32(1024 + margin))
 
     def _victims(self, start: StepStart, mandatory: list) -> list[int]:
         """The fewest running rows, in victim-rule order, whose preemption makes the mandatory blocks fit."""
