@@ -16,6 +16,7 @@ Loading is strict: an unknown tensor, a missing one or a shape mismatch raises V
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import re
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from reference_models.llama import Llama, LlamaConfig
@@ -67,10 +68,21 @@ def assign_params(module: nnx.Module, tensors: dict[str, np.ndarray | jax.Array]
         var.set_value(jnp.asarray(tensors[name]).astype(var.dtype))
 
 
+@contextlib.contextmanager
+def _opened(file: pathlib.Path):
+    """`safe_open(file)`, with a truncated or corrupt file's `SafetensorError` (which does not name the file) turned
+    into a ValueError that does; read the tensors inside the block, where a truncated one fails too."""
+    try:
+        with safe_open(str(file), framework="flax") as f:
+            yield f
+    except SafetensorError as err:
+        raise ValueError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from None
+
+
 def _read_safetensors(files: list[pathlib.Path]) -> dict[str, jax.Array]:
     tensors: dict[str, jax.Array] = {}
     for file in files:
-        with safe_open(str(file), framework="flax") as f:
+        with _opened(file) as f:
             for key in f.keys():
                 if key in tensors:
                     raise ValueError(f"{file}: tensor {key!r} appears in more than one shard")
@@ -183,7 +195,7 @@ def _medusa_layout(path: pathlib.Path) -> tuple[pathlib.Path, dict]:
 
 
 def _tensor_names(file: pathlib.Path) -> list[str]:
-    with safe_open(str(file), framework="flax") as f:
+    with _opened(file) as f:
         return list(f.keys())
 
 

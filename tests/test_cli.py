@@ -190,6 +190,10 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
     # a pool that cannot hold the batch in decode: timing it would describe an empty batch
     ("micro scheduler --seqs 8 --blocks 12 --max-blocks-per-seq 8 --block-size 8 --prompt-len 24",
      "of 8 sequences decode (the pool or the table is too small)"),
+    # --accept-prob is a probability (it used to accept 2 and -0.5)
+    ("micro allocator --accept-prob 2", "skvs micro allocator: --accept-prob must lie in [0, 1], got 2.0"),
+    ("micro scheduler --accept-prob -0.5", "skvs micro scheduler: --accept-prob must lie in [0, 1], got -0.5"),
+    ("micro scheduler --accept-prob nan", "skvs micro scheduler: --accept-prob must lie in [0, 1], got nan"),
 ])
 def test_micro_benchmarks_refuse_what_they_cannot_measure(argv, says):
     with pytest.raises(SystemExit, match=re.escape(says)):
@@ -556,6 +560,43 @@ def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
     with pytest.raises(SystemExit, match=re.escape(says)) as exc:
         commands.main(["bench", "--quiet", "--no-plot", *flags.split()])
     assert str(exc.value.code).startswith("skvs bench: ")
+
+
+def test_bench_refuses_an_out_folder_it_cannot_make_before_serving(tmp_path, monkeypatch):
+    """--out under a regular file cannot be made: refused naming --out before anything is served (it used to
+    fail after the whole run, losing the results)."""
+    def no_serve(*args, **kwargs):
+        raise AssertionError("a bad --out must be refused before anything is served")
+
+    _patch_serve(monkeypatch, no_serve)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=re.escape(f"skvs bench: --out {blocker / 'sub'}: cannot create")):
+        commands.main(["bench", "--quiet", "--no-plot", "--requests", "2", "--out", str(blocker / "sub")])
+
+
+def test_a_corrupt_checkpoint_is_refused_naming_its_file(tmp_path, capsys):
+    """A truncated or corrupt `model.safetensors` under --model ends in a message naming the file, not in a
+    SafetensorError traceback; a corrupt Medusa file too."""
+    from reference_models import checkpoint
+
+    model, heads = checkpoint.load_shipped()
+    checkpoint.save_llama(model, tmp_path / "llama")
+    checkpoint.save_medusa(heads, tmp_path / "medusa", base_model=str(tmp_path / "llama"))
+    weights = tmp_path / "llama" / "model.safetensors"
+    whole = weights.read_bytes()
+    for broken in (whole[: len(whole) // 2], b"not a safetensors file"):
+        weights.write_bytes(broken)
+        with pytest.raises(SystemExit, match=re.escape(f"skvs bench: {weights}: not a readable safetensors file")):
+            commands.main(["bench", "--quiet", "--no-plot", "--policies", "vllm_default", "--model",
+                           str(tmp_path / "llama"), "--out", str(tmp_path / "out")])
+        assert commands.main(["generate", "hi", "--policy", "vllm_default", "--model", str(tmp_path / "llama")]) == 2
+        assert f"{weights}: not a readable safetensors file" in capsys.readouterr().err
+    weights.write_bytes(whole)
+    heads_file = tmp_path / "medusa" / checkpoint.MEDUSA_WEIGHTS
+    heads_file.write_bytes(heads_file.read_bytes()[:100])
+    with pytest.raises(ValueError, match=re.escape(f"{heads_file}: not a readable safetensors file")):
+        checkpoint.load_medusa(tmp_path / "medusa")
 
 
 def test_bench_verify_budget_applies_to_skvs_and_is_ablated():

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,56 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(shipped, trace, r
     assert e0.cfg.sched.chunk == 96 and e0.prompt_width == 96
 
 
+def test_arrival_time_is_validated_and_the_engine_keeps_serving(shipped, trace, reference):
+    """A non-numeric or non-finite arrival time is refused naming `arrival_time`; nothing is queued for it, and the
+    requests around it are served. A number (an int, a numpy float) is taken as given."""
+    model, heads = shipped
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    r = trace.requests[1]
+    good = e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), arrival_time=np.float64(0.5))
+    for bad, error in (("soon", TypeError), ([1.0], TypeError), (True, TypeError), (float("nan"), ValueError),
+                       (float("inf"), ValueError), (-math.inf, ValueError)):
+        with pytest.raises(error, match="arrival_time"):
+            e.add_request(r.prompt, arrival_time=bad)
+    assert list(e.requests) == e.queue == [good] and e.requests[good].arrival_time == 0.5
+    assert e.run()[good] == reference[r.request_id]
+
+
+def test_an_idle_engine_holds_no_requests_blocks(shipped, trace, reference):
+    """After `run()`, `generate()` or the last `step()`, no slot holds a block: what is still in use is only idle
+    cached prefix blocks (`kv.manager.usage`), which `reset_prefix_cache` then frees too. Before, the finished
+    slots kept theirs until one more step's schedule released them."""
+    model, heads = shipped
+    cfg = None
+    for drive in ("run", "generate", "step"):
+        # naive_spec: the greedy test's engine configuration, whose programs are compiled already.
+        e = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, token_budget=96, prefill_chunk=32)
+        cfg = e.cfg.sched
+        reqs = trace.requests[:2]
+        if drive == "generate":
+            outs = e.generate([q.prompt for q in reqs], engine.SamplingParams(max_tokens=10))
+        else:
+            ids = [e.add_request(q.prompt, engine.SamplingParams(max_tokens=10)) for q in reqs]
+            if drive == "run":
+                got = e.run()
+            else:
+                got = {}
+                while e.has_work():
+                    for rid, new, _ in e.step():
+                        got.setdefault(rid, []).extend(new)
+            outs = [got[i] for i in ids]
+        assert outs == [reference[q.request_id][:10] for q in reqs], drive
+        alloc = jax.device_get(e.state.sched.kv.alloc)
+        usage = jax.device_get(manager.usage(e.state.sched.kv, cfg.kv))
+        assert int(usage.blocks_used) > 0 and int(usage.blocks_used) - int(usage.cached_idle) == 0, drive
+        assert (alloc.seqs.num_blocks == 0).all() and (alloc.blocks.ref_count == 0).all(), drive
+        assert (np.asarray(e.state.sched.seqs.status) == engine.sc.EMPTY).all(), drive
+        e.reset_prefix_cache()
+        assert int(manager.usage(e.state.sched.kv, cfg.kv).blocks_used) == 0, drive
+        e.add_request(reqs[0].prompt, engine.SamplingParams(max_tokens=3))  # the freed slots serve again
+        assert e.run() and e._free_slots == CACHE.max_seqs
+
+
 # ------------------------------------------------------------------------------------------- skvs bench
 
 
@@ -430,25 +481,29 @@ GARBAGE = 1e4  # large and finite: a read of it moves the logits; NaN would leak
 
 def _record_batches(monkeypatch) -> list:
     """Make `Engine.step` run its fused step as its two halves (the same program, split) and keep every step's
-    batch on the host, so a test can see which slots held which drafts."""
+    batch on the host with each row's committed length right after the step (int32[B]: read from the step's own
+    state, since the engine's last step then releases the finished slots), so a test can see which slots held
+    which drafts."""
     seen = []
 
     def fused_with_batch(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
         st, batch = engine_step.schedule_only(st, knobs, cfg=cfg)
-        seen.append(jax.device_get(batch))
-        return engine_step.model_only(runner, params, st, batch, knobs, branch, cfg=cfg, width=width)
+        batch_host = jax.device_get(batch)
+        st, out = engine_step.model_only(runner, params, st, batch, knobs, branch, cfg=cfg, width=width)
+        seen.append((batch_host, np.asarray(jax.device_get(st.sched.kv.alloc.seqs.num_committed))))
+        return st, out
 
     monkeypatch.setattr(engine_step, "fused_step", fused_with_batch)
     return seen
 
 
-def _rejected_slots(batch, alloc, block_size) -> list[tuple[int, int]]:
+def _rejected_slots(batch, committed, block_size) -> list[tuple[int, int]]:
     """(block, offset) of every draft slot the step rejected: positions from the row's committed length after the
-    step up to the end of what the forward wrote (start + num_query + num_drafts)."""
+    step (committed int32[B]) up to the end of what the forward wrote (start + num_query + num_drafts)."""
     out = []
     for b in np.flatnonzero(np.asarray(batch.scheduled) & (np.asarray(batch.num_drafts) > 0)):
         end = int(batch.start[b] + batch.num_query[b] + batch.num_drafts[b])
-        for p in range(int(alloc.seqs.num_committed[b]), end):
+        for p in range(int(committed[b]), end):
             out.append((int(batch.block_table[b, p // block_size]), p % block_size))
     return out
 
@@ -481,7 +536,7 @@ def _serve_checked(e, requests, *, poison: bool) -> tuple[dict, int, int]:
         e.step()
         alloc = jax.device_get(e.state.sched.kv.alloc)
         pages = e._kv_pages()
-        rejected = _rejected_slots(seen[-1], alloc, s)
+        rejected = _rejected_slots(*seen[-1], s)
         if rejected:
             blk, off = np.asarray(rejected).T
             dirty = np.zeros(len(rejected), bool)

@@ -123,6 +123,73 @@ def test_bad_sampling_params_are_refused(shipped):
     assert sp.stop == ("ab",) and sp.top_k == 0 and sp.seed == 3 and sp.stop_sequences() == [(97, 98)]
 
 
+def test_generate_refuses_n_above_one_and_points_to_completions(shipped):
+    """`generate` returns one output per prompt, so it refuses n > 1 (it used to drop outputs 1..) and says where
+    the n outputs are; nothing is queued."""
+    e = _engine(shipped)
+    with pytest.raises(ValueError, match=r"sampling.n = 3: use add_request.*completions\(request_id\)"):
+        e.generate([PROMPT, OTHERS[0]], engine.SamplingParams(n=3))
+    assert not e.requests and not e.queue
+
+
+def test_aborting_one_output_before_its_fork_ends_that_output_alone(shipped):
+    """`abort_request(rid + j)` before output j forks (queued, or admitted with its slot held) ends output j only:
+    it never forks, its held slot goes back, and the others run to the end; nothing leaks and nothing stays held.
+    It used to raise KeyError, and the output later forked and ended both finished and aborted."""
+    e = _engine(shipped)
+    long_prompt = PROMPT * 2  # longer than the prefill chunk: admitted one step before it forks
+    queued = e.add_request(PROMPT, engine.SamplingParams(max_tokens=6, n=3))
+    assert e.abort_request(queued + 1) and not e.abort_request(queued + 1)
+    admitted = e.add_request(long_prompt, engine.SamplingParams(max_tokens=6, n=3))
+    e.step()
+    assert admitted in e.slot_of and admitted + 2 not in e.slot_of  # admitted, not forked yet
+    free = e._free_slots
+    assert e.abort_request(admitted + 2)
+    assert e._free_slots == free + 1  # the slot held for it
+    e.run()
+    for rid, gone in ((queued, 1), (admitted, 2)):
+        outs = e.completions(rid)
+        r = e.requests[rid + gone]
+        assert r.aborted and not r.finished and outs[gone] == [] and rid + gone not in e.slot_of
+        kept = [o for j, o in enumerate(outs) if j != gone]
+        assert kept[0] == kept[1] and len(kept[0]) == 6  # greedy: the two others alike, to the end
+        assert all(e.requests[rid + j].finished for j in range(3) if j != gone)
+    _no_block_leaks(e)
+    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e._free_slots == CACHE.max_seqs
+
+
+def test_aborting_an_n_request_ends_every_output_before_and_after_the_fork(shipped):
+    """`abort_request(rid)` on an n = 3 request ends all three outputs, whether they have forked or not (after
+    the fork it used to end output 0 only, and outputs 1 and 2 ran on to max_tokens)."""
+    e = _engine(shipped)
+    before = e.add_request(PROMPT * 2, engine.SamplingParams(max_tokens=12, n=3))
+    e.step()  # admitted, not forked
+    assert before in e.slot_of and len(e.slot_of) == 1
+    assert e.abort_request(before)
+    after = e.add_request(PROMPT, engine.SamplingParams(max_tokens=12, n=3))
+    while len(e.slot_of) < 3:
+        e.step()
+    assert e.abort_request(after) and not e.abort_request(after) and not e.slot_of
+    e.run()
+    for rid in (before, after):
+        for j in range(3):
+            r = e.requests[rid + j]
+            assert r.aborted and not r.finished and len(r.tokens) < 12, (rid, j)
+            assert not e.abort_request(rid + j)
+    _no_block_leaks(e)
+    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e._free_slots == CACHE.max_seqs
+
+
+def test_a_stop_generator_is_read_once(shipped):
+    """`stop` as a generator (any iterable) is materialised once: it used to be consumed by validation and lost."""
+    sp = engine.SamplingParams(stop=(s for s in ["the", b"\n"]))
+    assert sp.stop == ("the", b"\n") and sp.stop_sequences() == [tuple(b"the"), (10,)]
+    with pytest.raises(TypeError, match="stop must be"):
+        engine.SamplingParams(stop=(s for s in ["ok", 3]))
+    with pytest.raises(TypeError, match="stop must be"):
+        engine.SamplingParams(stop=5)
+
+
 def _no_block_leaks(e):
     """Every usable block is free, in the speculative pool, held by a live slot, or cached (evictable)."""
     blocks = jax.device_get(e.state.sched.kv.alloc.blocks)

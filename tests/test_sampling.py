@@ -33,6 +33,10 @@ def np_process(logits, seen, out_counts, *, temperature=1.0, top_k=0, top_p=1.0,
     if temperature == 0:
         return np.eye(x.size)[np.argmax(x)]
     x = x / temperature
+    if min_p > 0:  # vLLM V1: min_p first, then top_k, then top_p
+        p = np.exp(x - np.max(x))
+        p /= p.sum()
+        x = np.where(p < min_p * p.max(), -np.inf, x)
     if 0 < top_k < x.size:
         x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)
     if top_p < 1:
@@ -42,10 +46,6 @@ def np_process(logits, seen, out_counts, *, temperature=1.0, top_k=0, top_p=1.0,
         drop = cum <= 1 - top_p
         drop[-1] = False
         x[order[drop]] = -np.inf
-    if min_p > 0:
-        p = np.exp(x - np.max(x))
-        p /= p.sum()
-        x = np.where(p < min_p * p.max(), -np.inf, x)
     p = np.exp(x - np.max(x))
     return p / p.sum()
 
@@ -84,6 +84,25 @@ def test_process_matches_numpy():
         for row in range(b):
             want = np_process(logits[row, 0], seen[row, 0], counts[row, 0], temperature=t, **kw)
             np.testing.assert_allclose(got[row], want, atol=1e-5, err_msg=str(kw))
+
+
+def test_min_p_comes_before_top_p_as_in_vllm_v1():
+    """docs/sampling.md's example: p = [0.5, 0.3, 0.2], top_p 0.6, min_p 0.5. min_p first (vLLM V1) leaves
+    [0.625, 0.375], of which top_p keeps one token; top_p first would keep two."""
+    logits = jnp.log(jnp.asarray([0.5, 0.3, 0.2], f32))[None, None, :]
+    rows = _rows(1, temperature=1.0, top_p=0.6, min_p=0.5)
+    processed, _ = sampling.process(logits, jnp.zeros(logits.shape, bool), jnp.zeros(logits.shape, i32), rows)
+    assert np.isfinite(np.asarray(processed)[0, 0]).tolist() == [True, False, False]
+
+
+def test_top_p_drops_the_lowest_ids_first_at_a_tie():
+    """The documented tie order (docs/sampling.md): on a uniform distribution top_p keeps the highest ids."""
+    v = 1000
+    rows = _rows(1, temperature=1.0, top_p=0.683)
+    logits = jnp.zeros((1, 1, v), f32)
+    processed, _ = sampling.process(logits, jnp.zeros(logits.shape, bool), jnp.zeros(logits.shape, i32), rows)
+    kept = np.flatnonzero(np.isfinite(np.asarray(processed)[0, 0]))
+    assert kept.tolist() == list(range(316, v))
 
 
 def test_every_option_off_is_the_identity():

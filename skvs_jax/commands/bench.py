@@ -576,6 +576,7 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
 
 def run(args: argparse.Namespace) -> int:
     specs, budget, model, heads, trace, cache = _setup(args)
+    startup.output_dir(args.out, "bench")  # before serving: a folder that cannot be made would lose the results
     chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
     anchor = "skvs" if args.ablation else None
@@ -666,8 +667,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(_format_ablation(ablation))
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.out)  # made by `_setup`
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
                                             "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",

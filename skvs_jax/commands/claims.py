@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from skvs_jax import metrics
+from skvs_jax.commands import startup
 from skvs_jax.sim import scenarios as scn
 
 SCHEMA_VERSION = 1
@@ -634,8 +635,7 @@ def _also(doc: str | None, out_dir: pathlib.Path) -> str:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = startup.output_dir(args.out, "claims")
     if args.from_json:
         docs = [json.loads(pathlib.Path(x).read_text()) for x in args.from_json.split(",") if x.strip()]
         doc = docs[0]

@@ -1,9 +1,10 @@
 """What the micro-benchmarks share: the pool geometry flags of `skvs micro allocator` and `skvs micro scheduler`
-(named as the glossary names the dimensions), their lower-bound check, and the median of a list of step times."""
+(named as the glossary names the dimensions), their checks, and the median of a list of step times."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 
@@ -23,7 +24,11 @@ def median_us(times: list[float]) -> float:
 
 
 def check_minimums(args: argparse.Namespace, command: str, minimums: tuple[tuple[str, int], ...]) -> None:
-    """`SystemExit("skvs <command>: --flag must be >= low, got x")` for the first int flag below its minimum."""
+    """`SystemExit("skvs <command>: --flag must be >= low, got x")` for the first int flag below its minimum; then
+    --accept-prob (`add_pool_arguments`), a probability: in [0, 1]."""
     for flag, low in minimums:
         if getattr(args, flag) < low:
             raise SystemExit(f"skvs {command}: --{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+    p = getattr(args, "accept_prob", 0.0)
+    if not (math.isfinite(p) and 0 <= p <= 1):
+        raise SystemExit(f"skvs {command}: --accept-prob must lie in [0, 1], got {p}")

@@ -241,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
     specs = _specs(args, verify_budget)
     names = list(specs)
     host_blocks = cache.usable_blocks if args.host_blocks is None else args.host_blocks
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = startup.output_dir(args.out, "simulate")
 
     # Several devices (GPUs, or CPU devices forced with XLA_FLAGS): the lanes are split over all of them.
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), (sweep.DP,)) if jax.device_count() > 1 else None

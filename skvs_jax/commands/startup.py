@@ -1,4 +1,5 @@
-"""Fast start for the `skvs` commands: a persistent XLA compilation cache, on by default.
+"""What the `skvs` commands set up before they run: a persistent XLA compilation cache (on by default) and the
+folder their results go to (`output_dir`, made and checked before any work, so a bad --out never costs a run).
 
 Nearly all of a command's start-up is XLA compiling the engine step (one program per query width; docs/serving.md
 has the figures). jax can keep compiled programs on disk and load them in later processes; the commands turn that
@@ -76,3 +77,17 @@ def configure(flag: str | None, environ=os.environ) -> str | None:
         compilation_cache.reset_cache()  # a cache opened earlier in this process would keep its old directory
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
+
+
+def output_dir(path: str, command: str) -> pathlib.Path:
+    """`--out PATH` made (with its parents) and checked writable now, before the command's work: a folder that
+    cannot be made ends in `SystemExit("skvs <command>: --out PATH: ...")` instead of a traceback after the run,
+    with its results lost."""
+    out = pathlib.Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"skvs {command}: --out {path}: cannot create the folder ({err.strerror or err})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SystemExit(f"skvs {command}: --out {path}: the folder is not writable")
+    return out

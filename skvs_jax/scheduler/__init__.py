@@ -54,6 +54,7 @@ from skvs_jax.scheduler.schedule import (
     plan_drafts,
     priority_order,
     prompt_work,
+    release_finished,
     schedule_unchecked,
     verify_cap,
     width_bounds,
@@ -91,5 +92,6 @@ __all__ = [
     "init", "add", "schedule", "update", "abort", "step_shape", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "prompt_work", "lowest_priority", "least_progress", "most_blocks",
     "most_progress",
-    "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked", "fork_unchecked",
+    "release_finished", "schedule_unchecked", "update_unchecked", "width_bounds", "add_unchecked", "abort_unchecked",
+    "fork_unchecked",
 ]

@@ -124,9 +124,11 @@ class SamplingParams:
         presence = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
         frequency = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         stop = (self.stop,) if isinstance(self.stop, (str, bytes)) else self.stop
-        if not isinstance(stop, Iterable) or not all(isinstance(x, (str, bytes)) and x for x in stop):
+        if not isinstance(stop, Iterable):
             raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}")
-        stop = tuple(stop)
+        stop = tuple(stop)  # once: a generator is consumed by reading it
+        if not all(isinstance(x, (str, bytes)) and x for x in stop):
+            raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {stop!r}")
         for x in stop:
             if len(stop_bytes(x)) > sampling_mod.MAX_STOP_LEN:
                 raise ValueError(f"stop strings hold at most {sampling_mod.MAX_STOP_LEN} UTF-8 bytes, got {x!r}")
@@ -161,6 +163,7 @@ def stop_bytes(stop: str | bytes) -> bytes:
 # ------------------------------------------------------------------------------------------------ the host
 
 _reset_prefix = jax.jit(manager.reset_prefix, static_argnames=("cfg",))
+_release_finished = jax.jit(sc.release_finished, static_argnames=("cfg",))
 
 
 @dataclasses.dataclass
@@ -468,6 +471,11 @@ class Engine:
                              f"{max_len} tokens a sequence can hold (max_blocks_per_seq * block_size)")
         if request_id is not None and not checks.is_int(request_id):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)):
+            raise TypeError(f"arrival_time must be a number (seconds on the engine's clock) or None, got "
+                            f"{type(arrival_time).__name__} {arrival_time!r}")
+        if arrival_time is not None and not math.isfinite(arrival_time):
+            raise ValueError(f"arrival_time must be finite, got {arrival_time!r}")
         rid = self._next_id if request_id is None else int(request_id)
         if not 0 <= rid <= engine_step.MAX_REQUEST_ID:  # -1 marks an empty slot on the device
             raise ValueError(f"request_id must lie in [0, {engine_step.MAX_REQUEST_ID}], got {rid}")
@@ -507,12 +515,12 @@ class Engine:
         # Slots finished last step are EMPTY only after the next schedule, so the step reports the EMPTY count.
         take, need = [], 0
         for rid in self.queue:  # in order: a request whose n outputs do not fit yet waits, and so do later ones
-            n = self.requests[rid].sampling.n
+            n = 1 + len(self._live_outputs(rid))  # outputs aborted before admission hold no slot
             if need + n > self._free_slots:
                 break
             take.append(rid)
             need += n
-            if n > 1:
+            if rid in self._unforked:
                 self._unforked[rid] = n - 1  # empty slots held until it forks
         if not take:
             return
@@ -740,7 +748,19 @@ class Engine:
         forking = {rid: self.slot_of[rid] for rid in self._unforked if rid in self.slot_of}
         results = self._collect(out, start, end)
         self._account_padding(out, ran, bound)
-        return results + self._fork(out, forking, end)
+        results += self._fork(out, forking, end)
+        if not self.has_work() and out.finished.any():
+            self._release_idle(int(np.sum(out.finished)))
+        return results
+
+    def _release_idle(self, finished: int) -> None:
+        """The slots the last step finished give their blocks back now (`scheduler.release_finished`, phase 0 of
+        the next `schedule`, run early): an idle engine holds no request's blocks. One small dispatch, only when
+        the engine runs dry; while it has work the next step's schedule releases them at no extra cost, and the
+        same way, so no schedule changes."""
+        sched = _release_finished(self.state.sched, cfg=self.cfg.sched)
+        self.state = self.state.replace(sched=sched)
+        self._free_slots += finished
 
     def _account_padding(self, out: engine_step.StepOut, width: int, bound: int | None) -> None:
         """A decode-only step's padding (its rows' draft slots without a draft) into the step log and the
@@ -775,7 +795,7 @@ class Engine:
             if not out.num_new[slot]:
                 continue
             parent = self.requests[rid]
-            for cid in parent.sample_ids[1:]:
+            for cid in self._live_outputs(rid):
                 r = self.requests[cid]
                 token = int(out.sibling_tokens[slot, r.sample_index - 1])
                 r.tokens, r.first_token_time = [token], end
@@ -892,21 +912,41 @@ class Engine:
     def abort_request(self, request_id: int) -> bool:
         """End a request wherever it is: still queued (it leaves the queue) or in a slot (`scheduler.abort` releases
         its blocks, and a swapped request's host-tier copy). Its log keeps the tokens it produced and records no
-        finish (`finished` stays False). Returns False when the request is unknown or already finished."""
+        finish (`finished` stays False). Returns False when the request is unknown or already ended.
+
+        n > 1 (docs/serving.md, "Aborting"): the request's id (output 0's) ends all of its outputs that have not
+        ended, before and after they fork; `request_id + j` ends output j alone (one not forked yet gives back
+        the slot held for it, and is never forked). True when some output ended."""
         if isinstance(request_id, bool) or not checks.is_int(request_id):
             raise TypeError(f"request_id must be an int, got {type(request_id).__name__}")
         rid = int(request_id)
         r = self.requests.get(rid)
-        if r is None or r.finished or r.aborted:
+        if r is None:
+            return False
+        outputs = r.sample_ids if r.sample_ids else (rid,)  # the parent's id: every output
+        ended = [self._abort_one(i) for i in outputs]
+        return any(ended)
+
+    def _abort_one(self, rid: int) -> bool:
+        """End one output (see `abort_request`); False when it had ended already."""
+        r = self.requests[rid]
+        if r.finished or r.aborted:
             return False
         r.aborted = True
-        for cid in r.sample_ids[1:] if rid in self._unforked else ():  # outputs not forked yet end with it
-            self.requests[cid].aborted = True
-        self._free_slots += self._unforked.pop(rid, 0)
+        parent = rid - r.sample_index
+        if r.sample_index == 0:  # output 0: slots still held for its unforked outputs go back
+            self._free_slots += self._unforked.pop(rid, 0)
+        elif parent in self._unforked:  # not forked yet: it never will be, and its held slot (if any) goes back
+            if self._unforked[parent]:
+                self._unforked[parent] -= 1
+                self._free_slots += 1
+            return True
         if rid in self.queue:
             self.queue.remove(rid)
             return True
-        slot = self.slot_of.pop(rid)
+        slot = self.slot_of.pop(rid, None)
+        if slot is None:  # an unforked output whose output 0 ended first: it holds nothing
+            return True
         mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
         mask[slot] = True
         self.state = self.state.replace(sched=sc.abort(self.state.sched, self._arg(mask), cfg=self.cfg.sched))
@@ -916,6 +956,10 @@ class Engine:
         self._free_slots += 1  # `abort` empties the slot at once
         return True
 
+    def _live_outputs(self, rid: int) -> list[int]:
+        """The ids of outputs 1.. of request `rid` (n > 1) that have not been aborted: the ones to fork."""
+        return [cid for cid in self.requests[rid].sample_ids[1:] if not self.requests[cid].aborted]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (`kv.manager.reset_prefix`): later requests find no hit in what was cached
         before. Requests in flight keep their blocks."""
@@ -923,7 +967,13 @@ class Engine:
         self.state = self.state.replace(sched=sched.replace(kv=_reset_prefix(sched.kv, cfg=self.cfg.sched.kv)))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
-        """Convenience: queue prompts, run, return their outputs in order."""
+        """Convenience: queue prompts, run, return their outputs in order (one list of tokens per prompt).
+
+        Refuses `sampling.n > 1`, whose n outputs a list of one output per prompt cannot hold: queue such
+        requests with `add_request`, `run()`, and read each one's outputs with `completions(request_id)`."""
+        if sampling is not None and isinstance(sampling, SamplingParams) and sampling.n > 1:
+            raise ValueError(f"generate returns one output per prompt, but sampling.n = {sampling.n}: use "
+                             "add_request(prompt, sampling), run(), then completions(request_id) for its n outputs")
         ids = [self.add_request(p, sampling) for p in prompts]
         outputs = self.run()
         return [outputs[i] for i in ids]

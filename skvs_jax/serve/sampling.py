@@ -8,9 +8,9 @@ The processed distribution of a row (vLLM's order and semantics, docs/sampling.m
      divided by r when positive, multiplied by r otherwise), then presence a and frequency f over the output
      tokens (logit -= a * [count > 0] + f * count);
   2. temperature T: T = 0 is greedy, the argmax of the penalised logits, and nothing below applies;
-  3. top_k (0 = off: keep the k largest, ties kept), top_p (1 = off: drop the smallest tokens whose cumulative
-     probability is <= 1 - top_p, never the largest), min_p (0 = off: drop tokens with p < min_p * max p), each on
-     the distribution the previous one left (renormalised).
+  3. min_p (0 = off: drop tokens with p < min_p * max p), top_k (0 = off: keep the k largest, ties kept), top_p
+     (1 = off: drop the smallest tokens whose cumulative probability is <= 1 - top_p, never the largest; at a tie
+     the lowest ids go first), each on the distribution the previous one left (renormalised).
 
 `process` returns log p of that distribution on sampled rows and the penalised logits on greedy rows, with an
 effective temperature of 1 or 0, so the acceptance rules (`acceptance`, `speculation.verify`) verify drafts
@@ -148,8 +148,12 @@ def _masked(x: jax.Array, drop: jax.Array) -> jax.Array:
 
 
 def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
-    """Step 3: scaled float32[B, R, V] (logits / T) with the tokens top_k, top_p and min_p drop set to -inf."""
+    """Step 3: scaled float32[B, R, V] (logits / T) with the tokens min_p, top_k and top_p drop set to -inf, in
+    that order (vLLM V1's: min_p is an argmax-invariant logits processor, applied before top-k/top-p)."""
     v = scaled.shape[-1]
+    probs = jax.nn.softmax(scaled, axis=-1)
+    m = rows.min_p[:, None, None]
+    scaled = _masked(scaled, (m > 0) & (probs < m * jnp.max(probs, axis=-1, keepdims=True)))
     k = rows.top_k[:, None, None]
     kth = jnp.take_along_axis(-jnp.sort(-scaled, axis=-1), jnp.clip(k - 1, 0, v - 1), axis=-1)
     scaled = _masked(scaled, (k > 0) & (k < v) & (scaled < kth))
@@ -161,10 +165,7 @@ def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     drop_sorted = (cum <= 1 - p) & (jnp.arange(v)[None, None, :] < v - 1) & (p < 1)
     drop = jnp.zeros_like(drop_sorted).at[
         jnp.arange(scaled.shape[0])[:, None, None], jnp.arange(scaled.shape[1])[None, :, None], order].set(drop_sorted)
-    scaled = _masked(scaled, drop)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    m = rows.min_p[:, None, None]
-    return _masked(scaled, (m > 0) & (probs < m * jnp.max(probs, axis=-1, keepdims=True)))
+    return _masked(scaled, drop)
 
 
 def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows
