@@ -155,9 +155,9 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
     cache = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
     policy = policies.skvs(4).replace(bucket_budget=3)
     e = engine.Engine(model, heads, policy, cache, token_budget=96, prefill_chunk=32)
-    e.chooser.every = 6
+    e.picker.chooser.every = 6
     before = engine_step.fused_step._cache_size()
-    assert e.warmup({4: 40}) == [e.prompt_width, 5] and e.decode_widths == (5,)  # only K was ever wanted
+    assert e.warmup({4: 40}) == [e.picker.prompt_width, 5] and e.picker.decode_widths == (5,)  # only K was ever wanted
     assert engine_step.fused_step._cache_size() - before == 2
     rng = np.random.default_rng(1)
     prompts = [rng.integers(32, 127, size=int(rng.integers(6, 20))).tolist() for _ in range(3)]
@@ -171,7 +171,8 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
     for rid, p in zip(ids, prompts):
         assert e.requests[rid].tokens == greedy_generate(model, np.asarray([p]), 48)[0, len(p):].tolist()
     compiled = engine_step.fused_step._cache_size() - before
-    assert e.chooser.rechoices == 1 and e.decode_widths == (3, 5)  # bounds of 2 drafts: width 1 + 2 joins K's
-    assert compiled == len(e.widths) == 3 <= 1 + policy.bucket_budget * (1 + e.chooser.rechoices)
+    # bounds of 2 drafts: width 1 + 2 joins K's
+    assert e.picker.chooser.rechoices == 1 and e.picker.decode_widths == (3, 5)
+    assert compiled == len(e.picker.widths) == 3 <= 1 + policy.bucket_budget * (1 + e.picker.chooser.rechoices)
     assert np.asarray(e.state.sched.draft_widths).tolist() == [2, 4, 4]
-    assert e.width_hist[3] > 0 and e.padding >= 0 and e.bucket_hist
+    assert e.picker.width_hist[3] > 0 and e.picker.padding >= 0 and e.picker.bucket_hist

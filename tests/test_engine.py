@@ -52,10 +52,10 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
     assert out == reference
     c = e.state.sched.counters
     # The run really exercised the machinery it claims not to disturb.
-    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0 and e.split_steps > 0
+    assert int(c.cached_tokens) > 0 and int(c.preempt_recompute) > 0 and e.picker.split_steps > 0
     if name != "vllm_default":
         assert int(c.drafted) > 0 and 0 < int(c.accepted) < int(c.drafted)
-    assert len(e.compiled) <= len(e.widths)
+    assert len(e.compiled) <= len(e.picker.widths)
 
 
 def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
@@ -64,14 +64,14 @@ def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_noth
     model, heads = shipped
     e = engine.Engine(model, heads, policies.preset("skvs"), CACHE, token_budget=96, prefill_chunk=32)
     order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
-    assert order == [e.prompt_width, 3, 1, 5] and sorted(order) == list(e.widths)
+    assert order == [e.picker.prompt_width, 3, 1, 5] and sorted(order) == list(e.picker.widths)
     before = engine_step.fused_step._cache_size()
     small = trace.requests[:2]
     for r in small:
         e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
     assert e.run() == {r.request_id: reference[r.request_id] for r in small}
     assert engine_step.fused_step._cache_size() == before
-    assert sum(e.draft_hist.values()) == sum(e.width_hist.values()) > 0
+    assert sum(e.picker.draft_hist.values()) == sum(e.picker.width_hist.values()) > 0
 
 
 def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_width(shipped, trace, reference,
@@ -82,10 +82,10 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
     policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
     e, out = _serve(shipped, policy, trace)
     narrow = engine_step.narrow_width(e.cfg)
-    assert out == reference and narrow == 1 + policy.draft_len < e.prompt_width
+    assert out == reference and narrow == 1 + policy.draft_len < e.picker.prompt_width
     chosen_wide = [s["width"] for s in e.step_log if s["bound"] == -1]  # the host chose the prompt width
-    assert chosen_wide.count(narrow) > 0 and chosen_wide.count(e.prompt_width) > 0
-    assert set(e.width_hist) <= set(e.widths) and sum(e.width_hist.values()) == len(e.step_log)
+    assert chosen_wide.count(narrow) > 0 and chosen_wide.count(e.picker.prompt_width) > 0
+    assert set(e.picker.width_hist) <= set(e.picker.widths) and sum(e.picker.width_hist.values()) == len(e.step_log)
 
     fused = engine_step.fused_step
 
@@ -96,7 +96,7 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
     wide, out_wide = _serve(shipped, policy, trace)
     assert out_wide == reference
     assert jax.tree.map(int, wide.state.sched.counters) == jax.tree.map(int, e.state.sched.counters)
-    assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.prompt_width] * len(chosen_wide)
+    assert [s["width"] for s in wide.step_log if s["bound"] == -1] == [e.picker.prompt_width] * len(chosen_wide)
 
 
 def test_the_split_branch_computes_what_the_wide_one_does(shipped, trace, reference, monkeypatch):
@@ -217,14 +217,45 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(shipped, trace, r
     for seed, error in ((1.5, TypeError), ("a", TypeError), (None, TypeError), (-1, ValueError), (2**64, ValueError)):
         with pytest.raises(error, match="seed must"):  # JAX errors that did not name it, or an OverflowError
             engine.Engine(model, heads, policies.skvs(4), CACHE, seed=seed)
-    assert not e.queue and not e.requests  # nothing refused was queued
+    assert not e.table.queue and not e.requests  # nothing refused was queued
     r = trace.requests[1]
     assert e.generate([r.prompt], engine.SamplingParams(max_tokens=r.max_new_tokens))[0] == reference[r.request_id]
     with pytest.raises(TypeError, match="heads"):
         engine.Engine(model, None, policies.skvs(4), CACHE)
     # prefill_chunk 0 means "the token budget" to the scheduler; the engine's prompt width must cover it.
     e0 = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=0)
-    assert e0.cfg.sched.chunk == 96 and e0.prompt_width == 96
+    assert e0.cfg.sched.chunk == 96 and e0.picker.prompt_width == 96
+
+
+def test_engine_options_are_one_validated_dataclass(shipped):
+    """`EngineOptions` holds every option: keywords and an options object give the same engine; an unknown
+    keyword, a bad field or a wrong type is refused naming it, when the options are made."""
+    model, heads = shipped
+    opts = engine.EngineOptions(token_budget=96, prefill_chunk=32, seed=7)
+    a = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, opts)
+    b = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, token_budget=96, prefill_chunk=32, seed=7)
+    c = engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, opts, seed=8)  # a keyword overrides
+    assert a.options == b.options == opts and a.cfg == b.cfg and c.options.seed == 8 and c.options.token_budget == 96
+    with pytest.raises(TypeError, match=r"unknown engine option\(s\) \['token_budgte'\]"):
+        engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, token_budgte=96)
+    with pytest.raises(TypeError, match="options must be an EngineOptions"):
+        engine.Engine(model, heads, policies.preset("naive_spec"), CACHE, {"token_budget": 96})
+    for kw, error, says in ((dict(impl="cuda"), ValueError, "impl must be one of"),
+                            (dict(swap_blocks=-1), ValueError, "swap_blocks must be >= 0"),
+                            (dict(split_rows=1.5), TypeError, "split_rows must be an int"),
+                            (dict(step_cost="exact"), ValueError, "step_cost must be 'fit', 'flat'"),
+                            (dict(step_cost=1.0), TypeError, "step_cost must be 'fit', 'flat'"),
+                            (dict(acceptance="any"), ValueError, "acceptance must be one of"),
+                            (dict(sample_drafts=1), TypeError, "sample_drafts must be a bool"),
+                            (dict(posterior_alpha=-1), ValueError, "posterior_alpha must be a number"),
+                            (dict(tree="chain"), TypeError, "tree must be a DraftTree"),
+                            (dict(disk_dir=3), TypeError, "disk_dir must be"),
+                            (dict(clock=1.0), TypeError, "clock must be a callable"),
+                            (dict(seed=-1), ValueError, "seed must lie in")):
+        with pytest.raises(error, match=says):
+            engine.EngineOptions(**kw)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.seed = 1
 
 
 def test_arrival_time_is_validated_and_the_engine_keeps_serving(shipped, trace, reference):
@@ -238,7 +269,7 @@ def test_arrival_time_is_validated_and_the_engine_keeps_serving(shipped, trace, 
                        (float("inf"), ValueError), (-math.inf, ValueError)):
         with pytest.raises(error, match="arrival_time"):
             e.add_request(r.prompt, arrival_time=bad)
-    assert list(e.requests) == e.queue == [good] and e.requests[good].arrival_time == 0.5
+    assert list(e.requests) == e.table.queue == [good] and e.requests[good].arrival_time == 0.5
     assert e.run()[good] == reference[r.request_id]
 
 
@@ -274,7 +305,7 @@ def test_an_idle_engine_holds_no_requests_blocks(shipped, trace, reference):
         e.reset_prefix_cache()
         assert int(manager.usage(e.state.sched.kv, cfg.kv).blocks_used) == 0, drive
         e.add_request(reqs[0].prompt, engine.SamplingParams(max_tokens=3))  # the freed slots serve again
-        assert e.run() and e._free_slots == CACHE.max_seqs
+        assert e.run() and e.table.free_slots == CACHE.max_seqs
 
 
 # ------------------------------------------------------------------------------------------- skvs bench
@@ -351,12 +382,12 @@ def test_warm_up_fits_the_step_cost_of_the_programs_it_runs(served, reference):
 
     e, out, _ = served
     assert out == reference
-    widths = sorted(set(e.decode_widths) | {e.prompt_width})
+    widths = sorted(set(e.picker.decode_widths) | {e.picker.prompt_width})
     assert e.step_cost_mode == "fit" and sorted(e.step_cost_times) == widths == [1, 3, 5, 32]
     assert all(t > 0 for t in e.step_cost_times.values()) and e.split_step_us > 0
     # A step with prompt work is priced at the split branch's time (what it runs while the chunks fit it).
-    want = step_cost.fit(e.step_cost_times | {e.prompt_width: e.split_step_us}, widths, e.cfg.sched.token_budget,
-                         e.prompt_width)
+    want = step_cost.fit(e.step_cost_times | {e.picker.prompt_width: e.split_step_us}, widths, e.cfg.sched.token_budget,
+                         e.picker.prompt_width)
     for field in ("token_us", "width_us"):
         assert np.asarray(getattr(e.state.step_cost, field)).tolist() == np.asarray(getattr(want, field)).tolist()
     assert sorted(w for w, _ in e.compiled) == widths
@@ -432,10 +463,10 @@ def test_abort_request_ends_a_queued_or_running_request_and_the_others_are_uncha
     e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
     for r in trace.requests:
         e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
-    queued = e.queue[-1]  # 10 requests for 8 slots: the last two wait in the queue at first
-    while not any(e.requests[rid].tokens for rid in e.slot_of):
+    queued = e.table.queue[-1]  # 10 requests for 8 slots: the last two wait in the queue at first
+    while not any(e.requests[rid].tokens for rid in e.table.slot_of):
         e.step()
-    running = next(rid for rid in e.slot_of if e.requests[rid].tokens)
+    running = next(rid for rid in e.table.slot_of if e.requests[rid].tokens)
     partial = list(e.requests[running].tokens)
     assert e.abort_request(running) and e.abort_request(queued)
     assert not e.abort_request(running) and not e.abort_request(10_000)

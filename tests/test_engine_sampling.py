@@ -44,7 +44,7 @@ def test_a_seeded_request_ignores_its_slot_its_neighbours_and_speculation(shippe
         crowded.add_request(p, engine.SamplingParams(max_tokens=12, temperature=0.8, seed=i, presence_penalty=1.0))
     rid = crowded.add_request(PROMPT, sp)
     crowded.step()
-    assert crowded.slot_of[rid] == 3 and alone.requests[0].tokens == out_alone  # alone, it had slot 0
+    assert crowded.table.slot_of[rid] == 3 and alone.requests[0].tokens == out_alone  # alone, it had slot 0
     out_crowded = crowded.run()[rid]
     assert len(out_alone) == 16
     plain = _engine(shipped, policies.vllm_default())
@@ -129,7 +129,7 @@ def test_generate_refuses_n_above_one_and_points_to_completions(shipped):
     e = _engine(shipped)
     with pytest.raises(ValueError, match=r"sampling.n = 3: use add_request.*completions\(request_id\)"):
         e.generate([PROMPT, OTHERS[0]], engine.SamplingParams(n=3))
-    assert not e.requests and not e.queue
+    assert not e.requests and not e.table.queue
 
 
 def test_aborting_one_output_before_its_fork_ends_that_output_alone(shipped):
@@ -142,20 +142,20 @@ def test_aborting_one_output_before_its_fork_ends_that_output_alone(shipped):
     assert e.abort_request(queued + 1) and not e.abort_request(queued + 1)
     admitted = e.add_request(long_prompt, engine.SamplingParams(max_tokens=6, n=3))
     e.step()
-    assert admitted in e.slot_of and admitted + 2 not in e.slot_of  # admitted, not forked yet
-    free = e._free_slots
+    assert admitted in e.table.slot_of and admitted + 2 not in e.table.slot_of  # admitted, not forked yet
+    free = e.table.free_slots
     assert e.abort_request(admitted + 2)
-    assert e._free_slots == free + 1  # the slot held for it
+    assert e.table.free_slots == free + 1  # the slot held for it
     e.run()
     for rid, gone in ((queued, 1), (admitted, 2)):
         outs = e.completions(rid)
         r = e.requests[rid + gone]
-        assert r.aborted and not r.finished and outs[gone] == [] and rid + gone not in e.slot_of
+        assert r.aborted and not r.finished and outs[gone] == [] and rid + gone not in e.table.slot_of
         kept = [o for j, o in enumerate(outs) if j != gone]
         assert kept[0] == kept[1] and len(kept[0]) == 6  # greedy: the two others alike, to the end
         assert all(e.requests[rid + j].finished for j in range(3) if j != gone)
     _no_block_leaks(e)
-    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e._free_slots == CACHE.max_seqs
+    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e.table.free_slots == CACHE.max_seqs
 
 
 def test_aborting_an_n_request_ends_every_output_before_and_after_the_fork(shipped):
@@ -164,12 +164,12 @@ def test_aborting_an_n_request_ends_every_output_before_and_after_the_fork(shipp
     e = _engine(shipped)
     before = e.add_request(PROMPT * 2, engine.SamplingParams(max_tokens=12, n=3))
     e.step()  # admitted, not forked
-    assert before in e.slot_of and len(e.slot_of) == 1
+    assert before in e.table.slot_of and len(e.table.slot_of) == 1
     assert e.abort_request(before)
     after = e.add_request(PROMPT, engine.SamplingParams(max_tokens=12, n=3))
-    while len(e.slot_of) < 3:
+    while len(e.table.slot_of) < 3:
         e.step()
-    assert e.abort_request(after) and not e.abort_request(after) and not e.slot_of
+    assert e.abort_request(after) and not e.abort_request(after) and not e.table.slot_of
     e.run()
     for rid in (before, after):
         for j in range(3):
@@ -177,7 +177,7 @@ def test_aborting_an_n_request_ends_every_output_before_and_after_the_fork(shipp
             assert r.aborted and not r.finished and len(r.tokens) < 12, (rid, j)
             assert not e.abort_request(rid + j)
     _no_block_leaks(e)
-    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e._free_slots == CACHE.max_seqs
+    assert not e.state.sched.kv.alloc.seqs.num_blocks.any() and e.table.free_slots == CACHE.max_seqs
 
 
 def test_a_stop_generator_is_read_once(shipped):
@@ -206,10 +206,10 @@ def test_n_outputs_fork_off_the_prompt_and_share_its_blocks(shipped, reference):
     e = _engine(shipped)
     rid = e.add_request(PROMPT, engine.SamplingParams(max_tokens=12, n=3))
     assert e.requests[rid].sample_ids == (rid, rid + 1, rid + 2)
-    while len(e.slot_of) < 3:
+    while len(e.table.slot_of) < 3:
         e.step()
     alloc = jax.device_get(e.state.sched.kv.alloc)
-    slots = [e.slot_of[i] for i in e.requests[rid].sample_ids]
+    slots = [e.table.slot_of[i] for i in e.requests[rid].sample_ids]
     nb = -(-len(PROMPT) // CACHE.block_size)
     tables = alloc.seqs.block_table[slots, :nb]
     assert (tables == tables[0]).all() and (alloc.blocks.ref_count[tables[0]] == 3).all()

@@ -63,7 +63,7 @@ def test_the_engine_step_cost_argument(shipped):
     for mode in ("fit", "flat"):
         e = make(step_cost=mode) if mode == "flat" else make()
         assert e.step_cost_mode == mode and not e.step_cost_times
-        assert np.asarray(e.state.step_cost.width_us).tolist() == [0] * (e.prompt_width + 1)
+        assert np.asarray(e.state.step_cost.width_us).tolist() == [0] * (e.picker.prompt_width + 1)
         assert int(e.state.step_cost.margin) == 0  # the fit's structure, so fitting recompiles nothing
     given_cost = fit_mod.fit({1: 900.0, 32: 2000.0}, [1, 32], 96, 32)
     e = make(step_cost=given_cost)

@@ -245,9 +245,9 @@ def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped)
         drafts_seen.add(e.step_log[-1]["drafted"])
     compiled = _compilations() - before
     batch_buckets = 1
-    assert compiled <= len(e.widths) * batch_buckets, (compiled, e.widths)
-    assert len(e.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
-    assert sum(e.width_hist.values()) == 2000
+    assert compiled <= len(e.picker.widths) * batch_buckets, (compiled, e.picker.widths)
+    assert len(e.picker.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
+    assert sum(e.picker.width_hist.values()) == 2000
 
 
 def test_a_verify_budget_narrows_the_query_width_the_engine_compiles_and_runs(shipped, trace, reference):
@@ -256,18 +256,18 @@ def test_a_verify_budget_narrows_the_query_width_the_engine_compiles_and_runs(sh
     floor(budget / R) - 1 drafts (never a query that does not fit: the engine raises on one)."""
     budget = 8  # 2 decode rows: up to 3 drafts, 3 rows: 1, 4 or more: none
     e = _engine(shipped, policies.skvs(4).replace(verify_budget=budget), trace)
-    buckets = sorted(e.decode_widths)
+    buckets = sorted(e.picker.decode_widths)
     steps = []
     while e.has_work():
-        before = collections.Counter(e.width_hist)
+        before = collections.Counter(e.picker.width_hist)
         e.step()
-        (width,) = (e.width_hist - before).keys()
+        (width,) = (e.picker.width_hist - before).keys()
         steps.append((width, e.step_log[-1]))
     assert {rid: r.tokens for rid, r in e.requests.items()} == reference
     # Decode steps whose width the host chose from the bound; a step it chose wide (some row waited) that memory
     # left without a prompt token ran the widest decode width instead (`engine_step.model_step_at`).
     decode = [(w, log) for w, log in steps if log["bound"] >= 0 and log["num_seqs"] > 0]
-    assert all(w in (e.prompt_width, buckets[-1]) for w, log in steps if log["bound"] < 0)
+    assert all(w in (e.picker.prompt_width, buckets[-1]) for w, log in steps if log["bound"] < 0)
     assert len(decode) > 10
     for w, log in decode:
         cap = max(budget // log["num_seqs"] - 1, 0)  # num_seqs <= the step's decode rows: a cap at least as high
@@ -290,7 +290,7 @@ def test_knobs_replaced_between_steps_take_effect_without_a_query_outgrowing_its
         i += 1
     assert {rid: r.tokens for rid, r in e.requests.items()} == {r.request_id: reference[r.request_id]
                                                                 for r in small.requests}
-    assert max(e.draft_hist) == 4 and e.draft_hist[1] > 0
+    assert max(e.picker.draft_hist) == 4 and e.picker.draft_hist[1] > 0
 
 
 # Slow-marked for the default run's time budget: tests/test_acceptance.py checks the rule itself, and

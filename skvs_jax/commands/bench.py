@@ -279,20 +279,20 @@ class _Serving:
         result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
         fitted = self.fitted
         return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
-                "compiled": sorted(e.compiled), "bucket_hist": e.bucket_hist, "padding": e.padding,
+                "compiled": sorted(e.compiled), "bucket_hist": e.picker.bucket_hist, "padding": e.picker.padding,
                 "fitted": fitted,
                 "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
                 "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
-                "split": {"steps": e.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
+                "split": {"steps": e.picker.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
                           "rows": e.cfg.split_rows},
-                "width_hist": {str(w): n for w, n in sorted(e.width_hist.items())}}
+                "width_hist": {str(w): n for w, n in sorted(e.picker.width_hist.items())}}
 
 
 def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
           fitted=None, rehearsal=False) -> dict:
     """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
     knobs with a `--policies` draft-length knob (default `policy.knobs()`). bucket_hist: the previous repeat's
-    `Engine.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
+    `WidthPicker.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
     result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
     and times), used as given so every repeat plans with the same cost (the first run fits it). rehearsal: an
     untimed run (`--rehearse`), so the scheduler's own time is not measured after it."""
@@ -497,7 +497,7 @@ def _setup(args: argparse.Namespace):
                             max_blocks_per_seq=blocks_per_seq)
         # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
         # (its widths + `schedule`) decide the serving groups (`serving_groups`).
-        args.programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).widths) + 1
+        args.programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).picker.widths) + 1
                          for n, p in chosen.items()}
         trace = make_trace(args)
     except ValueError as err:

@@ -104,13 +104,15 @@ def _engine_part(args, k: int) -> dict:
     print(f"engine ({name}, K={k}, {len(trace.requests)} requests of skvs bench's trace, {len(e.step_log)} steps, "
           f"{len(steps)} decode-only, {time.perf_counter() - t0:.0f} s):")
     print(f"  bucket histogram (decode rows by step bound 0..K): {hist}")
-    print(f"  fixed widths {tuple(fixed_widths)}: padding {e.padding} slots ({compiled} programs compiled)")
-    print(f"  chosen widths {chosen}: predicted padding {predicted}; served: padding {e2.padding}, widths "
-          f"{tuple(w - 1 for w in e2.decode_widths)}, {compiled2} programs compiled, "
-          f"{e2.chooser.rechoices} re-choices, greedy outputs identical: {same}")
-    print(f"  ratio chosen / fixed padding: {e2.padding / max(e.padding, 1):.2f} (every width 0..K: {floor})")
+    print(f"  fixed widths {tuple(fixed_widths)}: padding {e.picker.padding} slots ({compiled} programs compiled)")
+    print(f"  chosen widths {chosen}: predicted padding {predicted}; served: padding {e2.picker.padding}, widths "
+          f"{tuple(w - 1 for w in e2.picker.decode_widths)}, {compiled2} programs compiled, "
+          f"{e2.picker.chooser.rechoices} re-choices, greedy outputs identical: {same}")
+    print(f"  ratio chosen / fixed padding: {e2.picker.padding / max(e.picker.padding, 1):.2f} "
+          f"(every width 0..K: {floor})")
     print(f"  cut down instead of rounding up: padding {cut_padding}, accepted drafts lost {lost} of {accepted}")
-    return dict(hist=hist, fixed=e.padding, chosen=chosen, served=e2.padding, predicted=predicted, same=same)
+    return dict(hist=hist, fixed=e.picker.padding, chosen=chosen, served=e2.picker.padding, predicted=predicted,
+                same=same)
 
 
 def _sim_part(args, k: int) -> None:

@@ -1,7 +1,13 @@
 """Serving a real model: the engine drives the scheduler and a model through one jitted step.
 
-  engine        `Engine`: requests in, tokens out; the host loop around one jitted step
+  engine        `Engine`: requests in, tokens out; the device state and the host loop around one jitted step
+  options       `EngineOptions`: the engine's options, one frozen validated dataclass; the draft tree's checks
+  requests      the request table: logs, queue, slots, n > 1 forks, aborts (host only); `RequestLog`
+  widths        the width picker: each step's query width, the histograms, the draft widths' re-choice
+  step_cost     the engine's step cost, fitted from timed steps of its compiled programs
   engine_step   the jitted step itself, as named phases (schedule, drafts, forward, verify, update)
+  sampling      per-request sampling inside the step: logits processing, streams, stop sequences, logprobs
+  sampling_params  `SamplingParams`: what a request asks of the sampler, validated at the boundary
   model_runner  the protocol the engine reaches models through, and the tiny Llama + Medusa runner
   speculation   draft trees, verification over a tree, the accepted path's KV move
   acceptance    the acceptance rules (greedy, typical, lossless rejection sampling) and a chi-square test

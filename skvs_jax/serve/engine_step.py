@@ -502,7 +502,7 @@ def _keep_kv_sharding(runner: ModelRunner, cache, kv_shardings: tuple | None):
 
 def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, step_cost=None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """What the host needs to pick the next step's width Q without reading state back (`Engine._width`):
+    """What the host needs to pick the next step's width Q without reading state back (`serve.widths.WidthPicker.pick`):
     `scheduler.width_bounds` of the state after `update` (prompt_work, next_drafts, next_want). When some row
     has prompt work the next step runs the wide width whatever the bounds say, so they are not computed (K):
     most of a busy engine's steps, and the goodput controller's plan is most of the bounds' cost."""

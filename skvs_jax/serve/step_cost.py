@@ -1,11 +1,11 @@
 """The engine's own step cost, fitted at warm-up from timed steps of its compiled programs (vLLM's start-up
 profiling, for the goodput draft controller).
 
-An engine computes every slot at the step's query width Q (one compiled program per width: `Engine.widths`), so
-a step's time is set by Q, not by how many tokens the rows carry: on this project's CPU a decode step costs
-about the same at Q = 1, 3 or 5 and a prompt-width step about twice that. A token-priced `scheduler.StepCost`
-cannot say that; its width table can (`StepCost.width_us`, the extra time of a step whose widest row computes w
-tokens):
+An engine computes every slot at the step's query width Q (one compiled program per width:
+`serve.widths.WidthPicker`), so a step's time is set by Q, not by how many tokens the rows carry: on this
+project's CPU a decode step costs about the same at Q = 1, 3 or 5 and a prompt-width step about twice that. A
+token-priced `scheduler.StepCost` cannot say that; its width table can (`StepCost.width_us`, the extra time of a
+step whose widest row computes w tokens):
 
     measure(prepare, keys)   median time of one step per compiled width, {Q: us}, on empty slots (the engine
                              also times its prompt width's split branch: priced for steps with prompt work)

@@ -1,0 +1,117 @@
+"""What a request asks of the sampler: `SamplingParams` (vLLM's fields, validated and normalised once, at the
+API boundary) and `stop_bytes`. The semantics are in docs/sampling.md; the device side is `serve.sampling`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
+
+from skvs_jax import checks
+from skvs_jax.serve import engine_step
+from skvs_jax.serve import sampling as sampling_mod
+
+
+def _real(name: str, value, lo: float, hi: float, *, open_lo: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value < lo or value > hi or (open_lo and value == lo)):
+        raise ValueError(f"{name} must be a finite float in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """max_tokens >= 1 new tokens; temperature 0 = greedy; generation stops after any of stop_token_ids.
+
+    The other fields follow vLLM (docs/sampling.md): seed (a request's own random stream; None: one derived from
+    the engine's seed and the request id), top_k (0 or -1 = off), top_p in (0, 1], min_p in [0, 1], repetition
+    penalty > 0 (over prompt and output), presence / frequency penalties in [-2, 2] (over the output), stop
+    strings (UTF-8 bytes of a byte-level model's text; the output ends before them unless
+    include_stop_str_in_output), logprobs (None, or the top-N raw logprobs of every emitted token, N <=
+    `sampling.MAX_LOGPROBS`), and n outputs of the prompt (1 <= n <= `sampling.MAX_N`; outputs 1.. fork off
+    output 0 once it has its first token, sharing the prompt's blocks, each with its own stream). At most
+    `engine_step.MAX_STOP` stop ids and strings together, each string of at most `sampling.MAX_STOP_LEN` bytes.
+
+    Fields are normalised to Python types (numpy scalars are accepted); stop ids are checked against the
+    model's vocabulary when the request is added.
+    """
+
+    max_tokens: int = 32
+    temperature: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite float >= 0, got {self.temperature!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
+            raise TypeError(f"stop_token_ids must be a sequence of ints, got {type(self.stop_token_ids).__name__}")
+        stops = tuple(self.stop_token_ids)
+        if not all(checks.is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {stops!r}")
+        if len(stops) > engine_step.MAX_STOP:
+            raise ValueError(f"stop_token_ids holds at most {engine_step.MAX_STOP} ids, got {len(stops)}")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # frozen: normalise once, here
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        self._check_sampling()
+
+    def _check_sampling(self) -> None:
+        if self.seed is not None and (not checks.is_int(self.seed) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        if not checks.is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1: off), got {self.top_k!r}")
+        top_p = _real("top_p", self.top_p, 0.0, 1.0, open_lo=True)
+        min_p = _real("min_p", self.min_p, 0.0, 1.0)
+        repetition = _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, open_lo=True)
+        presence = _real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        frequency = _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        stop = (self.stop,) if isinstance(self.stop, (str, bytes)) else self.stop
+        if not isinstance(stop, Iterable):
+            raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}")
+        stop = tuple(stop)  # once: a generator is consumed by reading it
+        if not all(isinstance(x, (str, bytes)) and x for x in stop):
+            raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {stop!r}")
+        for x in stop:
+            if len(stop_bytes(x)) > sampling_mod.MAX_STOP_LEN:
+                raise ValueError(f"stop strings hold at most {sampling_mod.MAX_STOP_LEN} UTF-8 bytes, got {x!r}")
+        if len(stop) + len(self.stop_token_ids) > engine_step.MAX_STOP:
+            raise ValueError(f"stop and stop_token_ids hold at most {engine_step.MAX_STOP} entries together, got "
+                             f"{len(stop) + len(self.stop_token_ids)}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise TypeError("include_stop_str_in_output must be a bool")
+        if self.logprobs is not None and (not checks.is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= sampling_mod.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {sampling_mod.MAX_LOGPROBS}], got "
+                             f"{self.logprobs!r}")
+        if not checks.is_int(self.n) or not 1 <= self.n <= sampling_mod.MAX_N:
+            raise ValueError(f"n must be an int in [1, {sampling_mod.MAX_N}], got {self.n!r}")
+        for name, value in (("n", int(self.n)), ("seed", None if self.seed is None else int(self.seed)),
+                            ("top_k", max(int(self.top_k), 0)), ("top_p", top_p), ("min_p", min_p),
+                            ("repetition_penalty", repetition),
+                            ("presence_penalty", presence), ("frequency_penalty", frequency), ("stop", stop),
+                            ("logprobs", None if self.logprobs is None else int(self.logprobs))):
+            object.__setattr__(self, name, value)
+
+    def stop_sequences(self) -> list[tuple[int, ...]]:
+        """Every stop as token ids: each stop id alone, then each stop string's UTF-8 bytes."""
+        return [(t,) for t in self.stop_token_ids] + [tuple(stop_bytes(x)) for x in self.stop]
+
+
+def stop_bytes(stop: str | bytes) -> bytes:
+    """A stop string as the byte-level model's tokens: its UTF-8 bytes."""
+    return stop if isinstance(stop, bytes) else stop.encode("utf-8")
