@@ -3,6 +3,10 @@
 Every op takes `impl="auto" | "pallas" | "xla" | "reference"` and `interpret=` (None = interpret the Pallas
 kernel when not on a GPU). "auto" is the compiled Pallas kernel on GPU and the fastest XLA path elsewhere.
 Contracts, tolerances and figures: docs/kernels.md.
+
+Modules: `attention` (paged decode and multi-query verification attention), `kv_write` (scatter of new K/V into
+the pages), `block_states` (the commit's block-state update and the draft invalidation), `_common` (block-state
+codes, KV quantisation, `resolve_impl`), `gpu_check` (the kernels checked and timed on a GPU).
 """
 
 from pallas_kernels._common import (

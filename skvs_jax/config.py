@@ -67,10 +67,6 @@ class CacheConfig:
             return min(self.spec_pool_capacity, self.usable_blocks)
         return max(1, min(4 * self.max_seqs, self.usable_blocks))
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """ceil(num_tokens / S): blocks needed to hold num_tokens tokens."""
-        return -(-num_tokens // self.block_size)
-
 
 RELEASE_MODES = ("immediate", "lazy")
 

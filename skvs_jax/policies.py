@@ -42,14 +42,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from skvs_jax.config import SpecConfig
+from skvs_jax.victims import VICTIM_RULE_NAMES
 
 INSERT_MODES = ("validated", "on_fill")
 PREEMPTION_MODES = ("recompute", "swap")
 DRAFT_CONTROLS = ("histogram", "goodput")
 DRAFT_MEMORY = ("opportunistic", "priced")
 KV_PRECISIONS = ("float32", "bfloat16", "float8_e4m3fn", "int8", "by_draft_len")
-# The victim rules a policy can name (the functions are `scheduler.VICTIM_RULES`, which has exactly these keys).
-VICTIM_RULE_NAMES = ("lowest_priority", "least_progress", "most_progress", "most_blocks")
 NO_VERIFY_CAP = 2**30  # Knobs.verify_budget meaning "no cap" (no step verifies that many tokens)
 # The article's rule (its section 7.3; docs/speculation.md): bf16 KV from this draft length, fp8 below.
 BF16_FROM_DRAFT_LEN = 6
@@ -105,8 +104,8 @@ class Policy:
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
-      victim: which running sequences preemption takes first, a name in VICTIM_RULE_NAMES (the functions are
-        `scheduler.VICTIM_RULES`). `SchedulerConfig.victim`, when set, overrides it (e.g. with a custom function).
+      victim: which running sequences preemption takes first, a name in `victims.VICTIM_RULE_NAMES` (the rules
+        live in `skvs_jax.victims`). `SchedulerConfig.victim`, a function, overrides it with a custom rule.
       draft_memory: how drafts that are not mandatory (`drafts_preempt` off; ignored when it is on) get blocks:
         "opportunistic", only from free blocks within `max_spec_ratio`, never at another's expense; or "priced":
         a draft block costs nothing while blocks are available (free, speculative pool or evictable), and drafts
@@ -280,16 +279,12 @@ def skvs_article(draft_len: int = 4) -> Policy:
 def skvs(draft_len: int = 4) -> Policy:
     """The best speculation-aware scheduler we have measured: the article's (`skvs_article`) with the goodput
     draft controller in place of the histogram rule, priced draft blocks (drafts preempt only when that pays),
-    no prefix barrier (the index holds only validated blocks, so the barrier only lost hits: 66 engine steps
-    on `skvs bench`'s trace without it, 71 with it; docs/speculation.md, "Draft control") and draft slots
-    reserved while a row prefills (`spec_in_prefill`, which the article drops as waste: on `skvs bench`'s
-    memory-starved trace it halves the preemptions, 12 to 6, and the prompt-width steps fall from 35 to 31,
-    3.3% of the schedule's fitted time, the same under every fit measured; at the simulated A100's and H100's
-    saturation it costs 1.3-1.4% of throughput, the reservation taking token budget from prompt chunks). It does
-    not scrub
-    rejected drafts' K/V (`scrub_rejected`): attention never reads past a sequence's length, so the scrub buys
-    hygiene, not correctness, and on this CPU it cost about 9% of `skvs bench`'s throughput (2,586 vs 2,368
-    tok/s, median of 5; docs/benchmarks.md); `skvs:scrub_rejected=true` turns it back on."""
+    no prefix barrier (the index holds only validated blocks, so the barrier only loses hits), and draft slots
+    reserved while a row prefills (`spec_in_prefill`, which the article drops as waste: it spares preemptions
+    where memory binds). It does not scrub rejected drafts' K/V (`scrub_rejected`): attention never reads past a
+    sequence's length, so the scrub buys hygiene, not correctness, at a cost in throughput;
+    `skvs:scrub_rejected=true` turns it back on. The measurements behind each choice: docs/speculation.md, "Draft
+    control"."""
     return skvs_article(draft_len).replace(name="skvs", draft_control="goodput", draft_memory="priced",
                                            prefix_barrier=False, scrub_rejected=False, spec_in_prefill=True)
 

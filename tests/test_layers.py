@@ -1,6 +1,6 @@
 """The package's layers, read off its imports: lower layers never import higher ones.
 
-    state (config, arrays, checks, vmap_flow, policies) → kv/ → scheduler → serve/ | sim/ → commands/
+    state (config, arrays, checks, vmap_flow, victims, policies) → kv/ → scheduler → serve/ | sim/ → commands/
 
 Every import counts, also one inside a function (a lazy import is still a dependency). The test parses the
 source, so it sees what a reader sees, without importing anything.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -21,6 +22,7 @@ RULES = [
     ("skvs_jax/kv/*.py", HIGHER + ("skvs_jax.scheduler",)),
     ("skvs_jax/scheduler/*.py", HIGHER),
     ("skvs_jax/policies.py", HIGHER + ("skvs_jax.scheduler", "skvs_jax.kv")),
+    ("skvs_jax/victims.py", HIGHER + ("skvs_jax.scheduler", "skvs_jax.kv", "skvs_jax.policies")),
     ("skvs_jax/config.py", HIGHER + ("skvs_jax.scheduler", "skvs_jax.kv", "skvs_jax.policies")),
     ("skvs_jax/arrays.py", HIGHER + ("skvs_jax.scheduler", "skvs_jax.kv", "skvs_jax.policies")),
     ("skvs_jax/vmap_flow.py", HIGHER + ("skvs_jax.scheduler", "skvs_jax.kv", "skvs_jax.policies")),
@@ -74,3 +76,18 @@ def test_the_checker_sees_lazy_and_from_imports(tmp_path):
     f.write_text("import skvs_jax.kv.allocator\nfrom skvs_jax import sim\n\n"
                  "def g():\n    from skvs_jax.serve import engine\n")
     assert {"skvs_jax.kv.allocator", "skvs_jax.sim", "skvs_jax.serve.engine"} <= imported_modules(f)
+
+
+PACKAGES = sorted(p.parent for p in [*ROOT.glob("skvs_jax/**/__init__.py"), ROOT / "pallas_kernels/__init__.py",
+                                     ROOT / "reference_models/__init__.py"])
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=[str(p.relative_to(ROOT)) for p in PACKAGES])
+def test_every_module_is_on_its_packages_map(package):
+    """A package's docstring is its map: it names every module and subpackage in it (a new module that is not on
+    the map is a module no reader finds)."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    modules = [p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    modules += [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc))
+    assert sorted(m for m in modules if m not in words) == []

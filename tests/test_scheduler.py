@@ -11,7 +11,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as hs
 
-from skvs_jax import policies, testing
+from skvs_jax import policies, testing, victims
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager, prefix_cache
@@ -38,8 +38,9 @@ CONFIGS = {
     "vllm_default": _cfg(VLLM),
     "naive_spec": _cfg(NAIVE),
     "skvs": _cfg(SKVS),
+    # A rule given to the config as a function (the hook for a rule with no name).
     "skvs-swap-least_progress": _cfg(SKVS.replace(preemption="swap", generation_threshold=1), swap_blocks=12,
-                                     victim="least_progress"),
+                                     victim=sc.least_progress),
     # The victim rule named by the policy (Policy.victim), not by the config.
     "naive-swap-most_blocks": _cfg(NAIVE.replace(preemption="swap", victim="most_blocks"), swap_blocks=6,
                                    block_size=2, num_blocks=16),
@@ -711,7 +712,7 @@ def test_bad_inputs_raise_naming_the_argument():
         sc.schedule(st, SKVS.knobs().replace(draft_len=jnp.asarray(9, jnp.int32)), cfg=cfg)
     with pytest.raises(ValueError, match="max_running"):
         dataclasses.replace(cfg, max_running=99)
-    with pytest.raises(ValueError, match="victim"):
+    with pytest.raises(TypeError, match=r"victim takes a function.*policy.replace\(victim='oldest'\)"):
         dataclasses.replace(cfg, victim="oldest")
     with pytest.raises(TypeError, match="batch"):
         sc.update(st, None, jnp.zeros((6,), jnp.int32), jnp.zeros((6,), jnp.int32), cfg=cfg)
@@ -727,12 +728,12 @@ def test_a_custom_victim_rule_plugs_in():
 
 
 def test_the_policy_names_the_victim_rule_and_a_config_rule_overrides_it():
-    """SchedulerConfig.victim None (the default) reads Policy.victim; a name or function there wins (the way to
-    plug in a rule that has no name). Under memory pressure the policy's rule changes who is preempted."""
+    """SchedulerConfig.victim None (the default) reads Policy.victim; a function there wins (the way to plug in a
+    rule that has no name). Under memory pressure the policy's rule changes who is preempted."""
     pol = NAIVE.replace(victim="most_progress")
     assert _cfg(pol).victim_rule is sc.most_progress and _cfg(NAIVE).victim_rule is sc.lowest_priority
-    assert _cfg(pol, victim="least_progress").victim_rule is sc.least_progress
-    assert set(sc.VICTIM_RULES) == set(policies.VICTIM_RULE_NAMES)
+    assert _cfg(pol, victim=sc.least_progress).victim_rule is sc.least_progress
+    assert set(sc.VICTIM_RULES) == set(victims.VICTIM_RULE_NAMES)
     runs = {v: _run(_cfg(NAIVE.replace(victim=v), num_blocks=12, max_running=6, token_budget=40))
             for v in ("lowest_priority", "most_progress")}  # each checked against the oracle step by step
     assert all(int(h.st.counters.preempt_recompute) > 0 for h in runs.values())

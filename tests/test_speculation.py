@@ -15,7 +15,7 @@ from reference_models.medusa_tree import SMALL_TREE
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine, engine_step, speculation
-from skvs_jax.serve.model_runner import DraftTree
+from skvs_jax.serve.speculation import DraftTree
 
 # Tight enough that preemption and prefix hits happen (as in test_engine).
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)

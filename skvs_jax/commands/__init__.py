@@ -12,6 +12,12 @@
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
   skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
 
+Each command's module: `bench`, `simulate`, `claims`, `generate`, `micro_allocator`, `micro_scheduler`,
+`micro_precision`, `micro_simulate`, `micro_attention`, `micro_buckets`. Beside them: `checkpoints` (--model /
+--medusa), `policy_flags` (the policy switches bench and simulate share), `micro_common` (the micro-benchmarks'
+pool flags and checks) and `startup` (the compilation cache and the --out folder). Commands are dispatched by one
+table, `COMMANDS`.
+
 generate, bench and simulate keep compiled programs in a persistent XLA cache (`commands.startup`:
 --compile-cache DIR|off, SKVS_COMPILE_CACHE, default ~/.cache/skvs_jax/xla).
 """
@@ -19,62 +25,46 @@ generate, bench and simulate keep compiled programs in a persistent XLA cache (`
 from __future__ import annotations
 
 import argparse
+import importlib
 
 import skvs_jax
+
+# (the words one types after `skvs`, the module under skvs_jax.commands, the help line), in `skvs --help`'s order.
+# Each module has `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
+    (("bench",), "bench", "vllm_default vs naive_spec vs skvs on the same trace, shipped tiny model (the main job)"),
+    (("simulate",), "simulate",
+     "vllm_default vs naive_spec vs skvs simulated for a large model on a GPU (cost model)"),
+    (("claims",), "claims",
+     "the article's claims, each with our figure and a verdict (writes docs/claims.md's report)"),
+    (("generate",), "generate", "stream a continuation from the shipped tiny model, or --model / --medusa"),
+    (("micro", "allocator"), "micro_allocator", "one batched allocator step vs Python oracle and sequential search"),
+    (("micro", "scheduler"), "micro_scheduler", "one scheduler step (schedule + update) vs the Python oracle"),
+    (("micro", "precision"), "micro_precision", "Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)"),
+    (("micro", "simulate"), "micro_simulate", "simulated steps/s, and a vmapped sweep vs sequential runs"),
+    (("micro", "attention"), "micro_attention", "paged decode attention vs dense attention (XLA, CPU)"),
+    (("micro", "buckets"), "micro_buckets", "padding: draft widths chosen from the histogram vs {0, K/2, K}"),
+)
+GROUPS = {"micro": "micro-benchmarks of single components"}  # a first word with commands of its own
+
+
+def _module(name: str):
+    return importlib.import_module(f"skvs_jax.commands.{name}")
 
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skvs", description="Speculation-aware KV scheduling in JAX.")
     parser.add_argument("--version", action="version", version=f"skvs_jax {skvs_jax.__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    from skvs_jax.commands import bench
-
-    bench.add_arguments(commands.add_parser(
-        "bench", help="vllm_default vs naive_spec vs skvs on the same trace, shipped tiny model (the main job)"))
-    from skvs_jax.commands import simulate as sim_command
-
-    sim_command.add_arguments(commands.add_parser(
-        "simulate", help="vllm_default vs naive_spec vs skvs simulated for a large model on a GPU (cost model)"))
-    from skvs_jax.commands import claims
-
-    claims.add_arguments(commands.add_parser(
-        "claims", help="the article's claims, each with our figure and a verdict (writes docs/claims.md's report)"))
-    from skvs_jax.commands import generate
-
-    generate.add_arguments(commands.add_parser(
-        "generate", help="stream a continuation from the shipped tiny model, or --model / --medusa"))
-
-    micro = commands.add_parser("micro", help="micro-benchmarks of single components")
-    micro_commands = micro.add_subparsers(dest="target", metavar="TARGET", required=True)
-
-    from skvs_jax.commands import micro_allocator
-
-    micro_allocator.add_arguments(
-        micro_commands.add_parser("allocator", help="one batched allocator step vs Python oracle and sequential search")
-    )
-    from skvs_jax.commands import micro_scheduler
-
-    micro_scheduler.add_arguments(
-        micro_commands.add_parser("scheduler", help="one scheduler step (schedule + update) vs the Python oracle")
-    )
-    from skvs_jax.commands import micro_precision
-
-    micro_precision.add_arguments(
-        micro_commands.add_parser("precision", help="Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)")
-    )
-    from skvs_jax.commands import micro_simulate
-
-    micro_simulate.add_arguments(
-        micro_commands.add_parser("simulate", help="simulated steps/s, and a vmapped sweep vs sequential runs"))
-    from skvs_jax.commands import micro_attention
-
-    micro_attention.add_arguments(
-        micro_commands.add_parser("attention", help="paged decode attention vs dense attention (XLA, CPU)"))
-    from skvs_jax.commands import micro_buckets
-
-    micro_buckets.add_arguments(
-        micro_commands.add_parser("buckets", help="padding: draft widths chosen from the histogram vs {0, K/2, K}"))
+    groups = {}
+    for words, module, help_line in COMMANDS:
+        if len(words) == 1:
+            _module(module).add_arguments(commands.add_parser(words[0], help=help_line))
+            continue
+        if words[0] not in groups:
+            group = commands.add_parser(words[0], help=GROUPS[words[0]])
+            groups[words[0]] = group.add_subparsers(dest="target", metavar="TARGET", required=True)
+        _module(module).add_arguments(groups[words[0]].add_parser(words[1], help=help_line))
     return parser
 
 
@@ -92,46 +82,6 @@ def main(argv: list[str] | None = None) -> int:
             startup.configure(args.compile_cache)
         except ValueError as err:
             parser.error(str(err))
-    if args.command == "bench":
-        from skvs_jax.commands import bench
-
-        return bench.run(args)
-    if args.command == "claims":
-        from skvs_jax.commands import claims
-
-        return claims.run(args)
-    if args.command == "generate":
-        from skvs_jax.commands import generate
-
-        return generate.run(args)
-    if args.command == "simulate":
-        from skvs_jax.commands import simulate as sim_command
-
-        return sim_command.run(args)
-    if args.command == "micro" and args.target == "allocator":
-        from skvs_jax.commands import micro_allocator
-
-        return micro_allocator.run(args)
-    if args.command == "micro" and args.target == "scheduler":
-        from skvs_jax.commands import micro_scheduler
-
-        return micro_scheduler.run(args)
-    if args.command == "micro" and args.target == "precision":
-        from skvs_jax.commands import micro_precision
-
-        return micro_precision.run(args)
-    if args.command == "micro" and args.target == "simulate":
-        from skvs_jax.commands import micro_simulate
-
-        return micro_simulate.run(args)
-    if args.command == "micro" and args.target == "attention":
-        from skvs_jax.commands import micro_attention
-
-        return micro_attention.run(args)
-    if args.command == "micro" and args.target == "buckets":
-        from skvs_jax.commands import micro_buckets
-
-        return micro_buckets.run(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
-
+    typed = (args.command,) + ((args.target,) if args.command in GROUPS else ())
+    module = next(m for words, m, _ in COMMANDS if words == typed)  # argparse admitted only these
+    return _module(module).run(args)

@@ -195,8 +195,6 @@ def _row(claim_id, section, claim, article, ours, cases, conditions, command) ->
 ARTICLE_S6 = {  # the article's section 6 table: vLLM default / naive speculation / SKVS
     "throughput": (2840, 3510, 4230), "p50": (92, 71, 58), "p99": (340, 280, 165), "hit": (0.64, 0.38, 0.59),
     "util": (0.82, 0.95, 0.88), "waste": (math.nan, 0.28, 0.07), "oom": (0.001, 0.123, 0.003)}
-ARTICLE_S2 = {"no prefix cache": (1820, math.nan), "prefix cache": (3450, 0.72), "prefix + Medusa K=4": (2890, 0.41),
-              "co-design": (3720, 0.65)}
 
 
 def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:

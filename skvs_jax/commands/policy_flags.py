@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from skvs_jax import policies
+from skvs_jax import policies, victims
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     with `skvs simulate`."""
     parser.add_argument("--preemption", default=None, choices=policies.PREEMPTION_MODES,
                         help="preemption mode of every policy (default: each preset's, recompute)")
-    parser.add_argument("--victim", default=None, choices=policies.VICTIM_RULE_NAMES,
+    parser.add_argument("--victim", default=None, choices=victims.VICTIM_RULE_NAMES,
                         help="victim rule of every policy (default: each preset's, lowest_priority)")
     parser.add_argument("--kv-precision", default=None, choices=policies.KV_PRECISIONS,
                         help="KV cache dtype of every policy: bench's engines hold it (default: each preset's); "

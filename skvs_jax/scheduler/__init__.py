@@ -37,11 +37,12 @@ functions drive the engine (a real model between them) and the simulator (a cost
 
 Priority order: (priority, arrival number, slot), lower first; FCFS within a priority. Counters are int32.
 
-Modules: `state` (config, state pytrees, Batch, StepCost, victim rules, `init`), `schedule` (the schedule phases),
+Modules: `state` (config, state pytrees, Batch, StepCost, `init`), `schedule` (the schedule phases),
 `draft_control` (the goodput draft controller: acceptance estimates, survival, the decision), `buckets` (which
 draft widths to compile, chosen from the draft-length histogram; the one snapping rule),
 `update` (the update phases, `add`, `abort`), `api` (the checked public transitions). Everything public is
-re-exported here: `from skvs_jax import scheduler; scheduler.schedule(...)`.
+re-exported here: `from skvs_jax import scheduler; scheduler.schedule(...)`, and so are the victim rules
+(`skvs_jax.victims`, their one home, below the scheduler so that a `Policy` can name them).
 """
 
 from skvs_jax.scheduler import buckets, draft_control
@@ -65,7 +66,6 @@ from skvs_jax.scheduler.state import (
     RUNNING,
     STATUS_NAMES,
     SWAPPED,
-    VICTIM_RULES,
     WAITING,
     Batch,
     SchedCounters,
@@ -77,13 +77,10 @@ from skvs_jax.scheduler.state import (
     StepShape,
     flat_step_cost,
     init,
-    least_progress,
-    lowest_priority,
-    most_blocks,
-    most_progress,
     step_shape,
 )
 from skvs_jax.scheduler.update import abort_unchecked, add_unchecked, fork_unchecked, update_unchecked
+from skvs_jax.victims import VICTIM_RULES, least_progress, lowest_priority, most_blocks, most_progress
 
 __all__ = [
     "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",

@@ -1,4 +1,4 @@
-"""The scheduler's static configuration, its state pytrees and the step's outputs; victim rules; `init`.
+"""The scheduler's static configuration, its state pytrees and the step's outputs; `init`.
 
 Statuses of a slot: EMPTY (free), WAITING (queued, or preempted by recompute), RUNNING (in the batch), SWAPPED
 (preempted, its committed KV on the host tier), FINISHED (done; its blocks are released at the next schedule).
@@ -8,7 +8,6 @@ Field documentation: the shape and dtype of every field, in the glossary's lette
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -21,50 +20,10 @@ from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager
 from skvs_jax.kv import prefix_cache as pc
 from skvs_jax.policies import Policy
+from skvs_jax.victims import VICTIM_RULES, VictimRule
 
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
-
-
-# ---------------------------------------------------------------------------------------- victim rules
-#
-# A victim rule maps (rank, computed, held) -- int32[B] each: the slot's position in priority order, its
-# committed tokens, its table entries -- to an int32[B] key; running sequences are preempted in increasing key
-# order (ties: lower priority first). Production engines found that the choice changes wasted work by 20-60%.
-
-
-def lowest_priority(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
-    """vLLM's rule: the last in priority order goes first (FCFS: the most recent arrival)."""
-    del computed, held
-    return -rank
-
-
-def least_progress(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
-    """The sequence with the fewest computed tokens goes first: the least work to recompute."""
-    del rank, held
-    return computed
-
-
-def most_progress(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
-    """The sequence with the most computed tokens goes first: under swap it is the one whose recompute would
-    repeat the most work, and it frees the most blocks of its own."""
-    del rank, held
-    return -computed
-
-
-def most_blocks(rank: jax.Array, computed: jax.Array, held: jax.Array) -> jax.Array:
-    """The sequence holding the most blocks goes first: the fewest victims free the memory."""
-    del rank, computed
-    return -held
-
-
-# Keys: exactly `policies.VICTIM_RULE_NAMES`, the names a Policy may give (tests/test_policies.py checks it).
-VICTIM_RULES: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] = {
-    "lowest_priority": lowest_priority,
-    "least_progress": least_progress,
-    "most_progress": most_progress,
-    "most_blocks": most_blocks,
-}
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -82,9 +41,9 @@ class SchedulerConfig:
       prefill_chunk: most prompt tokens of one sequence per step (chunked prefill); default token_budget.
       admit_window: A, WAITING sequences examined for admission per step (bounds the prefix lookup's work).
       swap_blocks: blocks the host tier holds for swapped sequences (preemption="swap"; 0 = always recompute).
-      victim: None (the default): the policy's rule, `Policy.victim`. A name in VICTIM_RULES or a function
-        (rank, computed, held) -> int32[B] key overrides the policy's (a custom rule has no name to put in a
-        policy; a name here is the older way to say the same as `Policy.victim`, kept working).
+      victim: None (the default): the policy's rule, named by `Policy.victim` (`skvs_jax.victims`). A function
+        (rank, computed, held) -> int32[B] key overrides it: the hook for a custom rule, which has no name to put
+        in a policy. A rule's name goes on the policy (`policy.replace(victim=...)`), not here.
       index_rows: R, rows `update` offers to the prefix index per step (default min(B, 64)): those that filled a
         block, in slot order; the others wait for a later step. Indexing hashes whole rows, so R bounds its cost;
         a decode step fills about B * (tokens per step) / S blocks.
@@ -107,7 +66,7 @@ class SchedulerConfig:
     prefill_chunk: int = 0
     admit_window: int = 0
     swap_blocks: int = 0
-    victim: str | Callable | None = None
+    victim: VictimRule | None = None
     index_rows: int = 0
     prefix_capacity: int | None = None
     prefix_ways: int = 8
@@ -126,10 +85,11 @@ class SchedulerConfig:
         if self.max_running > self.cache.max_seqs:
             raise ValueError(f"max_running ({self.max_running}) cannot exceed cache.max_seqs "
                              f"({self.cache.max_seqs})")
-        if isinstance(self.victim, str) and self.victim not in VICTIM_RULES:
-            raise ValueError(f"victim must be one of {sorted(VICTIM_RULES)} or a function, got {self.victim!r}")
-        if self.victim is not None and not isinstance(self.victim, str) and not callable(self.victim):
-            raise TypeError(f"victim must be a rule name or a function, got {type(self.victim).__name__}")
+        if isinstance(self.victim, str):
+            raise TypeError(f"victim takes a function (a custom rule); name a rule on the policy instead: "
+                            f"policy.replace(victim={self.victim!r})")
+        if self.victim is not None and not callable(self.victim):
+            raise TypeError(f"victim must be None or a function, got {type(self.victim).__name__}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
@@ -172,10 +132,9 @@ class SchedulerConfig:
         return min(self.index_rows or 64, self.cache.max_seqs)
 
     @property
-    def victim_rule(self) -> Callable:
+    def victim_rule(self) -> VictimRule:
         """The rule preemption orders victims by: `victim` when set, else the policy's (`Policy.victim`)."""
-        victim = self.policy.victim if self.victim is None else self.victim
-        return VICTIM_RULES[victim] if isinstance(victim, str) else victim
+        return VICTIM_RULES[self.policy.victim] if self.victim is None else self.victim
 
     @property
     def max_len(self) -> int:

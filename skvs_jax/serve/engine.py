@@ -138,8 +138,8 @@ class Engine:
                                         if isinstance(opt.step_cost, str) else opt.step_cost)
         self.step_cost_times: dict[int, float] = {}  # the fit's measured step time per width (us)
         self.split_step_us: float | None = None  # the fit's time of the prompt width's split branch (us)
-        # B default sampling rows on the host, built once: eager jnp ops rebuilding them cost ~2.5 ms an admission
-        # on a CPU host (`sampling_rows` copies them).
+        # B default sampling rows on the host, built once: eager jnp ops rebuilding them at every admission cost
+        # more than the admission (docs/serving.md, "Host costs"); `sampling_rows` copies them.
         self._default_rows = jax.device_get(sampling_mod.default_rows(cache.max_seqs))
         self._host_backend = opt.mesh is None and jax.default_backend() == "cpu"  # `_fetch`
         self.state = self._empty_state()
@@ -195,14 +195,14 @@ class Engine:
 
     def _arg(self, x: np.ndarray) -> np.ndarray | jax.Array:
         """Host data as an argument of a jitted call (not a state leaf, which the step donates): numpy as is off a
-        mesh, where the call moves all of them at once (half the time of an admission's separate transfers,
-        measured on a 2-core CPU); replicated on a mesh (`_put`)."""
+        mesh, where the call moves all of them at once (cheaper than separate transfers: docs/serving.md, "Host
+        costs"); replicated on a mesh (`_put`)."""
         return x if self.mesh is None else self._put(x)
 
     def _fetch(self, tree):
         """A step's outputs on the host (numpy leaves). On a CPU backend without a mesh each leaf is read in place
-        (`np.asarray`): `jax.device_get` costs ~14 us a leaf there in its async-copy bookkeeping, ~1.2 ms of a
-        ~12 ms step for StepOut's leaves (measured on a 2-core CPU); elsewhere `device_get` overlaps the copies."""
+        (`np.asarray`), which skips `jax.device_get`'s per-leaf async-copy bookkeeping (docs/serving.md, "Host
+        costs"); elsewhere `device_get` overlaps the copies."""
         return jax.tree.map(np.asarray, tree) if self._host_backend else jax.device_get(tree)
 
     def _kv_pages(self) -> tuple:
@@ -415,7 +415,7 @@ class Engine:
         engine's state is unchanged; an engine warmed up before its first request restarts its clock afterwards
         (times are measured from when it was ready to serve). Returns the widths in the order compiled.
 
-        Empty steps execute only the kernels an empty step reaches. XLA:CPU spends ~1 ms on each kernel's first
+        Empty steps execute only the kernels an empty step reaches. XLA:CPU spends time on each kernel's first
         execution (docs/serving.md), so the first preemption, eviction or prefix hit of this process's programs
         runs slower once; a timing should serve its workload once untimed first (`skvs bench --rehearse`).
         Engines of one configuration share programs.

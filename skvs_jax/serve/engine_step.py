@@ -583,10 +583,9 @@ def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch,
 
 def split_rows_for(cfg: EngineConfig, width: int, chunks: int = 2) -> int:
     """Extra rows enough for `chunks` full prompt chunks of `width` tokens beside narrow rows: chunks *
-    ceil((width - narrow) / narrow), 0 when width <= narrow (the default `Engine(split_rows=None)`). Two chunks:
-    on `skvs bench`'s trace one chunk's rows (6) fitted 17 of naive_spec's 33 prompt steps, two (12) fitted 25 and
-    four (24) all 33, and the priced runs were 0.83x, 0.80x and 0.84-0.88x of the wide-only schedule: past two
-    chunks the larger split step costs more than the rarer wide steps it avoids (docs/speculation.md)."""
+    ceil((width - narrow) / narrow), 0 when width <= narrow (the default `EngineOptions.split_rows=None`). Two
+    chunks, because past two the larger split step costs more than the rarer wide steps it avoids (measured:
+    docs/speculation.md, "A step with prompt work runs split")."""
     narrow = narrow_width(cfg)
     return chunks * max(0, -(-(width - narrow) // narrow))
 

@@ -21,7 +21,6 @@ from flax import nnx
 
 from reference_models.llama import KVCache, Llama, LlamaConfig
 from reference_models.medusa import MedusaHeads
-from reference_models.medusa_tree import SMALL_TREE, DraftTree  # noqa: F401  (re-exported for skvs_jax)
 from skvs_jax import distributed
 
 

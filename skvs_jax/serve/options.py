@@ -23,6 +23,7 @@ from skvs_jax.policies import Policy
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import ModelRunner
+from skvs_jax.victims import VictimRule
 
 STEP_COSTS = ("fit", "flat")
 
@@ -36,7 +37,8 @@ class EngineOptions:
       max_running: the batch's bound on running sequences (None: every slot).
       token_budget: tokens a step computes, prompt chunks and drafts together.
       prefill_chunk: a prompt's tokens a step computes at most (0: the token budget); the prompt width.
-      victim: the preemption victim rule's name (`scheduler.VICTIM_RULES`; None: the policy's).
+      victim: a custom preemption victim rule, a function (rank, computed, held) -> int32[B] key
+        (`skvs_jax.victims`); None: the policy's rule (`Policy.victim` names one).
       step_cost: what the goodput controller and priced drafts price a step with: "fit" (timed at `warmup`;
         flat until then), "flat", or a `scheduler.StepCost` used as given.
       split_rows: extra query rows of the prompt width's split branch (None: two full prompt chunks' worth;
@@ -60,7 +62,7 @@ class EngineOptions:
     max_running: int | None = None
     token_budget: int = 256
     prefill_chunk: int = 64
-    victim: str | None = None
+    victim: VictimRule | None = None
     step_cost: sc.StepCost | str = "fit"
     split_rows: int | None = None
     tree: spec.DraftTree | None = None
@@ -105,6 +107,11 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.tree is not None and not isinstance(self.tree, spec.DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(self.tree).__name__}")
+        if isinstance(self.victim, str):
+            raise TypeError(f"victim takes a function (a custom rule); name a rule on the policy instead: "
+                            f"policy.replace(victim={self.victim!r})")
+        if self.victim is not None and not callable(self.victim):
+            raise TypeError(f"victim must be None or a function, got {type(self.victim).__name__}")
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 

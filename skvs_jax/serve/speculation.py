@@ -37,9 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from reference_models.medusa_tree import SMALL_TREE, DraftTree
 from skvs_jax.arrays import count_leading, i32
 from skvs_jax.serve import acceptance
-from skvs_jax.serve.model_runner import SMALL_TREE, DraftTree  # noqa: F401  (SMALL_TREE re-exported: 15 nodes, depth 4)
+
+# DraftTree (and SMALL_TREE, Medusa's 15-node tree of depth 4) are defined beside the reference tree decoder
+# (`reference_models.medusa_tree`), which cannot import skvs_jax; serving owns them from here.
+__all__ = ["RULES", "SMALL_TREE", "DraftTree", "Verified", "chain", "is_chain", "layout", "move_accepted",
+           "node_tokens", "parents", "reach", "verify"]
 
 RULES = ("lossless", "typical")
 

@@ -13,6 +13,8 @@
 * `sweep`: many simulations of one policy in one compiled call (knobs, KV budget, arrival rate, trace as data),
   vmapped or mapped per device, and split over a `dp` mesh axis.
 * `calibrate`: fits the `cpu-measured` device and checks fidelity against the engine.
+* `scenarios`: the named workloads `skvs claims` runs through the simulator (the article's settings, KV-starved
+  sweeps, pressure), each a function of its parameters.
 
 The command `skvs simulate` lives with the other commands, in `skvs_jax.commands.simulate`.
 """
