@@ -282,7 +282,7 @@ METRICS: tuple[tuple[str, str, float], ...] = (
 )
 
 
-def _ratio(numerator: float, denominator: float) -> float:
+def safe_ratio(numerator: float, denominator: float) -> float:
     return float(numerator) / float(denominator) if denominator > 0 else math.nan
 
 
@@ -330,13 +330,13 @@ def _step_metrics(s: StepRecord) -> dict[str, float]:
     drafted, accepted = s.num_drafted.sum(), s.num_accepted.sum()
     return {
         "memory_utilisation": _mean(s.blocks_used / s.blocks_total),
-        "spec_token_waste": _ratio(drafted - accepted, drafted),
+        "spec_token_waste": safe_ratio(drafted - accepted, drafted),
         "spec_kv_waste": _mean(s.spec_waste_blocks / s.blocks_total),
         "oom_rate": _mean(s.oom.astype(np.float64)),
-        "acceptance_rate": _ratio(accepted, drafted),
-        "mean_accepted_length": _ratio(accepted, s.num_verifications.sum()),
+        "acceptance_rate": safe_ratio(accepted, drafted),
+        "mean_accepted_length": safe_ratio(accepted, s.num_verifications.sum()),
         "scheduler_time_per_step": _mean(s.scheduler_time),
-        "scheduler_time_share": _ratio(s.scheduler_time.sum(), s.duration.sum()),
+        "scheduler_time_share": safe_ratio(s.scheduler_time.sum(), s.duration.sum()),
     }
 
 
@@ -355,13 +355,13 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     wall = _wall_time(c, wall_time)
     done = ~c["aborted"]
     output_tokens = float(c["num_output_tokens"][done].sum())
-    out = {"throughput": _ratio(output_tokens, wall)}  # NaN when the wall time is 0 or unknown
+    out = {"throughput": safe_ratio(output_tokens, wall)}  # NaN when the wall time is 0 or unknown
     out |= _latency_metrics(c)
-    out["kv_hit_rate"] = _ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
+    out["kv_hit_rate"] = safe_ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
     admitted = c["num_admitted_prompt_tokens"] > 0
-    out["kv_hit_rate_first"] = _ratio(c["num_first_cached_prompt_tokens"][admitted].sum(),
+    out["kv_hit_rate_first"] = safe_ratio(c["num_first_cached_prompt_tokens"][admitted].sum(),
                                       c["num_prompt_tokens"][admitted].sum())
-    out["preemptions_per_request"] = _ratio(c["num_preemptions"].sum(), len(requests))
+    out["preemptions_per_request"] = safe_ratio(c["num_preemptions"].sum(), len(requests))
     out |= _step_metrics(steps)
     out = {key: out[key] for key, _, _ in METRICS}  # table order
     out |= {"num_requests": float(len(requests)), "num_aborted": float(c["aborted"].sum()),
@@ -380,14 +380,14 @@ def attribution(counters: Mapping[str, float], num_requests: int) -> dict[str, f
     if missing:
         raise ValueError(f"counters lacks {missing}")
     out = {k: float(counters[k]) for k in ATTRIBUTION}
-    out["draft_preemptions_per_request"] = _ratio(out["preempt_drafts"], num_requests)
+    out["draft_preemptions_per_request"] = safe_ratio(out["preempt_drafts"], num_requests)
     return out
 
 
 # --------------------------------------------------------------------------------------------------- table
 
 
-def _format_value(value: float) -> str:
+def format_value(value: float) -> str:
     if value is None or not math.isfinite(value):
         return "n/a"
     magnitude = abs(value)
@@ -416,9 +416,9 @@ def format_table(results: Mapping[str, Mapping[str, float]],
         if not any(key in results[p] for p in policies):
             continue
         cells = [label]
-        cells += [_format_value(results[p][key] * factor) if key in results[p] else "n/a" for p in policies]
+        cells += [format_value(results[p][key] * factor) if key in results[p] else "n/a" for p in policies]
         for a, b in pairs:
-            ratio = _ratio(results[a].get(key, math.nan), results[b].get(key, math.nan))
+            ratio = safe_ratio(results[a].get(key, math.nan), results[b].get(key, math.nan))
             cells.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

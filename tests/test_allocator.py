@@ -130,6 +130,21 @@ def test_init_puts_every_usable_block_on_the_free_stack():
     assert int(st.blocks.free_stack[st.blocks.free_top - 1]) == 1  # block 1 is handed out first
 
 
+def test_a_budget_of_k_blocks_allocates_as_a_pool_of_k_plus_one():
+    """`with_budget` (the simulator's memory sweeps, as data): the same block ids and refusals as a pool that
+    really has k usable blocks; the blocks above k are never handed out."""
+    big = CacheConfig(num_blocks=12, block_size=4, max_seqs=3, max_blocks_per_seq=5)
+    small = CacheConfig(num_blocks=6, block_size=4, max_seqs=3, max_blocks_per_seq=5)
+    budget = allocator.with_budget(allocator.init(big), jnp.asarray(small.usable_blocks, jnp.int32))
+    got = allocator.allocate(budget, vec(13, 4, 8), vec(2, 0, 1), cfg=big, spec=SPEC)
+    want = allocator.allocate(allocator.init(small), vec(13, 4, 8), vec(2, 0, 1), cfg=small, spec=SPEC)
+    for st, res in (got, want):
+        np.testing.assert_array_equal(res.ok, [False, False, True])
+    np.testing.assert_array_equal(got[0].seqs.block_table, want[0].seqs.block_table)
+    assert int(got[0].blocks.free_top) == int(want[0].blocks.free_top) == 3
+    assert (np.asarray(got[0].seqs.block_table) <= small.usable_blocks).all()
+
+
 def test_allocate_is_all_or_nothing_in_priority_order():
     cfg = CacheConfig(num_blocks=6, block_size=4, max_seqs=3, max_blocks_per_seq=5)  # 5 usable blocks
     st = allocator.init(cfg)

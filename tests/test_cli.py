@@ -665,9 +665,9 @@ def test_bench_policy_flags_and_overrides_reach_the_policies_and_engines():
     assert s.preemption == "swap" and v.preemption == n.preemption == "recompute"
     assert specs["naive_spec:2"].draft_len_knob == 2 and n.draft_len == 4
     # The host tier: the KV budget's usable blocks by default, for swap policies only.
-    assert bench._engine_kwargs(s, args)["swap_blocks"] == args.kv_blocks - 1
-    assert "swap_blocks" not in bench._engine_kwargs(v, args)
-    assert bench._engine_kwargs(s, _bench_args("--host-blocks", "7"))["swap_blocks"] == 7
+    assert bench.engine_kwargs(s, args)["swap_blocks"] == args.kv_blocks - 1
+    assert "swap_blocks" not in bench.engine_kwargs(v, args)
+    assert bench.engine_kwargs(s, _bench_args("--host-blocks", "7"))["swap_blocks"] == 7
     # --preemption swap puts every policy on the host tier; --verify-budget still reaches skvs only.
     specs = bench._specs(_bench_args("--preemption", "swap", "--verify-budget", "9"))
     assert all(spec.policy.preemption == "swap" for spec in specs.values())

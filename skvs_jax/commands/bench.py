@@ -161,7 +161,7 @@ def _host_blocks(args) -> int:
     return args.kv_blocks - 1 if args.host_blocks is None else args.host_blocks
 
 
-def _engine_kwargs(policy, args) -> dict:
+def engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
                   step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None))
     if policy.preemption == "swap":
@@ -199,7 +199,7 @@ class _Serving:
 
     def __init__(self, model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
                  fitted=None, rehearsal=False, clock: TurnClock | None = None):
-        kwargs = _engine_kwargs(policy, args)
+        kwargs = engine_kwargs(policy, args)
         if fitted is not None:
             kwargs["step_cost"] = fitted[0]
         if clock is not None:
@@ -426,7 +426,7 @@ def _specs(args: argparse.Namespace) -> dict[str, policies.PolicySpec]:
     overrides win over both."""
     budget = _verify_budget(args.verify_budget)
 
-    draft_len = 4 if args.draft_len is None else args.draft_len  # `_setup` sets it from the heads first
+    draft_len = 4 if args.draft_len is None else args.draft_len  # `setup` sets it from the heads first
 
     try:
         if args.ablation:
@@ -446,7 +446,7 @@ def _policies(args: argparse.Namespace) -> dict[str, policies.Policy]:
     return {n: s.policy for n, s in _specs(args).items()}
 
 
-def _setup(args: argparse.Namespace):
+def setup(args: argparse.Namespace):
     """Everything a run needs, checked before anything is served: (policies, budget, model, heads, trace, cache).
 
     Bad flags end in `SystemExit("skvs bench: ...")` naming the flag, not in a traceback minutes into the run.
@@ -497,7 +497,7 @@ def _setup(args: argparse.Namespace):
                             max_blocks_per_seq=blocks_per_seq)
         # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
         # (its widths + `schedule`) decide the serving groups (`serving_groups`).
-        args.programs = {n: len(eng.Engine(model, heads, p, cache, **_engine_kwargs(p, args)).picker.widths) + 1
+        args.programs = {n: len(eng.Engine(model, heads, p, cache, **engine_kwargs(p, args)).picker.widths) + 1
                          for n, p in chosen.items()}
         trace = make_trace(args)
     except ValueError as err:
@@ -575,7 +575,7 @@ def _serve_group(group: list[str], out: dict, history: dict, model, heads, chose
 
 
 def run(args: argparse.Namespace) -> int:
-    specs, budget, model, heads, trace, cache = _setup(args)
+    specs, budget, model, heads, trace, cache = setup(args)
     startup.output_dir(args.out, "bench")  # before serving: a folder that cannot be made would lose the results
     chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
@@ -667,7 +667,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(_format_ablation(ablation))
 
-    out = pathlib.Path(args.out)  # made by `_setup`
+    out = pathlib.Path(args.out)  # made by `setup`
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
                                             "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",
@@ -898,7 +898,7 @@ def _ablation(chosen: dict[str, policies.Policy], results: dict, throughputs: di
 
 def _fmt(value: float, key: str = "") -> str:
     """As the table prints values; counts (engine steps) as whole numbers."""
-    return f"{value:.0f}" if key == "num_steps" and math.isfinite(value) else metrics._format_value(value)
+    return f"{value:.0f}" if key == "num_steps" and math.isfinite(value) else metrics.format_value(value)
 
 
 def _format_ablation(a: dict) -> str:
@@ -935,7 +935,7 @@ def _format_ablation(a: dict) -> str:
 
     naive = a["rows"]["naive_spec"]
     t = naive["metrics"]["throughput"]
-    overall = metrics._ratio(t["skvs"], t["off"])
+    overall = metrics.safe_ratio(t["skvs"], t["off"])
     lines += ["", f"skvs vs naive_spec overall: skvs throughput {overall:.2f}x naive_spec's ("
               + ("beyond noise" if not a["gap_within_noise"] else naive["throughput_effect"]) + "); skvs is better on "
               + (", ".join(naive["better"]) or "nothing") + "; worse on " + (", ".join(naive["worse"]) or "nothing")

@@ -197,32 +197,40 @@ ARTICLE_S6 = {  # the article's section 6 table: vLLM default / naive speculatio
     "util": (0.82, 0.95, 0.88), "waste": (math.nan, 0.28, 0.07), "oom": (0.001, 0.123, 0.003)}
 
 
-def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
-    """One row per claim from the scenarios' results (`scenarios.run` per name) and the precision benchmark."""
+P, L = "pressure", "long_prompts"  # the scenarios most claims read
+POL3 = ("vllm_default", "naive_spec", "skvs")
+
+
+def _three(res: dict, key: str, **kw) -> str:
+    """The pressure scenario's `key` for vllm_default / naive_spec / skvs, formatted (the section 6 table's columns)."""
+    return " / ".join(_fmt(_s(res, P, p, key), **kw) for p in POL3)
+
+
+def claim_s6_throughput(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_throughput` (see `CLAIMS`)."""
     rows = []
-    P = "pressure"
-    sim = f"{cmd} (scenario {{}})"
-    pol3 = ("vllm_default", "naive_spec", "skvs")
-
-    # Section 6 table, metric by metric: the article's comparisons between its columns.
-    def three(key, **kw):
-        return " / ".join(_fmt(_s(res, P, p, key), **kw) for p in pol3)
-
     a = ARTICLE_S6
     rows.append(_row("s6_throughput", "6", "SKVS beats naive speculation by +21% throughput, naive beats vLLM's "
                      "default by +24%", f"{a['throughput'][0]:,} / {a['throughput'][1]:,} / {a['throughput'][2]:,} "
                      "tok/s (+24%, +21%)",
-                     f"{three('throughput')} tok/s; skvs vs naive {_g(_gain(res, P, 'skvs', 'naive_spec'))}, "
+                     f"{_three(res, 'throughput')} tok/s; skvs vs naive {_g(_gain(res, P, 'skvs', 'naive_spec'))}, "
                      f"naive vs vllm {_g(_gain(res, P, 'naive_spec', 'vllm_default'))}",
                      [_effect_case("skvs over naive_spec", _gain(res, P, "skvs", "naive_spec"), 4230 / 3510 - 1),
                       _effect_case("naive_spec over vllm_default", _gain(res, P, "naive_spec", "vllm_default"),
                                    3510 / 2840 - 1)],
                      "pressure scenario (the sweep's budget: vllm_default at 80-90% memory and preempting)",
                      sim.format(P)))
+    return rows
+
+
+def claim_s6_latency(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_latency` (see `CLAIMS`)."""
+    rows = []
+    a = ARTICLE_S6
     for key, label, ours_key in (("p50", "P50", "tpot_p50"), ("p99", "P99", "tpot_p99")):
         rows.append(_row(f"s6_latency_{key}", "6", f"{label} latency: SKVS below naive speculation, naive below "
                          "vLLM's default", f"{a[key][0]} / {a[key][1]} / {a[key][2]} ms",
-                         f"TPOT {label} {three(ours_key, scale=1e3, digits=1)} ms",
+                         f"TPOT {label} {_three(res, ours_key, scale=1e3, digits=1)} ms",
                          [_effect_case("skvs vs naive_spec", _gain(res, P, "skvs", "naive_spec", ours_key, True),
                                        a[key][1] / a[key][2] - 1),
                           _effect_case("naive_spec vs vllm_default",
@@ -230,9 +238,15 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                                        a[key][0] / a[key][1] - 1)],
                          "pressure scenario; latency per output token (the article does not say which latency)",
                          sim.format(P)))
+    return rows
+
+
+def claim_s6_hit_rate(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_hit_rate` (see `CLAIMS`)."""
+    rows = []
     rows.append(_row("s6_hit_rate", "6", "naive speculation loses prefix hits (64% -> 38%), SKVS keeps most "
                      "(59%)", "64% / 38% / 59%",
-                     f"{three('kv_hit_rate', pct=True)}; naive_spec_vllm "
+                     f"{_three(res, 'kv_hit_rate', pct=True)}; naive_spec_vllm "
                      f"{_fmt(_s(res, P, 'naive_spec_vllm', 'kv_hit_rate'), pct=True)}",
                      [_effect_case("naive_spec vs vllm_default (our naive never indexes drafts)",
                                    _diff(res, P, "naive_spec", "vllm_default", "kv_hit_rate"), 0.38 - 0.64),
@@ -241,29 +255,52 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                       _effect_case("skvs vs naive_spec_vllm",
                                    _diff(res, P, "skvs", "naive_spec_vllm", "kv_hit_rate"), 0.59 - 0.38)],
                      "pressure scenario, 16 shared 512-token system prompts", sim.format(P)))
+    return rows
+
+
+def claim_s6_memory(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_memory` (see `CLAIMS`)."""
+    rows = []
     rows.append(_row("s6_memory", "6", "memory utilisation: naive speculation highest (95%), SKVS between (88%)",
-                     "82% / 95% / 88%", three("memory_utilisation", pct=True),
+                     "82% / 95% / 88%", _three(res, "memory_utilisation", pct=True),
                      [_effect_case("naive_spec vs vllm_default",
                                    _diff(res, P, "naive_spec", "vllm_default", "memory_utilisation"), 0.95 - 0.82),
                       _effect_case("skvs vs vllm_default",
                                    _diff(res, P, "skvs", "vllm_default", "memory_utilisation"), 0.88 - 0.82)],
                      "pressure scenario", sim.format(P)))
+    return rows
+
+
+def claim_s6_waste(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_waste` (see `CLAIMS`)."""
+    rows = []
     rows.append(_row("s6_waste", "6", "speculative token waste falls from 28% (naive) to 7% (SKVS)", "– / 28% / 7%",
-                     three("spec_token_waste", pct=True),
+                     _three(res, "spec_token_waste", pct=True),
                      [_effect_case("skvs vs naive_spec", _diff(res, P, "skvs", "naive_spec", "spec_token_waste"),
                                    0.07 - 0.28),
                       _effect_case("skvs_article vs naive_spec",
                                    _diff(res, P, "skvs_article", "naive_spec", "spec_token_waste"), 0.07 - 0.28)],
                      "pressure scenario; waste = rejected / drafted tokens", sim.format(P)))
+    return rows
+
+
+def claim_s6_oom(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_oom` (see `CLAIMS`)."""
+    rows = []
     oom_cases = []
     for name in ("pressure", "starved_h100", "long_prompts"):
         oom_cases.append(_effect_case(f"{name}: naive_spec vs skvs", _diff(res, name, "naive_spec", "skvs", "oom_rate"),
                                       0.123 - 0.003))
     rows.append(_row("s6_oom", "6", "peak OOM rate: naive speculation 12.3%, SKVS 0.3%, vLLM 0.1%",
-                     "0.1% / 12.3% / 0.3%", three("oom_rate", pct=True, digits=2), oom_cases,
+                     "0.1% / 12.3% / 0.3%", _three(res, "oom_rate", pct=True, digits=2), oom_cases,
                      "OOM rate = share of steps in which some sequence could not get its blocks without preemption",
                      sim.format("pressure, starved_h100, long_prompts")))
+    return rows
 
+
+def claim_s3_scenario2(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s3_scenario2` (see `CLAIMS`)."""
+    rows = []
     # Scenario 2's table: from the pressure scenario (same model and workload).
     s2 = {"no prefix cache": "vllm_default-no_prefix_cache", "prefix cache": "vllm_default",
           "prefix + Medusa K=4": "naive_spec", "co-design": "skvs"}
@@ -281,7 +318,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                       _effect_case("co-design over the prefix cache alone", _gain(res, P, "skvs", "vllm_default"),
                                    3720 / 3450 - 1)],
                      "pressure scenario's trace (shared system prompts), 2 x A100", sim.format(P)))
+    return rows
 
+
+def claim_s6_decomposition(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_decomposition` (see `CLAIMS`)."""
+    rows = []
     # The +21% decomposition: each group of the article's switches turned back to naive's values.
     groups = {"memory copies": ("skvs_article-memory", 0.40), "hit rate": ("skvs_article-hits", 0.35),
               "padding": ("skvs_article-padding", 0.25)}
@@ -302,7 +344,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "pressure scenario; each group of skvs_article's switches set back to naive_spec's (memory: "
                      "release, pool, drafts preempt, max_spec_ratio; hits: barrier, insert; padding: adaptive "
                      "length); a share rule: within a factor 2", sim.format(P)))
+    return rows
 
+
+def claim_s6_bound(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s6_bound` (see `CLAIMS`)."""
+    rows = []
     # The bound of speculative blocks, checked at every step of every scenario.
     cases, parts = [], []
     for name, r in res.items():
@@ -319,9 +366,13 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "max_rejected (generation threshold + 1 with the pool, else 1); draft-only blocks = SPECULATIVE "
                      "or STALE (the pool's included); the verdict reads skvs and skvs_article, the others are shown",
                      sim.format("all")))
+    return rows
 
+
+def claim_s3_ghost(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s3_ghost` (see `CLAIMS`)."""
+    rows = []
     # Scenario 1: ghost tokens.
-    L = "long_prompts"
     ghost = {p: _s(res, L, p, "peak_spec_share") for p in ("naive_spec", "skvs_article", "skvs")}
     cases = [{"condition": f"{p}", "rule": "share", "inputs": [g["max"], 0.15]} for p, g in ghost.items() if g]
     rows.append(_row("s3_ghost", "3", "scenario 1: blocks of rejected drafts ('ghost tokens') hold up to 15% of GPU "
@@ -332,7 +383,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      + _fmt(_s(res, L, "naive_spec", "mean_accepted_length"), digits=2),
                      cases, "8K prompts, 2K outputs, K = 4, batch 32, medusa-1 (2.3 tokens per full verification); "
                      "a share rule (within a factor 2)", sim.format(L)))
+    return rows
 
+
+def claim_s7_chunked_prefill(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s7_chunked_prefill` (see `CLAIMS`)."""
+    rows = []
     # Chunked prefill with speculation: the rule "no speculation during prefill".
     pairs = [("naive_spec", "naive_spec-no_spec_in_prefill"), ("skvs_article+spec_in_prefill", "skvs_article"),
              ("skvs", "skvs-no_spec_in_prefill")]
@@ -348,7 +404,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "; ".join(parts) or "not run", cases,
                      "long prompts (8K) in 512-token chunks; prefill time read as TTFT P50 (queueing included)",
                      sim.format(L)))
+    return rows
 
+
+def claim_s7_buckets(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s7_buckets` (see `CLAIMS`)."""
+    rows = []
     # Draft-length buckets and the histogram.
     parts, cases = [], []
     for name in ("pressure", L):
@@ -370,7 +431,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "the policies pad to their buckets (0, 2, 4), so this checks that <= 1% of rows fall outside them "
                      "(a request's last tokens cap its drafts) and shows which is hottest; the padding's cost is in "
                      "the decomposition row", sim.format("pressure")))
+    return rows
 
+
+def claim_s1_starved(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s1_starved` (see `CLAIMS`)."""
+    rows = []
     # KV-starved: co-design pays more where KV is scarce (the article's thesis, sections 1 and 6).
     cases = [_effect_case(f"{name}: skvs over naive_spec", _gain(res, name, "skvs", "naive_spec"), 4230 / 3510 - 1)
              for name in ("starved_h100", "starved_h200")]
@@ -383,7 +449,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "Llama-3-70B + 4 Medusa heads, 2 x H100 (741 blocks, ~12k tokens of KV) and 2 x H200; "
                      "throughput per CORE policy "
                      "(vllm_default / naive_spec / skvs_article / skvs)", sim.format("starved_h100, starved_h200")))
+    return rows
 
+
+def claim_engines_hit_trim(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `engines_hit_trim` (see `CLAIMS`)."""
+    rows = []
     # Engines' naive integration: vLLM's EAGLE/MTP hit trim.
     cases = [_effect_case(f"{name}: naive_spec_vllm vs naive_spec hit rate",
                           _diff(res, name, "naive_spec_vllm", "naive_spec", "kv_hit_rate"), 0.71 - 0.92)
@@ -396,7 +467,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "(vLLM EAGLE/MTP: 92% -> 71%, vLLM issue 38182)", "-21 points", ours or "not run", cases,
                      "naive_spec_vllm: every hit shortened by ceil(K/S) blocks (Policy.spec_hit_trim)",
                      sim.format("all")))
+    return rows
 
+
+def claim_s7_fp8(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s7_fp8` (see `CLAIMS`)."""
+    rows = []
     # FP8 KV and acceptance: measured on the tiny model by `skvs micro precision`.
     if precision:
         r = precision["results"]
@@ -421,7 +497,12 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      cases or [{"condition": "not run", "rule": "untested", "inputs": []}],
                      "the shipped tiny Llama + 4 Medusa heads on the real engine, greedy, naive_spec; the article's "
                      "Llama-3-70B at K = 8 needs a model with more heads", "skvs micro precision --json PATH"))
+    return rows
 
+
+def claim_s4_invalidation(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row(s) of `s4_invalidation` (see `CLAIMS`)."""
+    rows = []
     rows.append(_row("s4_invalidation", "4", "the speculative layout makes draft invalidation a mask write: "
                      "3.2 ms -> 0.8 ms", "3.2 ms -> 0.8 ms", "not measured",
                      [{"condition": "needs a GPU", "rule": "untested", "inputs": []}],
@@ -431,6 +512,19 @@ def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
                      "`python -m pallas_kernels.gpu_check` checks the kernel's results there, not this timing",
                      "untested here"))
     return rows
+
+
+# Every claim, in the report's order: each maps (the scenarios' results, the precision benchmark or None, the
+# command line "... (scenario {})") to its rows.
+CLAIMS = (claim_s6_throughput, claim_s6_latency, claim_s6_hit_rate, claim_s6_memory, claim_s6_waste, claim_s6_oom,
+          claim_s3_scenario2, claim_s6_decomposition, claim_s6_bound, claim_s3_ghost, claim_s7_chunked_prefill,
+          claim_s7_buckets, claim_s1_starved, claim_engines_hit_trim, claim_s7_fp8, claim_s4_invalidation)
+
+
+def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:
+    """One row per claim from the scenarios' results (`scenarios.run` per name) and the precision benchmark."""
+    sim = f"{cmd} (scenario {{}})"
+    return [row for claim in CLAIMS for row in claim(res, precision, sim)]
 
 
 def regime(res: dict) -> list[dict]:

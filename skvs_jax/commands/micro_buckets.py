@@ -56,7 +56,7 @@ class _Recorder(eng.Engine):
 
 
 def _serve(policy, cache, trace, args, draft_hist=None):
-    e = _Recorder(*load_shipped(), policy, cache, **bench._engine_kwargs(policy, args))
+    e = _Recorder(*load_shipped(), policy, cache, **bench.engine_kwargs(policy, args))
     e.per_row = []
     before = eng.engine_step.fused_step._cache_size()
     e.warmup(draft_hist)
@@ -68,7 +68,7 @@ def _serve(policy, cache, trace, args, draft_hist=None):
 
 
 def _engine_part(args, k: int) -> dict:
-    chosen_policies, _, _, _, trace, cache = bench._setup(args)
+    chosen_policies, _, _, _, trace, cache = bench.setup(args)
     if len(chosen_policies) != 1:
         raise SystemExit(f"skvs micro buckets: --policies must name one policy, got {args.policies!r}")
     (name, policy), = chosen_policies.items()
@@ -119,13 +119,13 @@ def _sim_part(args, k: int) -> None:
     ns = argparse.Namespace(max_prompt_len=512, max_output_len=512, block_size=16, kv_blocks=None,
                             max_seqs=args.sim_max_seqs, model="llama-3.1-8b", device="a100-80gb", tp=1)
     cost = cost_model.CostModel(cost_model.MODELS[ns.model], cost_model.DEVICES[ns.device])
-    cache: CacheConfig = sim_command._geometry(ns, cost, k)
-    alphas = sim_command._acceptance("medusa-1", k)
+    cache: CacheConfig = sim_command.geometry(ns, cost, k)
+    alphas = sim_command.acceptance("medusa-1", k)
     trace = workloads.make("sharegpt", args.sim_requests, seed=args.seed, rate=args.sim_rate, max_prompt_len=512,
                            max_output_len=512)
     print(f"simulator (llama-3.1-8b on a100-80gb, medusa-1, ShareGPT {args.sim_requests} requests at "
           f"{args.sim_rate}/s, {cache.max_seqs} slots):")
-    knee = sim_command._verify_budget("knee", cost)
+    knee = sim_command.verify_budget_of("knee", cost)
     variants = {"skvs": policies.skvs(k), f"skvs verify_budget={knee} (the knee)": policies.skvs(k).replace(
         verify_budget=knee), "skvs_article": policies.skvs_article(k)}
     for name, policy in variants.items():

@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     startup.add_arguments(parser)
 
 
-def _acceptance(spec: str, k: int) -> np.ndarray:
+def acceptance(spec: str, k: int) -> np.ndarray:
     values = spec if spec in acceptance_model.PRESETS else [float(x) for x in spec.split(",") if x.strip()]
     return acceptance_model.alphas(values, k)
 
@@ -96,7 +96,7 @@ def _acceptance(spec: str, k: int) -> np.ndarray:
 _THINK_TIME_WORKLOADS = ("multi_turn",)
 
 
-def _geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
+def geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
     s = args.block_size
     m = -(-(args.max_prompt_len + args.max_output_len + k + 1) // s)
     blocks = args.kv_blocks
@@ -194,7 +194,7 @@ def _lanes(args, cfg, rates: list[float], draft_len: int | None = None):
     return trace_rates, lanes, where
 
 
-def _verify_budget(value: str, cost: cost_model.CostModel) -> int | None:
+def verify_budget_of(value: str, cost: cost_model.CostModel) -> int | None:
     """--verify-budget as a Policy.verify_budget: None, the cost model's knee (rounded down), or tokens."""
     try:
         return policies.parse_verify_budget(value, knee=cost.knee_tokens())
@@ -232,12 +232,12 @@ def run(args: argparse.Namespace) -> int:
                          f"--max-prompt-len must be > {system_len}, got {args.max_prompt_len}")
     rates = _parse_rates(args)
     try:
-        alphas = _acceptance(args.acceptance, args.draft_len)
+        alphas = acceptance(args.acceptance, args.draft_len)
         cost = _cost(args)
     except ValueError as err:
         raise SystemExit(f"skvs simulate: {err}") from None
-    cache = _geometry(args, cost, args.draft_len)
-    verify_budget = _verify_budget(args.verify_budget, cost)
+    cache = geometry(args, cost, args.draft_len)
+    verify_budget = verify_budget_of(args.verify_budget, cost)
     specs = _specs(args, verify_budget)
     names = list(specs)
     host_blocks = cache.usable_blocks if args.host_blocks is None else args.host_blocks

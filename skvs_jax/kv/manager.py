@@ -1,6 +1,6 @@
 """The KV manager: the one facade between the scheduler and the two structures that must agree about blocks.
 
-The allocator (`allocator.py`) owns blocks and block tables; the prefix index (`prefix_cache.py`) maps hash
+The allocator (the `allocator` package) owns blocks and block tables; the prefix index (`prefix_cache`) maps hash
 chains of full, validated blocks to block ids. Each promise of one is a duty of the other: an indexed block is
 pinned (`cached`) so that its ref count may reach 0 without freeing it; evicting a pinned block removes its index
 entry, and removing an entry removes its descendants, whose blocks must be unpinned in turn. This module keeps
@@ -74,6 +74,12 @@ def init(cfg: KVConfig) -> KVState:
 
 
 # ------------------------------------------------------------------------------------------------ reading
+
+
+def with_budget(kv: KVState, kv_blocks: jax.Array) -> KVState:
+    """A fresh KV state with only kv_blocks (int32[]) usable blocks on the free stack (`allocator.with_budget`):
+    a memory budget below the static pool, as data."""
+    return kv.replace(alloc=allocator.with_budget(kv.alloc, kv_blocks))
 
 
 def free_blocks(kv: KVState, cfg: KVConfig) -> jax.Array:

@@ -644,6 +644,11 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     return st, make_batch(st, grant, preemption, restored, admission, res, alloc_ok, cfg)
 
 
+def live(status: jax.Array) -> jax.Array:
+    """bool[...]: slots holding a request that has not left the engine (WAITING, RUNNING or SWAPPED)."""
+    return (status == WAITING) | (status == RUNNING) | (status == SWAPPED)
+
+
 def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: StepCost | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What picks the next step's query width, from the state the next `schedule` will see (the engine calls it
@@ -655,7 +660,6 @@ def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: 
     histogram's key (`buckets`): the histogram rule snaps its target to the compiled widths, and a choice made
     from snapped counts would only ever see them. `buckets.snap_up(next_want, widths)` is next_drafts's width)."""
     status = st.seqs.status
-    live = (status == RUNNING) | (status == SWAPPED) | (status == WAITING)
     wide = prompt_work(st)
     if cfg.policy.goodput_control:  # the controller's own choice: a pure function of the state, known now
         bound = jnp.max(plan_drafts(st, knobs, cfg, step_cost).decode)
@@ -666,6 +670,6 @@ def width_bounds(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: 
 
     def bound(widths):
         want = draft_lengths(st.seqs, knobs, cfg.policy, widths=widths, reach_of=cfg.reach_of)
-        return jnp.minimum(jnp.max(jnp.where(live, want, 0)), cap)
+        return jnp.minimum(jnp.max(jnp.where(live(status), want, 0)), cap)
 
     return wide, bound(st.draft_widths), bound(jnp.arange(cfg.policy.draft_len + 1, dtype=i32))

@@ -36,6 +36,7 @@ from skvs_jax import checks, metrics, vmap_flow, workloads
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import count_leading
 from skvs_jax.config import NULL_BLOCK
+from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
 from skvs_jax.sim.cost_model import CostModel, step_cost
 
@@ -57,37 +58,50 @@ class SimTrace:
 
 
 @struct.dataclass
-class SimLog:
-    """Per step [steps] (entries with active False are padding after the trace finished) and per request
-    [requests]. blocks_used counts blocks held out of the run's KV budget `kv_blocks` (withheld blocks are not
-    counted)."""
+class StepRow:
+    """One simulated step: a row of `SimLog`'s per-step fields (stacked to [steps] there). Fields in name order,
+    the order the loop carries them in; `active` False marks an idle row after the trace finished."""
 
-    active: jax.Array  # bool[steps]
-    start_time: jax.Array  # float32[steps] simulated seconds
-    duration: jax.Array  # float32[steps] simulated seconds (the cost model's step time)
-    blocks_used: jax.Array  # int32[steps] at the step's peak (after allocation, before commit)
-    spec_blocks: jax.Array  # int32[steps] blocks holding only unvalidated or rejected drafts
-    oom: jax.Array  # bool[steps]
-    preempted: jax.Array  # int32[steps] sequences preempted (recompute or swap)
-    drafted: jax.Array  # int32[steps] draft tokens proposed (and verified)
-    accepted: jax.Array  # int32[steps] of those, accepted
-    verifications: jax.Array  # int32[steps] rows that verified >= 1 draft
-    output_tokens: jax.Array  # int32[steps]
-    num_seqs: jax.Array  # int32[steps] sequences in the step (`scheduler.step_shape`)
-    draft_hist: jax.Array  # int32[steps, K + 1] decoding rows granted 0..K drafts (the draft-length histogram)
-    decode_step: jax.Array  # bool[steps] no prompt work: the engine would run a draft width (`padding`)
-    draft_bound: jax.Array  # int32[steps] the bound that picks that width, were every width compiled
-    # Request times are kept relative to the request's arrival: an absolute float32 time near 3,000 s has a
-    # resolution of 0.24 ms, a large share of a short TTFT; a difference taken in the loop does not lose it.
-    ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
-    e2e: jax.Array  # float32[requests] seconds from arrival to the finish, NaN if unfinished
+    accepted: jax.Array  # int32[] of the drafts, accepted
+    active: jax.Array  # bool[]
+    blocks_used: jax.Array  # int32[] at the step's peak (after allocation, before commit), out of the KV budget
+    decode_step: jax.Array  # bool[] no prompt work: the engine would run a draft width (`padding`)
+    draft_bound: jax.Array  # int32[] the bound that picks that width, were every width compiled
+    draft_hist: jax.Array  # int32[K + 1] decoding rows granted 0..K drafts (the draft-length histogram)
+    drafted: jax.Array  # int32[] draft tokens proposed (and verified)
+    duration: jax.Array  # float32[] simulated seconds (the cost model's step time)
+    num_seqs: jax.Array  # int32[] sequences in the step (`scheduler.step_shape`)
+    oom: jax.Array  # bool[]
+    output_tokens: jax.Array  # int32[]
+    preempted: jax.Array  # int32[] sequences preempted (recompute or swap)
+    spec_blocks: jax.Array  # int32[] blocks holding only unvalidated or rejected drafts
+    start_time: jax.Array  # float32[] simulated seconds
+    verifications: jax.Array  # int32[] rows that verified >= 1 draft
+
+
+@struct.dataclass
+class RequestStats:
+    """What the simulation records per request [requests] (fields in name order, as carried). Times are kept
+    relative to the request's arrival: an absolute float32 time near 3,000 s has a resolution of 0.24 ms, a large
+    share of a short TTFT; a difference taken in the loop does not lose it."""
+
     admitted_tokens: jax.Array  # int32[requests] tokens looked up at admissions (prompt + output so far)
     cached_tokens: jax.Array  # int32[requests] of those, prefix hits
+    e2e: jax.Array  # float32[requests] seconds from arrival to the finish, NaN if unfinished
     first_cached_tokens: jax.Array  # int32[requests] of those, the first admission's (kv_hit_rate_first)
     preemptions: jax.Array  # int32[requests]
-    req_drafted: jax.Array  # int32[requests]
     req_accepted: jax.Array  # int32[requests]
+    req_drafted: jax.Array  # int32[requests]
     req_output: jax.Array  # int32[requests]
+    ttft: jax.Array  # float32[requests] seconds from arrival to the first token, NaN if none
+
+
+@struct.dataclass
+class SimLog(RequestStats, StepRow):
+    """A run's log: every `StepRow` field stacked over its steps [steps] (rows with active False are padding
+    after the trace finished), every `RequestStats` field [requests], and the KV budget the run had.
+    blocks_used counts blocks held out of that budget (withheld blocks are not counted)."""
+
     kv_blocks: jax.Array  # int32[] the KV budget the run had (`simulate`'s kv_blocks)
 
 
@@ -177,19 +191,6 @@ def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *
     return out
 
 
-def with_kv_budget(st: sc.SchedState, kv_blocks: jax.Array) -> sc.SchedState:
-    """A fresh state whose free stack holds only blocks 1..kv_blocks (int32[], 1 <= kv_blocks <= usable).
-
-    The KV budget is data, so one compiled simulation sweeps it: the allocator pops blocks 1, 2, ... in order
-    either way, so a run with budget k allocates exactly the block ids a pool of k + 1 blocks would, and blocks
-    above k are never on the free stack (they stay FREE and untouched). Only for a state from `sc.init`."""
-    blocks = st.kv.alloc.blocks
-    idx = jnp.arange(blocks.free_stack.shape[0], dtype=i32)
-    stack = jnp.where(idx < kv_blocks, kv_blocks - idx, 0).astype(i32)
-    alloc = st.kv.alloc.replace(blocks=blocks.replace(free_stack=stack, free_top=jnp.asarray(kv_blocks, i32)))
-    return st.replace(kv=st.kv.replace(alloc=alloc))
-
-
 def swap_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig) -> jax.Array:
     """float32[] the step's swap traffic priced by `CostModel.swap_time`: the victims' committed blocks swapped out
     (batch.swap_out_blocks) and the restored rows' blocks swapped in (ceil(batch.restore / S)). Every swapped block
@@ -215,133 +216,194 @@ class SimCarry:
     clock: jax.Array  # float32[] simulated seconds
     clock_err: jax.Array  # float32[] what rounding left out of clock (Kahan): a long run's sum of ~10 ms steps
     nxt: jax.Array  # int32[]
-    req: dict
+    req: RequestStats
     kv_blocks: jax.Array  # int32[]
 
 
 def start(trace: SimTrace, cfg: sc.SchedulerConfig, kv_blocks: jax.Array | None = None,
           draft_widths: jax.Array | None = None) -> SimCarry:
     """The carry before the first step. kv_blocks: int32[] usable KV blocks, 1..cfg.cache.usable_blocks (default
-    all): a budget below the static pool, as data (see `with_kv_budget`). draft_widths: int32[W] the draft widths
-    the scheduler drafts from (`SchedState.draft_widths`, e.g. `scheduler.buckets.padded(chosen, W)`; default the
-    policy's buckets), data like the budget."""
+    all): a budget below the static pool, as data (`kv.manager.with_budget`). draft_widths: int32[widths] the
+    draft widths the scheduler drafts from (`SchedState.draft_widths`, e.g. `scheduler.buckets.padded(chosen,
+    W)`; default the policy's buckets), data like the budget."""
     r_n = trace.prompt_len.shape[0]
     kv_blocks = jnp.asarray(cfg.cache.usable_blocks if kv_blocks is None else kv_blocks, i32)
     nan = jnp.full((r_n,), jnp.nan, f32)
     zr = jnp.zeros((r_n,), i32)
-    req = dict(ttft=nan, e2e=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
-               req_drafted=zr, req_accepted=zr, req_output=zr, first_cached_tokens=zr)
+    req = RequestStats(ttft=nan, e2e=nan, admitted_tokens=zr, cached_tokens=zr, preemptions=zr,
+                       req_drafted=zr, req_accepted=zr, req_output=zr, first_cached_tokens=zr)
     st = sc.init(cfg)
     if draft_widths is not None:
         st = st.replace(draft_widths=jnp.asarray(draft_widths, i32).reshape(st.draft_widths.shape))
-    return SimCarry(st=with_kv_budget(st, kv_blocks), clock=jnp.zeros((), f32),
-                    clock_err=jnp.zeros((), f32), nxt=jnp.zeros((), i32), req=req, kv_blocks=kv_blocks)
+    st = st.replace(kv=manager.with_budget(st.kv, kv_blocks))
+    return SimCarry(st=st, clock=jnp.zeros((), f32), clock_err=jnp.zeros((), f32), nxt=jnp.zeros((), i32), req=req,
+                    kv_blocks=kv_blocks)
 
 
 def done(carry: SimCarry) -> jax.Array:
     """bool[] every request has arrived, entered the engine and left it (finished or aborted)."""
-    status = carry.st.seqs.status
-    live = jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
-    return (carry.nxt >= carry.req["req_output"].shape[0]) & ~live
+    live = jnp.any(sc.live(carry.st.seqs.status))
+    return (carry.nxt >= carry.req.req_output.shape[0]) & ~live
+
+
+# ------------------------------------------------------------------------------------------ one step's phases
+
+
+def admit_arrivals(c: SimCarry, trace: SimTrace, slots: jax.Array) -> tuple[SimCarry, jax.Array, jax.Array]:
+    """The host loop's part of a step: when nothing runs and the next request has not arrived, the clock jumps to
+    its arrival; then the arrived requests are offered EMPTY slots in arrival order, as many as there are.
+    Returns (the carry, ok bool[B]: the rows that admit, idx int32[B]: the request each row takes). The state is
+    not yet admitted into: `admit` does that after the width bound is read from the state the last update left.
+    slots: int32[B] 0..B-1 (made once, outside the loop)."""
+    r_n = trace.prompt_len.shape[0]
+    st, clock, err, nxt = c.st, c.clock, c.clock_err, c.nxt
+    status = st.seqs.status
+    live = jnp.any(sc.live(status))
+    pending = nxt < r_n
+    jump = ~live & pending & (trace.arrival[jnp.minimum(nxt, r_n - 1)] > clock)  # idle until the next arrival
+    clock = jnp.where(jump, trace.arrival[jnp.minimum(nxt, r_n - 1)], clock)
+    err = jnp.where(jump, 0.0, err)
+    free = jnp.sum(status == sc.EMPTY, dtype=i32)
+    idx = nxt + slots
+    ok = (idx < r_n) & (slots < free) & (trace.arrival[jnp.clip(idx, 0, r_n - 1)] <= clock)
+    return c.replace(clock=clock, clock_err=err), ok, idx
+
+
+def admit(st: sc.SchedState, ok: jax.Array, idx: jax.Array, trace: SimTrace, cfg: sc.SchedulerConfig
+          ) -> sc.SchedState:
+    """The rows in ok (bool[B]) take the requests idx (int32[B]) names (`scheduler.add_unchecked`); most steps
+    admit nobody, and then the [B, M*S] prompts are not gathered."""
+    ci = jnp.clip(idx, 0, trace.prompt_len.shape[0] - 1)
+
+    def add(st):
+        return sc.add_unchecked(st, jnp.where(ok[:, None], trace.prompts[ci], 0),
+                                jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
+                                trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]
+
+    return vmap_flow.when(jnp.any(ok), add, st, identity_when_false=True)
+
+
+def stand_in_model(st: sc.SchedState, batch: sc.Batch, rid: jax.Array, trace: SimTrace, k: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the model would return for `batch`, read off the trace (rid int32[B]: each row's request): (accepted
+    int32[B] drafts the target accepts, next_token int32[B] the token after them, drafts int32[B, max(K, 1)]: the
+    text after each row's tokens where accepted, a different token where rejected)."""
+    n = st.seqs.num_tokens
+    accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))
+    j = jnp.arange(max(k, 1), dtype=i32)[None, :]
+    drafts = _gather(trace.tokens, rid, n[:, None] + j)  # [B, K] the text after each row's tokens
+    drafts = jnp.where(j < accepted[:, None], drafts, drafts + 1)  # rejected drafts differ from the text
+    next_token = _gather(trace.tokens, rid, n + accepted)
+    return accepted, next_token, drafts
+
+
+def step_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig) -> tuple[jax.Array, sc.StepShape]:
+    """(float32[] the step's simulated time, its shape): the cost model's price of the batch's shape, plus the
+    swaps' transfer time where the policy swaps (static: programs that cannot swap are unchanged)."""
+    shape = sc.step_shape(batch)
+    dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,
+                        shape.drafting_rows).astype(f32)
+    if cfg.policy.preemption == "swap" and cfg.swap_blocks > 0:
+        dt = dt + swap_seconds(batch, cost, cfg)
+    return dt, shape
+
+
+def advance_clock(clock: jax.Array, err: jax.Array, dt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(end, end_err): clock + dt by Kahan summation, so end + end_err is the clock to float32 precision however
+    many steps came before."""
+    y = dt - err
+    end = clock + y
+    end_err = (end - clock) - y
+    return end, end_err
+
+
+def record_requests(req: RequestStats, batch: sc.Batch, res: sc.StepResult, rid: jax.Array, since: jax.Array,
+                    admitted_len: jax.Array) -> RequestStats:
+    """The step's per-request fields: rid int32[B] each row's request, since float32[B] seconds from its arrival
+    to the step's end, admitted_len int32[B] its tokens at admission (prompt, plus output after a recompute)."""
+    r_n = req.ttft.shape[0]
+    on = batch.scheduled | batch.admitted | batch.preempted | batch.swap_out
+    dst = jnp.where(on | (res.num_new > 0) | res.finished, rid, r_n)  # r_n: dropped
+    first = req.ttft
+    # A request's first admission: nothing looked up for it yet (every admission looks up >= its prompt).
+    first_admission = batch.admitted & (req.admitted_tokens[rid] == 0)
+    new_first = (res.num_new > 0) & jnp.isnan(first[rid])
+    return RequestStats(
+        ttft=first.at[jnp.where(new_first, rid, r_n)].set(since, mode="drop"),
+        e2e=req.e2e.at[jnp.where(res.finished, rid, r_n)].set(since, mode="drop"),
+        admitted_tokens=req.admitted_tokens.at[dst].add(jnp.where(batch.admitted, admitted_len, 0), mode="drop"),
+        cached_tokens=req.cached_tokens.at[dst].add(jnp.where(batch.admitted, batch.hit_tokens, 0), mode="drop"),
+        preemptions=req.preemptions.at[dst].add((batch.preempted | batch.swap_out).astype(i32), mode="drop"),
+        req_drafted=req.req_drafted.at[dst].add(batch.num_drafts, mode="drop"),
+        req_accepted=req.req_accepted.at[dst].add(res.accepted, mode="drop"),
+        req_output=req.req_output.at[dst].add(res.num_new, mode="drop"),
+        first_cached_tokens=req.first_cached_tokens.at[dst].add(jnp.where(first_admission, batch.hit_tokens, 0),
+                                                                mode="drop"),
+    )
+
+
+def step_row(batch: sc.Batch, res: sc.StepResult, shape: sc.StepShape, start_time: jax.Array, dt: jax.Array,
+             withheld: jax.Array, prompt_work: jax.Array, ok: jax.Array, bound: jax.Array, k: int) -> StepRow:
+    """The step's row of the log: a decode step has no prompt work before admission and admits nobody."""
+    return StepRow(active=jnp.asarray(True), start_time=start_time, duration=dt,
+                   blocks_used=batch.blocks_used - withheld, spec_blocks=batch.spec_blocks, oom=batch.oom,
+                   preempted=jnp.sum(batch.preempted | batch.swap_out, dtype=i32),
+                   drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
+                   verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
+                   output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32),
+                   draft_hist=draft_hist(batch, k), decode_step=~prompt_work & ~jnp.any(ok),
+                   draft_bound=bound.astype(i32))
+
+
+def idle_row(k: int) -> StepRow:
+    """A row after the trace finished (active False)."""
+    zero = jnp.zeros((), i32)
+    return StepRow(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
+                   blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
+                   accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero,
+                   draft_hist=jnp.zeros((k + 1,), i32), decode_step=jnp.asarray(False), draft_bound=zero)
+
+
+# ------------------------------------------------------------------------------------------------ the loop
 
 
 def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
-            steps: int, controller_cost: sc.StepCost | None = None) -> tuple[SimCarry, dict]:
+            steps: int, controller_cost: sc.StepCost | None = None) -> tuple[SimCarry, StepRow]:
     """`steps` more engine steps (steps after `done` are idle rows with active False). Returns the carry and the
-    per-step rows [steps] of `SimLog`. Traceable: jit it, or vmap it over lanes. controller_cost: the step cost
-    the goodput draft controller plans with (default: `cost_model.step_cost(cost)`, the clock's own costs; pass
-    another to replay an engine that planned with its own, e.g. `scheduler.flat_step_cost`)."""
+    per-step rows (a `StepRow` of [steps] arrays). Traceable: jit it, or vmap it over lanes. controller_cost: the
+    step cost the goodput draft controller plans with (default: `cost_model.step_cost(cost)`, the clock's own
+    costs; pass another to replay an engine that planned with its own, e.g. `scheduler.flat_step_cost`)."""
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     r_n = trace.prompt_len.shape[0]
-    b_idx = jnp.arange(b, dtype=i32)
+    slots = jnp.arange(b, dtype=i32)
     withheld = cfg.cache.usable_blocks - carry.kv_blocks
     # The goodput draft controller prices candidate steps with the cost model the clock uses.
     if controller_cost is None and cfg.policy.goodput_control:
         controller_cost = step_cost(cost, cfg.token_budget)
 
-    def step(c: SimCarry):
-        st, clock, err, nxt, req = c.st, c.clock, c.clock_err, c.nxt, c.req
-        status = st.seqs.status
-        live = jnp.any((status == sc.WAITING) | (status == sc.RUNNING) | (status == sc.SWAPPED))
-        pending = nxt < r_n
-        jump = ~live & pending & (trace.arrival[jnp.minimum(nxt, r_n - 1)] > clock)  # idle until the next arrival
-        clock = jnp.where(jump, trace.arrival[jnp.minimum(nxt, r_n - 1)], clock)
-        err = jnp.where(jump, 0.0, err)
-        # Admission: the next arrivals, as many as there are EMPTY slots (what the engine's host loop does).
-        free = jnp.sum(status == sc.EMPTY, dtype=i32)
-        idx = nxt + b_idx
-        ok = (idx < r_n) & (b_idx < free) & (trace.arrival[jnp.clip(idx, 0, r_n - 1)] <= clock)
-        ci = jnp.clip(idx, 0, r_n - 1)
-
-        def admit(st):  # most steps admit nobody: skip gathering [B, M*S] prompts
-            return sc.add_unchecked(st, jnp.where(ok[:, None], trace.prompts[ci], 0),
-                                    jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
-                                    trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]
-
+    def step(c: SimCarry) -> tuple[SimCarry, StepRow]:
+        c, ok, idx = admit_arrivals(c, trace, slots)
         # What the engine picks its width from (`scheduler.width_bounds` of the state after the last update).
-        prompt_work, _, bound = sc.width_bounds(st, knobs, cfg, controller_cost)
-        st = vmap_flow.when(jnp.any(ok), admit, st, identity_when_false=True)
-        nxt = nxt + jnp.sum(ok, dtype=i32)
+        prompt_work, _, bound = sc.width_bounds(c.st, knobs, cfg, controller_cost)
+        st = admit(c.st, ok, idx, trace, cfg)
+        nxt = c.nxt + jnp.sum(ok, dtype=i32)
 
         st, batch = sc.schedule_unchecked(st, knobs, controller_cost, cfg=cfg)
         rid = jnp.clip(st.seqs.request_id, 0, r_n - 1)
-        n = st.seqs.num_tokens
-        accepted = jnp.minimum(batch.num_drafts, _gather(trace.accept_run, rid, n))
-        j = jnp.arange(max(k, 1), dtype=i32)[None, :]
-        drafts = _gather(trace.tokens, rid, n[:, None] + j)  # [B, K] the text after each row's tokens
-        drafts = jnp.where(j < accepted[:, None], drafts, drafts + 1)  # rejected drafts differ from the text
-        next_token = _gather(trace.tokens, rid, n + accepted)
-        admitted_len = n  # the row's tokens at admission (prompt, plus output so far after a recompute)
+        admitted_len = st.seqs.num_tokens  # the row's tokens at admission (prompt, plus output after a recompute)
+        accepted, next_token, drafts = stand_in_model(st, batch, rid, trace, k)
         st, res = sc.update_unchecked(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
 
-        shape = sc.step_shape(batch)
-        dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,
-                            shape.drafting_rows).astype(f32)
-        if cfg.policy.preemption == "swap" and cfg.swap_blocks > 0:  # static: programs that cannot swap are unchanged
-            dt = dt + swap_seconds(batch, cost, cfg)
-        # Kahan summation: end + end_err is the clock to float32 precision however many steps came before.
-        y = dt - err
-        end = clock + y
-        end_err = (end - clock) - y
+        dt, shape = step_seconds(batch, cost, cfg)
+        end, end_err = advance_clock(c.clock, c.clock_err, dt)
         since = (end - trace.arrival[rid]) - end_err  # [B] seconds since each row's arrival, exact subtraction
-        on = batch.scheduled | batch.admitted | batch.preempted | batch.swap_out
-        dst = jnp.where(on | (res.num_new > 0) | res.finished, rid, r_n)  # r_n: dropped
-        first = req["ttft"]
-        # A request's first admission: nothing looked up for it yet (every admission looks up >= its prompt).
-        first_admission = batch.admitted & (req["admitted_tokens"][rid] == 0)
-        new_first = (res.num_new > 0) & jnp.isnan(first[rid])
-        req = dict(
-            ttft=first.at[jnp.where(new_first, rid, r_n)].set(since, mode="drop"),
-            e2e=req["e2e"].at[jnp.where(res.finished, rid, r_n)].set(since, mode="drop"),
-            admitted_tokens=req["admitted_tokens"].at[dst].add(jnp.where(batch.admitted, admitted_len, 0),
-                                                               mode="drop"),
-            cached_tokens=req["cached_tokens"].at[dst].add(jnp.where(batch.admitted, batch.hit_tokens, 0),
-                                                           mode="drop"),
-            preemptions=req["preemptions"].at[dst].add((batch.preempted | batch.swap_out).astype(i32), mode="drop"),
-            req_drafted=req["req_drafted"].at[dst].add(batch.num_drafts, mode="drop"),
-            req_accepted=req["req_accepted"].at[dst].add(res.accepted, mode="drop"),
-            req_output=req["req_output"].at[dst].add(res.num_new, mode="drop"),
-            first_cached_tokens=req["first_cached_tokens"].at[dst].add(
-                jnp.where(first_admission, batch.hit_tokens, 0), mode="drop"),
-        )
-        row = dict(active=jnp.asarray(True), start_time=clock, duration=dt, blocks_used=batch.blocks_used - withheld,
-                   spec_blocks=batch.spec_blocks, oom=batch.oom,
-                   preempted=jnp.sum(batch.preempted | batch.swap_out, dtype=i32),
-                   drafted=jnp.sum(batch.num_drafts, dtype=i32), accepted=jnp.sum(res.accepted, dtype=i32),
-                   verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
-                   output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32),
-                   draft_hist=draft_hist(batch, k),
-                   decode_step=~prompt_work & ~jnp.any(ok), draft_bound=bound.astype(i32))
+        req = record_requests(c.req, batch, res, rid, since, admitted_len)
+        row = step_row(batch, res, shape, c.clock, dt, withheld, prompt_work, ok, bound, k)
         return c.replace(st=st, clock=end, clock_err=end_err, nxt=nxt, req=req), row
 
     # A while_loop, not a scan over `cond(done, idle, step)`: a cond whose idle branch returns the carry makes
     # XLA copy the whole carry (prefix table included) every step; the loop updates it in place and stops early.
-    zero = jnp.zeros((), i32)
-    idle_row = dict(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
-                    blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
-                    accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero,
-                    draft_hist=jnp.zeros((k + 1,), i32), decode_step=jnp.asarray(False), draft_bound=zero)
-    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps, *x.shape)), idle_row)
+    rows = jax.tree.map(lambda x: jnp.broadcast_to(x, (steps, *x.shape)), idle_row(k))
 
     def body(state):
         i, c, rows = state
@@ -350,7 +412,7 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
 
     _, carry, rows = vmap_flow.while_loop(lambda state: (state[0] < steps) & ~done(state[1]), body,
                                        (jnp.zeros((), i32), carry, rows))
-    rows["start_time"] = jnp.where(rows["active"], rows["start_time"], carry.clock)  # idle rows: the final clock
+    rows = rows.replace(start_time=jnp.where(rows.active, rows.start_time, carry.clock))  # idle: the final clock
     return carry, rows
 
 
@@ -360,9 +422,9 @@ def draft_hist(batch: sc.Batch, k: int) -> jax.Array:
     return jnp.zeros((k + 2,), i32).at[jnp.where(decode, jnp.clip(batch.num_drafts, 0, k), k + 1)].add(1)[: k + 1]
 
 
-def finish(carry: SimCarry, rows: dict) -> SimLog:
+def finish(carry: SimCarry, rows: StepRow) -> SimLog:
     """The log of a run from its final carry and its per-step rows (concatenated over `advance` calls)."""
-    return SimLog(**rows, **carry.req, kv_blocks=carry.kv_blocks)
+    return SimLog(**vars(rows), **vars(carry.req), kv_blocks=carry.kv_blocks)
 
 
 def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,

@@ -3,7 +3,7 @@
 A lane is one simulation. Everything that differs between lanes is data, so all lanes share one program:
 
   knobs          the policy's numeric knobs (draft length, max_spec_ratio, generation threshold)
-  kv_blocks      the KV budget in blocks (`simulate.with_kv_budget`)
+  kv_blocks      the KV budget in blocks (`kv.manager.with_budget`)
   arrival_scale  arrival times are multiplied by it: a Poisson trace at rate r becomes one at rate r / scale with
                  the same requests in the same order (exponential gaps scale with their mean). Every gap scales,
                  so a multi-turn trace's think times would shrink too: `skvs simulate --sweep` stacks a trace

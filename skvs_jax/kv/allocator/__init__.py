@@ -28,7 +28,7 @@ that needs new blocks is served ("stop at the first that does not fit", by a pre
 from the top of a stack; released blocks are pushed in row-major (sequence slot, table column) order. Nothing
 raises inside jit: failures come back as per-sequence `ok` flags and counters.
 
-Modules: `state` (the pytrees, `init`, the stack operations), `grow` (`allocate_unchecked`, in phases),
+Modules: `state` (the pytrees, `init`, `with_budget`, the stack operations), `grow` (`allocate_unchecked`, in phases),
 `transitions` (commit, free, share, fork, reclaim, pin, evict), `api` (the checked public transitions). Everything
 public is re-exported here: `from skvs_jax.kv import allocator; allocator.allocate(...)`.
 """
@@ -60,6 +60,7 @@ from skvs_jax.kv.allocator.state import (
     Counters,
     SeqBlocks,
     init,
+    with_budget,
 )
 from skvs_jax.kv.allocator.transitions import (
     accepted_lengths,
@@ -76,7 +77,7 @@ from skvs_jax.kv.allocator.transitions import (
 
 __all__ = [
     "FREE", "RESERVED", "SPECULATIVE", "STALE", "VALIDATED", "STATE_NAMES",
-    "AllocatorState", "AllocResult", "BlockPool", "CommitResult", "Counters", "SeqBlocks", "init",
+    "AllocatorState", "AllocResult", "BlockPool", "CommitResult", "Counters", "SeqBlocks", "init", "with_budget",
     "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
     "set_cached", "share", "accepted_lengths",
     "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked", "fork_unchecked",

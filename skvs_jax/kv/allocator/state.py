@@ -124,6 +124,19 @@ def init(cfg: CacheConfig) -> AllocatorState:
 # ------------------------------------------------------------------------------------ stack helpers
 
 
+def with_budget(st: AllocatorState, kv_blocks: jax.Array) -> AllocatorState:
+    """A fresh pool whose free stack holds only blocks 1..kv_blocks (int32[], 1 <= kv_blocks <= usable).
+
+    The budget is data, so one compiled program serves every budget (the simulator's sweeps over memory): blocks
+    are popped 1, 2, ... in order either way, so a pool with budget k allocates exactly the block ids a pool of
+    k + 1 blocks would, and blocks above k are never on the free stack (they stay FREE and untouched). Only for
+    a state from `init`."""
+    blocks = st.blocks
+    idx = jnp.arange(blocks.free_stack.shape[0], dtype=i32)
+    stack = jnp.where(idx < kv_blocks, kv_blocks - idx, 0).astype(i32)
+    return st.replace(blocks=blocks.replace(free_stack=stack, free_top=jnp.asarray(kv_blocks, i32)))
+
+
 def push(stack, top, ids, mask, rank) -> tuple[jax.Array, jax.Array]:
     """Push ids[mask] (flat [X]) onto a stack in their given order; rank = inclusive count of mask so far.
 
