@@ -138,7 +138,7 @@ def test_a_budget_of_k_blocks_allocates_as_a_pool_of_k_plus_one():
     budget = allocator.with_budget(allocator.init(big), jnp.asarray(small.usable_blocks, jnp.int32))
     got = allocator.allocate(budget, vec(13, 4, 8), vec(2, 0, 1), cfg=big, spec=SPEC)
     want = allocator.allocate(allocator.init(small), vec(13, 4, 8), vec(2, 0, 1), cfg=small, spec=SPEC)
-    for st, res in (got, want):
+    for _, res in (got, want):
         np.testing.assert_array_equal(res.ok, [False, False, True])
     np.testing.assert_array_equal(got[0].seqs.block_table, want[0].seqs.block_table)
     assert int(got[0].blocks.free_top) == int(want[0].blocks.free_top) == 3

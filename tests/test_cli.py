@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from skvs_jax import __version__, commands, metrics, policies, workloads
-from skvs_jax.commands import bench
+from skvs_jax.commands import bench, bench_report, bench_serving
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import cost_model
 
@@ -249,7 +249,7 @@ _STUB_THROUGHPUT = {"naive_spec": 120.0, "skvs": 100.0, "skvs -release": 150.0, 
 
 
 def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = None):
-    """A stand-in for `bench.serve` that returns fixed metrics per policy (and +-1 tok/s per repeat), so that
+    """A stand-in for `bench_serving.serve` that returns fixed metrics per policy (and +-1 tok/s per repeat), so that
     the decomposition logic is tested without compiling an engine. `differ` names a policy whose outputs differ;
     `stall` maps a policy to the repeats in which one step takes 2 s (as when a program compiles in the timed
     run), at 5 tok/s."""
@@ -280,10 +280,10 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
 
 
 def _patch_serve(monkeypatch, serve):
-    """`serve` stands in for `bench.serve`, and for each run of `bench.serve_together` (lockstep rounds, the
-    default), called in the order the round gives."""
-    monkeypatch.setattr(bench, "serve", serve)
-    monkeypatch.setattr(bench, "serve_together", lambda calls: [serve(**call) for call in calls])
+    """`serve` stands in for `bench_serving.serve`, and for each run of `bench_serving.serve_together` (lockstep
+    rounds, the default), called in the order the round gives."""
+    monkeypatch.setattr(bench_serving, "serve", serve)
+    monkeypatch.setattr(bench_serving, "serve_together", lambda calls: [serve(**call) for call in calls])
 
 
 def _keep_ablations(monkeypatch, *names):
@@ -355,7 +355,7 @@ def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_eac
     assert commands.main(argv) == 0
     out = capsys.readouterr().out
     # Rounds: skvs 99 / 119 and 100 / 120; the second round (skvs stalled) is left out.
-    lo, hi = bench.bootstrap_median_ci([99 / 119, 100 / 120])
+    lo, hi = bench_report.bootstrap_median_ci([99 / 119, 100 / 120])
     assert "throughput / naive_spec's within each round, median [min-max] (95% bootstrap interval of the median; " \
            f"rounds above 1): skvs {(99 / 119 + 100 / 120) / 2:.3f}x [{99 / 119:.3f}-{100 / 120:.3f}] " \
            f"({lo:.3f}-{hi:.3f}; 0 of 2)" in out
@@ -386,13 +386,14 @@ def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):
     assert commands.main([*argv, "--no-rehearse"]) == 0
     assert calls == timed
     calls.clear()
-    monkeypatch.setattr(bench, "serve_together", lambda _: pytest.fail("--no-lockstep serves one after another"))
+    monkeypatch.setattr(bench_serving, "serve_together",
+                        lambda _: pytest.fail("--no-lockstep serves one after another"))
     assert commands.main([*argv, "--no-lockstep"]) == 0
     assert calls[3:] == timed
 
 
 def test_turn_clock_runs_only_during_turns_and_skips_waits():
-    clock = bench.TurnClock()
+    clock = bench_serving.TurnClock()
     assert clock() == 0.0
     clock.start()
     time.sleep(0.02)
@@ -432,8 +433,8 @@ def test_serve_together_steps_the_policies_in_turn_each_on_its_own_clock(monkeyp
         def result(self):
             return {"name": self.name, "clock": self.clock(), "seen": self.seen, "own": self.own}
 
-    monkeypatch.setattr(bench, "_Serving", Fake)
-    results = bench.serve_together([dict(name="a", steps=3), dict(name="b", steps=1), dict(name="c", steps=2)])
+    monkeypatch.setattr(bench_serving, "Serving", Fake)
+    results = bench_serving.serve_together([dict(name="a", steps=3), dict(name="b", steps=1), dict(name="c", steps=2)])
     assert turns == ["a", "b", "c", "a", "c", "a"]
     assert [r["name"] for r in results] == ["a", "b", "c"]
     for r, steps in zip(results, (3, 1, 2), strict=True):
@@ -461,27 +462,28 @@ def test_bench_timed_runs_plan_with_the_rehearsals_step_cost_fit(tmp_path, monke
 
 def test_bootstrap_interval_of_the_median_is_seeded_and_brackets_it():
     values = [0.91, 1.05, 0.97, 1.12, 0.99, 1.01, 0.88]
-    lo, hi = bench.bootstrap_median_ci(values)
-    assert (lo, hi) == bench.bootstrap_median_ci(values)  # seeded: the same rounds, the same interval
+    lo, hi = bench_report.bootstrap_median_ci(values)
+    assert (lo, hi) == bench_report.bootstrap_median_ci(values)  # seeded: the same rounds, the same interval
     assert min(values) <= lo <= statistics.median(values) <= hi <= max(values)
     assert lo in values and hi in values  # an odd count: every resampled median is one of the values
-    narrow = bench.bootstrap_median_ci(values, level=0.5)
+    narrow = bench_report.bootstrap_median_ci(values, level=0.5)
     assert lo <= narrow[0] <= narrow[1] <= hi
-    assert bench.bootstrap_median_ci([1.03]) == (1.03, 1.03)
+    assert bench_report.bootstrap_median_ci([1.03]) == (1.03, 1.03)
     with pytest.raises(ValueError, match="values"):
-        bench.bootstrap_median_ci([])
+        bench_report.bootstrap_median_ci([])
 
 
 def test_serving_groups_keep_order_and_the_program_limit():
     programs = {"a": 3, "b": 5, "c": 9, "d": 20, "e": 1}
-    assert bench.serving_groups(list(programs), programs, limit=16) == [["a", "b"], ["c"], ["d"], ["e"]]
-    assert bench.serving_groups(list(programs), programs, limit=100) == [list(programs)]
-    assert bench.serving_groups(["e", "a"], programs, limit=4) == [["e", "a"]]  # exactly at the limit: one group
-    assert bench.serving_groups([], programs) == []
+    assert bench_serving.serving_groups(list(programs), programs, limit=16) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert bench_serving.serving_groups(list(programs), programs, limit=100) == [list(programs)]
+    groups = bench_serving.serving_groups
+    assert groups(["e", "a"], programs, limit=4) == [["e", "a"]]  # exactly at the limit: one group
+    assert bench_serving.serving_groups([], programs) == []
     # The ablation's anchor (skvs) starts every later group again, so each variant pairs with a skvs run of its time.
-    assert bench.serving_groups(list(programs), programs, limit=16, anchor="b") == [["a", "b"], ["b", "c"], ["b", "d"],
+    assert groups(list(programs), programs, limit=16, anchor="b") == [["a", "b"], ["b", "c"], ["b", "d"],
                                                                                      ["b", "e"]]
-    assert bench.serving_groups(list(programs), programs, limit=16, anchor="c") == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert groups(list(programs), programs, limit=16, anchor="c") == [["a", "b"], ["c"], ["d"], ["e"]]
 
 
 def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys, monkeypatch, two_ablations):
@@ -495,7 +497,7 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
         return stub(model, heads, policy, *args, rehearsal=rehearsal, **kwargs)
 
     _patch_serve(monkeypatch, serve)
-    monkeypatch.setattr(bench, "MAX_LIVE_PROGRAMS", 10)  # naive_spec 3 + skvs 5; skvs again + each ablation 5
+    monkeypatch.setattr(bench_serving, "MAX_LIVE_PROGRAMS", 10)  # naive_spec 3 + skvs 5; skvs again + each ablation 5
     monkeypatch.setattr(bench.jax, "clear_caches", lambda: cleared.append(True))
     argv = ["bench", "--ablation", "--requests", "3", "--repeats", "2", "--quiet", "--no-plot", "--out", str(tmp_path)]
     assert commands.main(argv) == 0
@@ -528,7 +530,7 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     assert commands.main(argv) == 1  # an ablation variant whose greedy outputs differ fails the run
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: False (4 policies checked)" in out
-    assert f"within {bench.THROUGHPUT_NOISE:.0%}" in out  # one repeat: the noise band is stated
+    assert f"within {bench_report.THROUGHPUT_NOISE:.0%}" in out  # one repeat: the noise band is stated
     assert "warning: 1 of 1 runs of skvs -release had one step of up to 2.0 s (of 2.1 s in all" in out
     assert "switches that could not be timed (every run stalled, see the warning above): release" in out
     with pytest.raises(SystemExit) as exc:
@@ -665,9 +667,9 @@ def test_bench_policy_flags_and_overrides_reach_the_policies_and_engines():
     assert s.preemption == "swap" and v.preemption == n.preemption == "recompute"
     assert specs["naive_spec:2"].draft_len_knob == 2 and n.draft_len == 4
     # The host tier: the KV budget's usable blocks by default, for swap policies only.
-    assert bench.engine_kwargs(s, args)["swap_blocks"] == args.kv_blocks - 1
-    assert "swap_blocks" not in bench.engine_kwargs(v, args)
-    assert bench.engine_kwargs(s, _bench_args("--host-blocks", "7"))["swap_blocks"] == 7
+    assert bench_serving.engine_kwargs(s, args)["swap_blocks"] == args.kv_blocks - 1
+    assert "swap_blocks" not in bench_serving.engine_kwargs(v, args)
+    assert bench_serving.engine_kwargs(s, _bench_args("--host-blocks", "7"))["swap_blocks"] == 7
     # --preemption swap puts every policy on the host tier; --verify-budget still reaches skvs only.
     specs = bench._specs(_bench_args("--preemption", "swap", "--verify-budget", "9"))
     assert all(spec.policy.preemption == "swap" for spec in specs.values())
@@ -745,9 +747,9 @@ def test_simulate_policy_flags_reach_the_scheduler_config_and_the_cost_model(tmp
 
 
 def test_the_ablation_verdict_rule():
-    """bench.throughput_effect: the deterministic engine steps decide where they differ for the same output
+    """bench_report.throughput_effect: the deterministic engine steps decide where they differ for the same output
     tokens; the repeats' spread otherwise; one repeat with the same steps is no evidence."""
-    effect = functools.partial(bench.throughput_effect, tokens=(100, 100), deterministic=True)
+    effect = functools.partial(bench_report.throughput_effect, tokens=(100, 100), deterministic=True)
     # The schedule ran longer without the switch: it helps, though one timed run says 25% faster (the old ±20%
     # rule called that "hurts").
     assert effect(steps=(60, 50), ratio=1.25, paired=[1.25]) == ("helps", "engine steps")
@@ -765,8 +767,8 @@ def test_the_ablation_verdict_rule():
     assert effect(steps=(60, 50), ratio=1.25, paired=[1.25], tokens=(90, 100)) == ("within noise", "same engine "
                                                                                     "steps, one repeat (no spread)")
     loose = functools.partial(effect, steps=(60, 50), deterministic=False)
-    assert loose(ratio=1.1, paired=[1.1]) == ("within noise", f"one repeat, within {bench.THROUGHPUT_NOISE:.0%}")
-    assert loose(ratio=1.3, paired=[1.3]) == ("hurts", f"one repeat, beyond {bench.THROUGHPUT_NOISE:.0%}")
+    assert loose(ratio=1.1, paired=[1.1]) == ("within noise", f"one repeat, within {bench_report.THROUGHPUT_NOISE:.0%}")
+    assert loose(ratio=1.3, paired=[1.3]) == ("hurts", f"one repeat, beyond {bench_report.THROUGHPUT_NOISE:.0%}")
     assert effect(steps=(60, 50), ratio=1.0, paired=[1.0], identical=True) == ("none", "schedule identical")
     assert effect(steps=(60, 50), ratio=1.0, paired=[None], measured=False)[0] == "not measured"
 

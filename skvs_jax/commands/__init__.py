@@ -12,11 +12,11 @@
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
   skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
 
-Each command's module: `bench`, `simulate`, `claims`, `generate`, `micro_allocator`, `micro_scheduler`,
-`micro_precision`, `micro_simulate`, `micro_attention`, `micro_buckets`. Beside them: `checkpoints` (--model /
---medusa), `policy_flags` (the policy switches bench and simulate share), `micro_common` (the micro-benchmarks'
-pool flags and checks) and `startup` (the compilation cache and the --out folder). Commands are dispatched by one
-table, `COMMANDS`.
+Each command's module: `bench` (with `bench_serving` and `bench_report`), `simulate`, `claims`, `generate`,
+`micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`, `micro_buckets`.
+Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
+`micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
+folder). Commands are dispatched by one table, `COMMANDS`.
 
 generate, bench and simulate keep compiled programs in a persistent XLA cache (`commands.startup`:
 --compile-cache DIR|off, SKVS_COMPILE_CACHE, default ~/.cache/skvs_jax/xla).

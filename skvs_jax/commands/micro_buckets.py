@@ -28,7 +28,7 @@ import numpy as np
 from reference_models.checkpoint import load_shipped
 from skvs_jax import policies, workloads
 from skvs_jax import scheduler as sc
-from skvs_jax.commands import bench
+from skvs_jax.commands import bench, bench_serving
 from skvs_jax.commands import simulate as sim_command
 from skvs_jax.config import CacheConfig
 from skvs_jax.scheduler import buckets
@@ -56,7 +56,7 @@ class _Recorder(eng.Engine):
 
 
 def _serve(policy, cache, trace, args, draft_hist=None):
-    e = _Recorder(*load_shipped(), policy, cache, **bench.engine_kwargs(policy, args))
+    e = _Recorder(*load_shipped(), policy, cache, **bench_serving.engine_kwargs(policy, args))
     e.per_row = []
     before = eng.engine_step.fused_step._cache_size()
     e.warmup(draft_hist)

@@ -1,0 +1,290 @@
+"""`skvs bench`'s serving: one policy's engine over the trace (`Serving`, `serve`), several in lockstep
+(`serve_together`, each on its own `TurnClock`), and the rounds of a group of policies (`serve_group`,
+`serving_groups`). What the engines are built with (`engine_kwargs`) lives here too; the flags are `bench`'s and the
+report is `bench_report`'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+
+import jax
+
+from skvs_jax import metrics
+from skvs_jax.serve import engine as eng
+from skvs_jax.serve import speculation
+
+# Compiled engine programs one process keeps at once. XLA:CPU maps ~2,500 memory regions per engine step of the
+# shipped model, and Linux's default limit is 65,530 maps a process: the ablation's ~40 programs together abort in
+# LLVM ("Cannot allocate memory"). Policies beyond this are served in groups, each group's programs freed after it.
+MAX_LIVE_PROGRAMS = 16
+# Timed rounds of the rehearsal's refit of the step cost (`Serving.refit`): 3x the engine's default, ~1 s here.
+REFIT_ROUNDS = 21
+
+
+def tree_of(args):
+    return None if args.tree == "chain" else speculation.SMALL_TREE
+
+
+def host_blocks(args) -> int:
+    """--host-blocks, default the KV budget's usable blocks (every swapped sequence fits)."""
+    return args.kv_blocks - 1 if args.host_blocks is None else args.host_blocks
+
+
+def engine_kwargs(policy, args) -> dict:
+    kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
+                  step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None))
+    if policy.preemption == "swap":
+        kwargs["swap_blocks"] = host_blocks(args)
+    if policy.speculation:
+        kwargs |= dict(tree=tree_of(args), acceptance=args.acceptance)
+    return kwargs
+
+
+class TurnClock:
+    """A wall clock that runs only during its owner's turns (`start` .. `stop`), plus the waits it `skip`s: engines
+    served in lockstep (`serve_together`) each see the time of their own steps, not of each other's."""
+
+    def __init__(self) -> None:
+        self._spent, self._since = 0.0, None
+
+    def __call__(self) -> float:
+        return self._spent if self._since is None else self._spent + time.perf_counter() - self._since
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        self._spent, self._since = self(), None
+
+    def skip(self, seconds: float) -> None:
+        """An idle wait for the next arrival, taken on this clock alone instead of slept."""
+        self._spent += max(0.0, seconds)
+
+
+class Serving:
+    """One policy's engine serving the trace one `turn` at a time: `serve` takes its turns back to back,
+    `serve_together` takes several policies' turns in lockstep. Arguments as `serve`'s; clock: the engine's clock
+    (a `TurnClock` in lockstep; default the wall clock, and an idle engine sleeps until the next arrival)."""
+
+    def __init__(self, model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
+                 fitted=None, rehearsal=False, clock: TurnClock | None = None):
+        kwargs = engine_kwargs(policy, args)
+        if fitted is not None:
+            kwargs["step_cost"] = fitted[0]
+        if clock is not None:
+            kwargs["clock"] = clock
+        self.e = e = eng.Engine(model, heads, policy, cache, **kwargs)
+        if knobs is not None:
+            e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
+        if getattr(args, "warmup", True):
+            e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
+        if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
+            fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
+        self.cache, self.args, self.progress, self.rehearsal, self.clock = cache, args, progress, rehearsal, clock
+        self.fitted = fitted
+        self.pending = sorted(trace.requests, key=lambda r: r.arrival_time)
+        self.sched_snapshot = None
+
+    def busy(self) -> bool:
+        return bool(self.pending) or self.e.has_work()
+
+    def turn(self) -> None:
+        """Admit what has arrived, then one engine step, or (nothing to run) wait for the next arrival."""
+        e, args = self.e, self.args
+        now = e.now()
+        while self.pending and (args.rate is None or self.pending[0].arrival_time <= now):
+            r = self.pending.pop(0)
+            e.add_request(r.prompt, eng.SamplingParams(max_tokens=r.max_new_tokens, temperature=args.temperature),
+                          arrival_time=r.arrival_time if args.rate is not None else 0.0, request_id=r.request_id)
+        if not e.has_work():
+            wait = self.pending[0].arrival_time - e.now()
+            if self.clock is not None:
+                self.clock.skip(wait)
+            else:
+                time.sleep(max(0.0, wait))
+            return
+        new = e.step()
+        if len(e.step_log) == 4 and not self.rehearsal:
+            self.sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
+        if self.progress is not None:
+            self.progress(sum(len(t) for _, t, _ in new))
+
+    def refit(self, rounds: int | None = None) -> None:
+        """Fit the step cost again, now that the trace has run every kernel of the engine's programs once, with
+        more rounds (default `REFIT_ROUNDS`): what the timed runs plan with. The warm-up's fit times programs
+        fresh from compilation; measured on the default trace, its ratio of the width-5 to the width-1 step
+        ranged 0.88-1.41 over nine bench runs (below 1, the fit makes every draft free), against 1.08-1.25 for
+        fits taken after a served trace."""
+        e = self.e
+        e.fit_step_cost(REFIT_ROUNDS if rounds is None else rounds)
+        self.fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
+
+    def result(self) -> dict:
+        """The run's metrics, outputs, per-step series, counters and fit (after the last turn)."""
+        e, cache = self.e, self.cache
+        sched_time = _scheduler_time(e, self.sched_snapshot)
+        log = metrics.StepLog()
+        blocks_total = cache.usable_blocks
+        for s in e.step_log:
+            log.append(start_time=s["start"], duration=s["duration"], blocks_used=s["blocks_used"],
+                       blocks_total=blocks_total, scheduler_time=min(sched_time, s["duration"]),
+                       spec_waste_blocks=s["spec_blocks"], oom=s["oom"], num_preempted=s["preempted"],
+                       num_drafted=s["drafted"], num_accepted=s["accepted"], num_verifications=s["verifications"],
+                       num_output_tokens=s["output_tokens"])
+        records = [metrics.RequestRecord(
+            request_id=r.request_id, arrival_time=r.arrival_time, first_token_time=r.first_token_time,
+            finish_time=r.finish_time, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.tokens),
+            num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
+            num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
+            num_first_cached_prompt_tokens=r.first_cached_tokens,
+        ) for r in e.requests.values()]
+        result = metrics.summarize(records, log.freeze())
+        series = {"time": [s["start"] + s["duration"] for s in e.step_log],
+                  "output_tokens": [s["output_tokens"] for s in e.step_log],
+                  "blocks_used": [s["blocks_used"] for s in e.step_log],
+                  "spec_blocks": [s["spec_blocks"] for s in e.step_log]}
+        outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
+        counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
+        result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
+        fitted = self.fitted
+        return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
+                "compiled": sorted(e.compiled), "bucket_hist": e.picker.bucket_hist, "padding": e.picker.padding,
+                "fitted": fitted,
+                "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
+                "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
+                "split": {"steps": e.picker.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
+                          "rows": e.cfg.split_rows},
+                "width_hist": {str(w): n for w, n in sorted(e.picker.width_hist.items())}}
+
+
+def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,
+          fitted=None, rehearsal=False) -> dict:
+    """Run one policy over the trace; returns its metrics, outputs and per-step series. knobs: the policy's
+    knobs with a `--policies` draft-length knob (default `policy.knobs()`). bucket_hist: the previous repeat's
+    `WidthPicker.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
+    result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
+    and times), used as given so every repeat plans with the same cost (the first run fits it). rehearsal: an
+    untimed run (`--rehearse`), so the scheduler's own time is not measured after it."""
+    run = Serving(model, heads, policy, cache, trace, args, progress=progress, knobs=knobs, bucket_hist=bucket_hist,
+                   fitted=fitted, rehearsal=rehearsal)
+    while run.busy():
+        run.turn()
+    if rehearsal and run.e.step_cost_times:
+        run.refit()
+    return run.result()
+
+
+def serve_together(calls: list[dict]) -> list[dict]:
+    """Serve several policies in lockstep: one step of each in the order given, round after round, each engine on
+    a `TurnClock` that runs only during its own steps. calls: `serve`'s keyword arguments, one dict per policy;
+    returns `serve`'s results in the same order. Every engine is warmed up (and fits its step cost) before the
+    first step. Why: this CPU's speed drifts by 8% or more between runs of a second (docs/benchmarks.md), so
+    policies served one after another see different machines; stepped in turn, each policy's steps are spread
+    over the same seconds as the others', and the drift cancels out of their ratios. Each step runs right after
+    another policy's program, not its own (cold caches for all alike)."""
+    runs = [Serving(**call, clock=TurnClock()) for call in calls]
+    while any(r.busy() for r in runs):
+        for r in runs:
+            if r.busy():
+                r.clock.start()
+                r.turn()
+                r.clock.stop()
+    return [r.result() for r in runs]
+
+
+def _scheduler_time(e: eng.Engine, snapshot) -> float:
+    """Median wall time of the jitted `schedule` alone on a snapshot of the run's state (the fused step cannot
+    be split by a clock), priced with the step cost the engine plans with (its fit: a width table makes the
+    goodput controller search caps too); 0 when the run was too short to snapshot."""
+    if snapshot is None:
+        return 0.0
+    fn = _jitted_schedule(e.cfg.sched)
+    cost = jax.device_put(e.step_cost)  # on the device once: a host copy would time its transfer on every call
+    jax.block_until_ready(fn(snapshot, e.knobs, cost))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(snapshot, e.knobs, cost))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.cache
+def _jitted_schedule(cfg):
+    """`schedule` alone, jitted once per scheduler configuration (repeats of a policy reuse the program)."""
+    from skvs_jax import scheduler as sc
+
+    return jax.jit(functools.partial(sc.schedule_unchecked, cfg=cfg))
+
+
+def serving_groups(names: list[str], programs: dict[str, int], limit: int | None = None,
+                   anchor: str | None = None) -> list[list[str]]:
+    """`names` in order, cut into consecutive groups whose compiled programs (programs[name] each) stay within
+    `limit` (default `MAX_LIVE_PROGRAMS`; a policy with more is a group of its own): what `run` serves
+    round-robin before freeing them. anchor: a name of the first group that every later group starts with too
+    (the ablation's skvs, so each variant is paired with a skvs run of its own time)."""
+    limit = MAX_LIVE_PROGRAMS if limit is None else limit
+    groups: list[list[str]] = []
+    held = 0
+    for name in names:
+        if not groups or held + programs[name] > limit:
+            again = [anchor] if groups and anchor in groups[0] else []
+            groups.append(again)
+            held = sum(programs[n] for n in again)
+        groups[-1].append(name)
+        held += programs[name]
+    return groups
+
+
+def serve_group(group: list[str], out: dict, history: dict, model, heads, chosen: dict, specs: dict, cache, trace,
+                 args, bar) -> None:
+    """Every repeat of the group's policies into out[name], round-robin: load drift over the run shows in every
+    policy's spread, and the policies of one round can be compared pairwise. Round r serves the group rotated by
+    r (a Latin square): every policy takes every place in the round equally often, and with three or more none
+    ever runs right after itself. Measured (2026-12-02): reversing every other round (ABBA) instead made the end
+    policies run twice in a row at each round's seam, and the middle one of three came out ~4% slower paired,
+    whichever policy it was. A policy with runs in `history` (an earlier group's) warms up from and plans with
+    those, as its later repeats do.
+
+    With `--rehearse` every policy of the group first serves the trace once untimed (its result is dropped; its
+    step-cost fit is what the timed runs plan with): the group's programs were compiled for it alone (`run` frees
+    the previous group's), and XLA:CPU spends ~1 ms on each kernel's first execution, which an empty warm-up step
+    reaches only for the kernels an empty step runs (measured on a 2-core CPU: the first timed run of a policy was
+    ~0.3 s slower, its first preemption's steps 150 ms each instead of 10-20)."""
+    fits = {}  # the rehearsals' step-cost fits: what a policy's timed runs plan with when it has no earlier run
+
+    def carried(name):  # (bucket histogram, fit) a run starts from: the last run's histogram, the first run's fit
+        prior = out[name] or history.get(name, [])
+        return (prior[-1].get("bucket_hist"), prior[0].get("fitted")) if prior else (None, fits.get(name))
+
+    if getattr(args, "rehearse", False):
+        for name in group:
+            if bar is not None:
+                bar.set_postfix_str(f"{name} (rehearsal)")
+            hist, fitted = carried(name)
+            fits[name] = serve(model, heads, chosen[name], cache, trace, args, knobs=specs[name].knobs(),
+                               bucket_hist=hist, fitted=fitted, rehearsal=True).get("fitted")
+    for repeat in range(args.repeats):
+        shift = repeat % len(group)
+        order = group[shift:] + group[:shift]
+        calls = []
+        for name in order:
+            hist, fitted = carried(name)
+            calls.append(dict(model=model, heads=heads, policy=chosen[name], cache=cache, trace=trace, args=args,
+                              progress=bar.update if bar else None, knobs=specs[name].knobs(), bucket_hist=hist,
+                              fitted=fitted))
+        rnd = "" if args.repeats == 1 else f" ({repeat + 1}/{args.repeats})"
+        if getattr(args, "lockstep", False):
+            if bar is not None:
+                bar.set_postfix_str(f"lockstep{rnd}")
+            for name, result in zip(order, serve_together(calls), strict=True):
+                out[name].append(result)
+            continue
+        for name, call in zip(order, calls, strict=True):
+            if bar is not None:
+                bar.set_postfix_str(name + rnd)
+            out[name].append(serve(**call))
