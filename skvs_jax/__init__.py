@@ -1,7 +1,10 @@
 """skvs_jax: a speculation-aware KV-cache scheduler in JAX.
 
 Glossary of dimension names, used in every annotation and docstring of the project. Each letter means one
-thing everywhere; a dimension that is none of these is written as a word (`[B, ways]`, `[paths, depth]`).
+thing everywhere; a dimension that is none of these is written as a word (`[B, ways]`, `[paths, depth]`), for
+example `slots` (a row's K + 1 sampling slots), `stops` and `stop_len` (a row's stop sequences and their
+length), `top` (logprobs returned per token), `widths` (the compiled draft widths), `max_width` (the widest
+query), `caps` (the draft controller's caps), `ways` (a prefix-index bucket's entries).
 
   B    sequence slots (rows of a block table), or sequences in a batch
   N    physical KV blocks in the pool (block 0 is the null block)
@@ -16,7 +19,8 @@ thing everywhere; a dimension that is none of these is written as a word (`[B, w
 
 and, in the scheduler and the KV manager:
 
-  A    waiting sequences examined for admission per step (the admission window)
+  A    waiting sequences examined for admission per step (the admission window: `SchedulerConfig.admit_window`,
+       resolved in `SchedulerConfig.admit_rows`)
   R    rows offered to the prefix index per step
   C    slots of the prefix index
   W    table columns one transition touches (its window; a decode step's is `KVConfig.window`)

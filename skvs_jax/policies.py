@@ -196,7 +196,7 @@ class Policy:
 
     @property
     def width_slots(self) -> int:
-        """W: the draft widths the engine may have at once (`bucket_budget`, or the fixed buckets' count)."""
+        """The draft widths the engine may have at once (`bucket_budget`, or the fixed buckets' count)."""
         return self.bucket_budget or len(self.draft_buckets or (self.draft_len,))
 
     @property

@@ -103,6 +103,9 @@ def _sequential_step(pm, accepted, *, cfg: CacheConfig, draft_len: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    """The benchmark as one procedure, read top to bottom: the checks, the oracle's run and the batched step's
+    (results compared), then each timed variant and the report. It runs over 100 lines because each timing's
+    setup sits beside the loop it times, so what a figure measures is read in one place."""
     # --dispatch-steps >= 2: one untimed call, then at least one timed.
     check_minimums(args, "micro allocator", (("seqs", 1), ("blocks", 2), ("block_size", 1), ("max_blocks_per_seq", 1),
                                              ("steps", 1), ("steps_per_call", 1), ("dispatch_steps", 2),

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The benchmark as one procedure, read top to bottom: the checks, a pool filled to decode, the oracle
+    scheduler's steps and the jitted ones (compared), the timed loops and the report. It runs over 100 lines
+    because each timing's setup sits beside the loop it times, so what a figure measures is read in one place."""
     check_minimums(args, "micro scheduler", (("seqs", 1), ("blocks", 1), ("block_size", 1), ("max_blocks_per_seq", 1),
                                              ("prompt_len", 1), ("steps_per_call", 1), ("calls", 1), ("draft_len", 0)))
     b, k = args.seqs, args.draft_len

@@ -120,7 +120,7 @@ def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:
         if not hasattr(cost.width_us, "dtype"):
             raise TypeError(f"step_cost.width_us must be None or an int32 array, got {type(cost.width_us).__name__}")
         if len(shape) != 1 or shape[0] < 1:
-            raise ValueError(f"step_cost.width_us must be None or int32[W + 1], got shape {shape}")
+            raise ValueError(f"step_cost.width_us must be None or int32[max_width + 1], got shape {shape}")
         checks.array("step_cost.width_us", cost.width_us, shape, "i")
         checks.in_range("step_cost.width_us", cost.width_us, 0, 2**24)
 

@@ -7,12 +7,12 @@ slots whether or not it drafted them. The draft slots computed without a draft a
 
     padding(step) = decode rows * snap_up(bound) - drafts of those rows
 
-where bound is the most drafts any row may get (`Engine._width`'s upper bound). With the histogram
-H[d] = decode rows of the steps whose bound was d, the padding of a width set W is
+where bound is the most drafts any row may get (`WidthPicker.pick`'s upper bound). With the histogram
+H[d] = decode rows of the steps whose bound was d, the padding of a set of widths is
 
-    cost(H, W) - drafted,   cost(H, W) = sum_d H[d] * snap_up(d, W)
+    cost(H, widths) - drafted,   cost(H, widths) = sum_d H[d] * snap_up(d, widths)
 
-so choosing W minimises `cost`. `choose_widths(H, budget, K)` does it exactly (a DP over 0..K), with K always
+so choosing the widths minimises `cost`. `choose_widths(H, budget, K)` does it exactly (a DP over 0..K), with K always
 chosen: the widest program serves a bound that is unknown (knobs replaced between steps) and any request the
 histogram has not seen, so no request is ever cut down to fit.
 
@@ -23,7 +23,7 @@ bench trace.
 
 `BucketChooser` re-chooses as the histogram drifts: every `every` decode steps it compares the last window's
 best set with the current one and switches only when that removes at least `HYSTERESIS` of the window's padding,
-at most `max_rechoices` times. Widths reach the scheduler as data (`SchedState.draft_widths`, int32[W] padded
+at most `max_rechoices` times. Widths reach the scheduler as data (`SchedState.draft_widths`, int32[widths] padded
 with K), so a re-choice recompiles nothing that exists; the engine compiles a program per new width.
 """
 
@@ -44,15 +44,15 @@ MAX_RECHOICES = 4  # re-choices over an engine's life (each compiles at most `bu
 def snap_up(need, widths, reach=None):
     """The smallest of `widths` whose reach is >= `need`; the largest width where none is.
 
-    need int32[...]; widths int32[W] (any order, repeats allowed); reach int32[W] what each width reaches (a draft
-    tree of w nodes reaches its depth; default: the width itself, a chain). Traced arrays give a jax array,
-    anything else a numpy one (the host's width pick and cost sums use the same rule as the jitted scheduler)."""
+    need int32[...]; widths int32[widths] (any order, repeats allowed); reach int32[widths] what each width
+    reaches (a draft tree of w nodes reaches its depth; default: the width itself, a chain). Traced arrays give a jax
+    array, anything else a numpy one (the host's width pick and cost sums use the same rule as the jitted scheduler)."""
     xp = jnp if any(isinstance(x, jax.Array) for x in (need, widths, reach)) else np
     widths = xp.asarray(widths, xp.int32)
     reach = widths if reach is None else xp.asarray(reach, xp.int32)
     need = xp.asarray(need, xp.int32)
     lead = (1,) * need.ndim
-    fits = reach.reshape(lead + reach.shape) >= need[..., None]  # [..., W]
+    fits = reach.reshape(lead + reach.shape) >= need[..., None]  # [..., widths]
     return xp.min(xp.where(fits, widths.reshape(lead + widths.shape), xp.max(widths)), axis=-1).astype(xp.int32)
 
 

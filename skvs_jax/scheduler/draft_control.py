@@ -10,14 +10,14 @@ the population's totals per depth (`SchedState.pop_tried / pop_passed`). In fixe
 
     pop[d]      = (pop_passed[d] * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried[d] + POP_PRIOR_W)
     alpha[b, d] = (draft_passed[b, d] * ONE + REQ_PRIOR_W * pop[d]) // (draft_tried[b, d] + REQ_PRIOR_W)
-    S[b, d]     = S[b, d - 1] * alpha[b, d] // ONE,  S[b, -1] = ONE     (the chance draft d is accepted)
+    surv[b, d]  = surv[b, d - 1] * alpha[b, d] // ONE,  surv[b, -1] = ONE  (the chance draft d is accepted)
 
 so a new request starts from what the population shows, and the population from an optimistic prior (0.75:
 a controller that starts pessimistic never drafts, and so never learns otherwise).
 
-Decision. Survival falls with depth, so "every (b, d) with S >= threshold and d < the row's cap" gives each row a
+Decision. Survival falls with depth, so "every (b, d) with surv >= threshold and d < the row's cap" gives each row a
 prefix of its drafts. Over a fixed grid of thresholds (none, ONE, ..., ONE / LEVELS; no sort), the step's goodput
-is (sampling rows * ONE + sum of the selected S) / time(base tokens + selected drafts) from a `StepCost`; the
+is (sampling rows * ONE + sum of the selected surv) / time(base tokens + selected drafts) from a `StepCost`; the
 first maximum wins (ties: fewer drafts). A `StepCost` with a width table (a padded engine, whose step time is
 set by its widest row) adds a second axis, a cap on every row's drafts at each compiled draft width, so "two
 drafts each in the 3-wide program" competes with "four for the best rows in the 5-wide one". Sums are over
@@ -61,7 +61,7 @@ def acceptance_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tr
 
 
 def survival(alpha: jax.Array) -> jax.Array:
-    """int32[B, K] S[b, d] = prod_{j <= d} alpha[b, j], in fixed point, rounded down at every depth."""
+    """int32[B, K] surv[b, d] = prod_{j <= d} alpha[b, j], in fixed point, rounded down at every depth."""
     s, out = jnp.full(alpha.shape[:1], ONE, i32), []
     for d in range(alpha.shape[1]):  # K is static and small
         s = s * alpha[:, d] // ONE
@@ -108,7 +108,7 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     surv int32[B, K] (per depth of the tree's reach: the chance the accepted path gets past depth d); cap int32[B]
     the row's most draft slots (0 for a row that does not decode); base_tokens int32[] the step's tokens without
     drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[] rows that emit a token
-    this step whatever is drafted. The cap is searched only when `cost` has a width table, over caps int32[C]
+    this step whatever is drafted. The cap is searched only when `cost` has a width table, over caps int32[caps]
     (sorted; default 0..K; the engine's compiled draft widths, `SchedState.draft_widths`: a cap between two of
     them runs in the wider program anyway); then query int32[B] (each row's tokens besides drafts) and wide
     bool[] (the step has prompt work, so it runs at the widest width whatever is drafted) give the step's
@@ -123,11 +123,11 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     elif caps is None:
         caps = jnp.arange(k + 1, dtype=i32)
     depth = jnp.arange(k, dtype=i32)
-    reachable = reach[jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])]  # [B, C] depths the slots reach
+    reachable = reach[jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])]  # [B, caps] depths the slots reach
     take = ((depth[None, :, None, None] < reachable[:, None, None, :])
-            & (surv[:, :, None, None] >= thr[None, None, :, None]))  # [B, K, L + 1, C]
-    per_row = slots[jnp.sum(take, axis=1, dtype=i32)]  # [B, L + 1, C] draft slots reaching the chosen depth
-    n = jnp.sum(per_row, axis=0, dtype=i32)  # [L + 1, C] drafts per choice
+            & (surv[:, :, None, None] >= thr[None, None, :, None]))  # [B, K, LEVELS + 1, caps]
+    per_row = slots[jnp.sum(take, axis=1, dtype=i32)]  # [B, LEVELS + 1, caps] draft slots reaching the chosen depth
+    n = jnp.sum(per_row, axis=0, dtype=i32)  # [LEVELS + 1, caps] drafts per choice
     gain = jnp.sum(jnp.where(take, surv[:, :, None, None], 0), axis=(0, 1), dtype=i32)  # expected accepted * ONE
     widest = None
     if cost.width_us is not None:
@@ -172,10 +172,10 @@ def row_gain(surv: jax.Array, drafts: jax.Array, reach_of: tuple[int, ...] | Non
 def recompute_us(cost: StepCost, tokens: jax.Array) -> jax.Array:
     """int32[] the time `tokens` recomputed tokens add to the steps that absorb them: tokens times the mean time per
     token of a full step, (token_us[T] - token_us[0]) / T (with a roofline's terms, compute_us's too), plus, with
-    a width table, one widest program's premium width_us[W] - width_us[0] for every W tokens begun: a padded
-    engine recomputes a prompt in its widest program, W tokens of a row a step, and runs a step with no prompt
-    tokens narrow (`serve.engine_step.model_step_at`), so the recompute's steps are wide only because of it (an
-    upper bound: another row's prompt work may share them). Zero under `flat_step_cost`: on a device where a step
+    a width table, one widest program's premium width_us[max_width] - width_us[0] for every max_width tokens
+    begun: a padded engine recomputes a prompt in its widest program, max_width tokens of a row a step, and runs a step
+    with no prompt tokens narrow (`serve.engine_step.model_step_at`), so the recompute's steps are wide only because of
+    it (an upper bound: another row's prompt work may share them). Zero under `flat_step_cost`: on a device where a step
     costs the same whatever it carries, a recompute that fits in other steps' slack is free."""
     t = cost.token_us.shape[0] - 1
     per_token_ns = (cost.token_us[t] - cost.token_us[0]) * 1000 // max(t, 1)

@@ -73,7 +73,7 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     holds one prior observation of full acceptance (so a new request starts at the largest bucket). Drafting
     half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
     slots every step; a request whose drafts keep failing drops to 0 (no speculation). The buckets are the
-    policy's `draft_buckets` (reach: per bucket), or, given widths int32[W] (`SchedState.draft_widths`, data),
+    policy's `draft_buckets` (reach: per bucket), or, given widths int32[widths] (`SchedState.draft_widths`, data),
     those widths, each reaching reach_of[w] (`SchedulerConfig.reach_of`, per count 0..K; default a chain).
     Goodput control (`policy.draft_control`): knobs.draft_len, the cap below which `plan_drafts` decides.
     """

@@ -214,7 +214,7 @@ class SchedState:
     swap_used: jax.Array  # int32[] host-tier blocks held by SWAPPED sequences
     pop_tried: jax.Array  # int32[K] the population's draft_tried totals (halved together past POP_HALVE_AT)
     pop_passed: jax.Array  # int32[K] the population's draft_passed totals
-    draft_widths: jax.Array  # int32[W] the draft widths compiled (sorted, padded with the largest; `buckets`)
+    draft_widths: jax.Array  # int32[widths] the draft widths compiled (sorted, padded with the largest; `buckets`)
 
 
 @struct.dataclass
@@ -228,10 +228,10 @@ class StepCost:
     `CostModel` (so the simulator's controller and its clock agree); `flat_step_cost` is the default: every
     step costs the same, so drafts are free and only acceptance decides.
 
-    width_us (None, or int32[W + 1]): a padded engine's term, + width_us[min(w, W)] where w is the widest row's
-    tokens (query + drafts), or W when the step has prompt work (the engine then runs its widest program). An
-    engine computes every slot at the step's compiled width, so its step time is set by the widest row, not by
-    the tokens; `serve.step_cost.fit` measures one per compiled width at warm-up. With a width table the
+    width_us (None, or int32[max_width + 1]): a padded engine's term, + width_us[min(w, max_width)] where w is the
+    widest row's tokens (query + drafts), or max_width when the step has prompt work (the engine then runs its widest
+    program). An engine computes every slot at the step's compiled width, so its step time is set by the widest row,
+    not by the tokens; `serve.step_cost.fit` measures one per compiled width at warm-up. With a width table the
     controller also searches a cap on every row's drafts (a narrower program); None (the simulator's, whose
     clock prices tokens) leaves the search over survival thresholds alone.
 
@@ -252,7 +252,7 @@ class StepCost:
     row_us: jax.Array  # int32[] time per further running row
     ctx_ns: jax.Array  # int32[] nanoseconds per context token read
     head_us: jax.Array  # int32[] the draft heads' time in a step where some row drafts
-    width_us: jax.Array | None = None  # int32[W + 1] extra time of a step whose widest row computes w tokens
+    width_us: jax.Array | None = None  # int32[max_width + 1] extra time of a step whose widest row computes w tokens
     compute_us: jax.Array | None = None  # int32[T_max + 1] a roofline's compute time of t tokens (overlapped)
     mem_us: jax.Array | None = None  # int32[] its memory time of a step reading no context (weights)
     overlap: jax.Array | None = None  # int32[] share of min(compute, memory) hidden, in 1/1024

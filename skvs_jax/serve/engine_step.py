@@ -180,8 +180,8 @@ def _penalty_context(seqs: sc.SeqTable, batch: sc.Batch, rows: sampling.Sampling
 
 
 def _with_drafts(context: _PenaltyContext, drafted: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(seen bool[B, R, V], out_counts int32[B, R, V]) at R sampling slots whose paths hold drafted int32[B, R, V]
-    more tokens (drafts are output tokens)."""
+    """(seen bool[B, slots, V], out_counts int32[B, slots, V]) at the K + 1 sampling slots (`slots`) whose paths
+    hold drafted int32[B, slots, V] more tokens (drafts are output tokens)."""
     return context.seen[:, None] | (drafted > 0), context.out_counts[:, None] + drafted
 
 
@@ -321,10 +321,10 @@ def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Ba
 
 @struct.dataclass
 class _Targets:
-    """The target's distributions at each row's R = K + 1 sampling slots (the root, then node u at query slot
+    """The target's distributions at each row's K + 1 sampling slots (`slots`) (the root, then node u at query slot
     num_query - 1 + u), processed per row, and the [B, Q] views verification reads."""
 
-    raw: jax.Array  # float32[B, R, V] raw logits at the sampling slots (logprobs read these)
+    raw: jax.Array  # float32[B, slots, V] raw logits at the sampling slots (logprobs read these)
     logits: jax.Array  # float32[B, Q, V] the forward's logits with the sampling slots' replaced by processed ones
     temperature: jax.Array  # float32[B] effective temperature of the processed logits: 1 sampled, 0 greedy
     target: jax.Array  # int32[B, Q] the target's token after each sampling slot, from the row's stream
@@ -340,9 +340,9 @@ def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows
     b, width, vocab = logits.shape
     k = cfg.sched.policy.draft_len
     tree = cfg.tree if k > 0 else None
-    depth = jnp.asarray(tree.depth if tree is not None else [0], i32)  # [R]
+    depth = jnp.asarray(tree.depth if tree is not None else [0], i32)  # [slots]
     r = depth.shape[0]
-    at = batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :]  # [B, R] query slot of each node
+    at = batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :]  # [B, slots] query slot of each node
     b_idx = jnp.arange(b, dtype=i32)[:, None]
     raw = logits[b_idx, jnp.clip(at, 0, width - 1)].astype(jnp.float32)
     if tree is not None:
@@ -399,7 +399,7 @@ def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Ar
     new = jnp.where(kk == accepted[:, None], bonus[:, None], new)
     w = rows.stops.shape[-1]
     pos0 = batch.start + batch.num_query  # the first new token's position
-    before = pos0[:, None] - (w - 1) + jnp.arange(w - 1, dtype=i32)[None, :]  # [B, W - 1]
+    before = pos0[:, None] - (w - 1) + jnp.arange(w - 1, dtype=i32)[None, :]  # [B, stop_len - 1]
     history = jnp.take_along_axis(seqs.tokens, jnp.clip(before, 0, seqs.tokens.shape[1] - 1), axis=1)
     history_ok = (before >= seqs.prompt_len[:, None]) & (before >= 0)
     is_stop = sampling.stop_hits(history, history_ok, new, kk <= accepted[:, None], rows)
@@ -413,7 +413,7 @@ def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Ar
 def _emitted_logprobs(raw: jax.Array, path: jax.Array, new_tokens: jax.Array, rows: sampling.SamplingRows
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`sampling.top_logprobs` of each new token (new token i is scored at path node min(i, depth)'s sampling
-    slot), computed only when some row asks for logprobs (zeros otherwise). raw float32[B, R, V]; path
+    slot), computed only when some row asks for logprobs (zeros otherwise). raw float32[B, slots, V]; path
     int32[B, depth + 1]; new_tokens int32[B, K + 1]."""
     b, r1 = new_tokens.shape
     n = sampling.MAX_LOGPROBS

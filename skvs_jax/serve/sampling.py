@@ -23,8 +23,9 @@ depend on nothing but its own stream and positions, never on its batch slot, its
 accepted or a preemption. With point-mass drafts (Medusa's top-k) the emitted tokens are then exactly the tokens
 plain sampling with the same stream emits.
 
-Dimensions as in `skvs_jax/__init__.py`; here R is the number of sampling slots per row (K + 1: the root, then
-the draft nodes), X = MAX_STOPS stop sequences of up to W = MAX_STOP_LEN tokens, L = MAX_LOGPROBS.
+Dimensions as in `skvs_jax/__init__.py`; the local ones are words: `slots` is the number of sampling slots per row
+(K + 1: the root, then the draft nodes), `stops` = MAX_STOPS stop sequences of up to `stop_len` = MAX_STOP_LEN
+tokens, and `top` = MAX_LOGPROBS.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class SamplingRows:
     presence_penalty: jax.Array  # float32[B] 0 = off
     frequency_penalty: jax.Array  # float32[B] 0 = off
     stream: jax.Array  # uint32[B, key words] the request's random stream (`stream_keys`)
-    stops: jax.Array  # int32[B, X, W] stop sequences, each reversed (last token first), -1 past its length
-    stop_len: jax.Array  # int32[B, X] tokens in each stop sequence, 0 = unused
+    stops: jax.Array  # int32[B, stops, stop_len] stop sequences, each reversed (last token first), -1 past its length
+    stop_len: jax.Array  # int32[B, stops] tokens in each stop sequence, 0 = unused
     logprobs: jax.Array  # int32[B] top-N logprobs wanted per emitted token, -1 = none
     seed: jax.Array  # uint32[B] the request's seed (stream = `stream_keys(seed, sample index)`)
     siblings: jax.Array  # int32[B] outputs 1 .. siblings of the prompt still to fork off this row (n > 1), else 0
@@ -133,8 +134,8 @@ def path_counts(nodes: jax.Array, ancestors: jax.Array, vocab: int) -> jax.Array
 
 
 def penalise(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows) -> jax.Array:
-    """Step 1: logits float32[B, R, V]; seen bool[B, R, V] (in prompt + output so far); out_counts int32[B, R, V]
-    (occurrences in the output so far)."""
+    """Step 1: logits float32[B, slots, V]; seen bool[B, slots, V] (in prompt + output so far); out_counts
+    int32[B, slots, V] (occurrences in the output so far)."""
     r = rows.repetition_penalty[:, None, None]
     repeated = jnp.where(logits > 0, logits / r, logits * r)
     logits = jnp.where(seen & (r != 1), repeated, logits)
@@ -148,7 +149,7 @@ def _masked(x: jax.Array, drop: jax.Array) -> jax.Array:
 
 
 def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
-    """Step 3: scaled float32[B, R, V] (logits / T) with the tokens min_p, top_k and top_p drop set to -inf, in
+    """Step 3: scaled float32[B, slots, V] (logits / T) with the tokens min_p, top_k and top_p drop set to -inf, in
     that order (vLLM V1's: min_p is an argmax-invariant logits processor, applied before top-k/top-p)."""
     v = scaled.shape[-1]
     probs = jax.nn.softmax(scaled, axis=-1)
@@ -170,10 +171,10 @@ def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
 
 def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows
             ) -> tuple[jax.Array, jax.Array]:
-    """(processed float32[B, R, V], effective temperature float32[B]): log p of the processed distribution where
+    """(processed float32[B, slots, V], effective temperature float32[B]): log p of the processed distribution where
     temperature > 0 (effective temperature 1), the penalised logits where it is 0 (greedy, effective 0).
 
-    logits float[B, R, V] raw; seen, out_counts as `penalise`. With every option off this is exactly the old
+    logits float[B, slots, V] raw; seen, out_counts as `penalise`. With every option off this is exactly the old
     pipeline (logits / T on sampled rows, the logits themselves on greedy ones): each step is skipped per row."""
     logits = logits.astype(f32)
     any_penalty = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0)
@@ -199,17 +200,18 @@ def log_probs(processed: jax.Array, temperature: jax.Array) -> jax.Array:
 
 def stop_hits(history: jax.Array, history_ok: jax.Array, new: jax.Array, new_ok: jax.Array, rows: SamplingRows
               ) -> jax.Array:
-    """bool[B, R]: some stop sequence ends at new token i, matched on output tokens only.
+    """bool[B, slots]: some stop sequence ends at new token i, matched on output tokens only.
 
-    history int32[B, W - 1] the output tokens right before the step's (oldest first) with history_ok bool[B, W - 1]
-    (False before the output starts); new int32[B, R] the step's tokens, new_ok bool[B, R] those emitted."""
+    history int32[B, stop_len - 1] the output tokens right before the step's (oldest first) with history_ok
+    bool[B, stop_len - 1] (False before the output starts); new int32[B, slots] the step's tokens, new_ok
+    bool[B, slots] those emitted."""
     w = rows.stops.shape[-1]
-    window = jnp.concatenate([history, new], axis=1)  # [B, W - 1 + R]
+    window = jnp.concatenate([history, new], axis=1)  # [B, stop_len - 1 + slots]
     ok = jnp.concatenate([history_ok, new_ok], axis=1)
     r = new.shape[1]
-    back = (w - 1 + jnp.arange(r))[:, None] - jnp.arange(w)[None, :]  # [R, W]: token l places before the end
-    tok, good = window[:, back], ok[:, back]  # [B, R, W]
-    lengths = rows.stop_len[:, None, :, None]  # [B, 1, X, 1]
+    back = (w - 1 + jnp.arange(r))[:, None] - jnp.arange(w)[None, :]  # [slots, stop_len]: token l places before the end
+    tok, good = window[:, back], ok[:, back]  # [B, slots, stop_len]
+    lengths = rows.stop_len[:, None, :, None]  # [B, 1, stops, 1]
     inside = jnp.arange(w)[None, None, None, :] < lengths
     match = (tok[:, :, None, :] == rows.stops[:, None, :, :]) & good[:, :, None, :]
     return jnp.any(jnp.all(match | ~inside, axis=-1) & (lengths[..., 0] > 0), axis=-1) & new_ok
@@ -241,8 +243,8 @@ def sibling_tokens(processed: jax.Array, temperature: jax.Array, raw: jax.Array,
 
 
 def top_logprobs(raw: jax.Array, tokens: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(token's logprob float32[B, R], top-n ids int32[B, R, n], their logprobs float32[B, R, n]) under
-    log_softmax of the raw logits float[B, R, V] (vLLM's default "raw_logprobs"); tokens int32[B, R]."""
+    """(token's logprob float32[B, slots], top-n ids int32[B, slots, n], their logprobs float32[B, slots, n]) under
+    log_softmax of the raw logits float[B, slots, V] (vLLM's default "raw_logprobs"); tokens int32[B, slots]."""
     logp = jax.nn.log_softmax(raw.astype(f32), axis=-1)
     top_lp, top_ids = jax.lax.top_k(logp, n)
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0], top_ids.astype(i32), top_lp

@@ -510,7 +510,7 @@ class OracleScheduler:
         s = self.cfg.cache.block_size  # what a re-admission would not find in the prefix index
         lost = sum(max(committed[b] - s * sum(1 for blk in a.tables[b] if a.cached[blk]), 0) for b in extra)
         recompute = lost * per_token_ns // 1000
-        if terms[4] is not None:  # every W recomputed tokens begun: one step in the widest program
+        if terms[4] is not None:  # every max_width recomputed tokens begun: one step in the widest program
             w_max = max(len(terms[4]) - 1, 1)
             recompute += -(-lost // w_max) * (terms[4][-1] - terms[4][0])
         lhs = np.float32(tokens2) * np.float32(max(time1, 1))
