@@ -1,7 +1,7 @@
 """`skvs micro attention`: paged decode attention (the XLA path "auto" takes off-GPU) vs dense attention over the
 same KV stored contiguously, in one process, interleaved repeat by repeat so machine noise hits both alike.
 
-Dense is timed three ways and the fastest is the baseline: (a) one einsum softmax over [B, L, Hkv, D];
+Dense is timed three ways and the fastest is the baseline: (a) one einsum softmax over [B, ctx, Hkv, D];
 (b) the paged path's chunked online softmax written over contiguous KV with dynamic slices; (c) the paged code
 itself over the contiguous KV through the identity block table. The ratio therefore measures the cost of
 paging (scattered blocks read through a shuffled table), not an algorithm difference.
@@ -52,12 +52,12 @@ def _parse(argv):
 
 @jax.jit
 def dense_einsum(q, k, v, lens):
-    """q [B, 1, Hq, D], k/v [B, L, Hkv, D] contiguous, lens [B] -> [B, 1, Hq, D]; one masked softmax."""
+    """q [B, 1, Hq, D], k/v [B, ctx, Hkv, D] contiguous, lens [B] -> [B, 1, Hq, D]; one masked softmax."""
     B, _, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
+    ctx, Hkv = k.shape[1], k.shape[2]
     qf = q.astype(jnp.float32).reshape(B, Hkv, Hq // Hkv, D) * jnp.float32(1 / math.sqrt(D))
     s = jnp.einsum("bhgd,blhd->bhgl", qf, k.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    mask = (jnp.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+    mask = (jnp.arange(ctx)[None, :] < lens[:, None])[:, None, None, :]
     s = jnp.where(mask, s, -jnp.inf)
     p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), 0.0)
     o = jnp.einsum("bhgl,blhd->bhgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
@@ -68,7 +68,7 @@ def dense_einsum(q, k, v, lens):
 def dense_chunked(q, k, v, lens):
     """Same contract as dense_einsum; online softmax over CHUNK-token slices of the contiguous KV."""
     B, _, Hq, D = q.shape
-    L, Hkv = k.shape[1], k.shape[2]
+    ctx, Hkv = k.shape[1], k.shape[2]
     qf = q.astype(jnp.float32).reshape(B, Hkv, Hq // Hkv, D) * jnp.float32(1 / math.sqrt(D))
 
     def step(i, carry):
@@ -86,7 +86,7 @@ def dense_chunked(q, k, v, lens):
 
     G = Hq // Hkv
     init = (jnp.full((B, Hkv, G), -jnp.inf), jnp.zeros((B, Hkv, G)), jnp.zeros((B, Hkv, G, D)))
-    _, l, acc = lax.fori_loop(0, L // CHUNK, step, init)
+    _, l, acc = lax.fori_loop(0, ctx // CHUNK, step, init)
     return (acc / l[..., None]).reshape(B, 1, Hq, D).astype(q.dtype)
 
 
@@ -120,18 +120,18 @@ def run(a: argparse.Namespace) -> int:
             raise SystemExit(f"skvs micro attention: --{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     if a.warmup < 0:
         raise SystemExit(f"skvs micro attention: --warmup must be >= 0, got {a.warmup}")
-    B, L, Hq, Hkv, D, S = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.block_size
-    if L % S or L % CHUNK or Hq % Hkv:
+    B, ctx, Hq, Hkv, D, S = a.batch, a.context, a.heads, a.kv_heads, a.head_dim, a.block_size
+    if ctx % S or ctx % CHUNK or Hq % Hkv:
         raise SystemExit("skvs micro attention: --context must be a multiple of --block-size and of 32, and --heads "
                          "a multiple of --kv-heads")
     dtype = jnp.dtype(a.dtype)
-    M = L // S
+    M = ctx // S
     N = B * M + 1  # + the null block 0
     rng = np.random.default_rng(a.seed)
-    k = jnp.asarray(rng.standard_normal((B, L, Hkv, D), np.float32), dtype)  # contiguous KV, [B, L, Hkv, D]
-    v = jnp.asarray(rng.standard_normal((B, L, Hkv, D), np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal((B, ctx, Hkv, D), np.float32), dtype)  # contiguous KV, [B, ctx, Hkv, D]
+    v = jnp.asarray(rng.standard_normal((B, ctx, Hkv, D), np.float32), dtype)
     q = jnp.asarray(rng.standard_normal((B, 1, Hq, D), np.float32), dtype)
-    lens = jnp.full((B,), L, jnp.int32)
+    lens = jnp.full((B,), ctx, jnp.int32)
     tables = jnp.asarray(rng.permutation(np.arange(1, N)).reshape(B, M).astype(np.int32))  # non-contiguous
     order = jnp.argsort(tables.reshape(-1))
     k_pages = jnp.concatenate([jnp.zeros((1, S, Hkv, D), dtype), k.reshape(B * M, S, Hkv, D)[order]])
@@ -162,11 +162,11 @@ def run(a: argparse.Namespace) -> int:
             times[name].append(_time_once(fn, *args))
     med = {name: statistics.median(t) for name, t in times.items()}
 
-    kv_bytes = 2 * B * L * Hkv * D * dtype.itemsize
+    kv_bytes = 2 * B * ctx * Hkv * D * dtype.itemsize
     copy_gbs = copy_bandwidth(kv_bytes, a.repeats)
     kind = "Pallas" if c.on_gpu() else "XLA"
     print(f"setup: backend={jax.default_backend()} jax={jax.__version__} devices={len(jax.devices())}; "
-          f"B={B} context={L} Hq={Hq} Hkv={Hkv} D={D} block_size={S} dtype={dtype.name}; "
+          f"B={B} context={ctx} Hq={Hq} Hkv={Hkv} D={D} block_size={S} dtype={dtype.name}; "
           f"KV {kv_bytes / 1e6:.1f} MB; paged path = {kind}; {a.repeats} interleaved repeats")
     print(f"copy bandwidth (jitted negate, read+write): {copy_gbs:.2f} GB/s")
     for name, t in med.items():

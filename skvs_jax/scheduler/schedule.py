@@ -516,7 +516,7 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     idle cached blocks a hit shares stop being evictable, and are counted once however many candidates share
     them: `newly_held`), each with a chunk of the remaining token budget, stopping at the first that does not
     fit."""
-    s, m, b, a = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs, cfg.window
+    s, m, b, a = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs, cfg.admit_rows
     pol, seqs = cfg.policy, st.seqs
     still_swapped = jnp.any(seqs.status == SWAPPED)
     pos = jnp.nonzero((seqs.status == WAITING)[order.order], size=a, fill_value=b)[0]

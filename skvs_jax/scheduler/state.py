@@ -124,7 +124,8 @@ class SchedulerConfig:
         return self.prefill_chunk or self.token_budget
 
     @property
-    def window(self) -> int:
+    def admit_rows(self) -> int:
+        """A, the WAITING rows admission examines per step: `admit_window` resolved (0: min(32, B))."""
         return min(self.admit_window or 32, self.cache.max_seqs)
 
     @property

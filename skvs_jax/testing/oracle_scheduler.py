@@ -636,7 +636,7 @@ class OracleScheduler:
         the first candidate that shares it) and batch rows fit."""
         cfg, pol, a, s = self.cfg, self.pol, self.alloc, self.cfg.cache.block_size
         num_tokens = start.num_tokens
-        cands = [b for b in start.order if self.status[b] == WAITING][: cfg.window]
+        cands = [b for b in start.order if self.status[b] == WAITING][: cfg.admit_rows]
         evictable_now = [a.cached[i] and a.ref[i] == 0 for i in range(cfg.cache.num_blocks)]
         budget_left = cfg.token_budget - sum(grant.num_query) - sum(grant.num_drafts)
         tok_cum = blk_cum = 0
