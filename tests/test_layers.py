@@ -91,3 +91,4 @@ def test_every_module_is_on_its_packages_map(package):
     modules += [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc))
     assert sorted(m for m in modules if m not in words) == []
+
