@@ -1,6 +1,7 @@
 """Chosen draft widths (`scheduler.buckets`): the exact choice, the one snapping rule, re-choice with hysteresis,
 widths as data in the scheduler (against the oracle), and the engine's compile count."""
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from skvs_jax import policies
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.scheduler import buckets
+from skvs_jax.serve import speculation
 from skvs_jax.testing.scheduler_harness import Harness
 
 
@@ -118,7 +120,7 @@ def test_the_histogram_rule_drafts_from_the_states_widths_as_the_oracle_does(tre
     pol = policies.skvs_article(4).replace(bucket_budget=3)
     reach = (0, 1, 1, 2, 2) if tree_reach else ()
     cfg = sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, prefix_capacity=1024,
-                             reach_table=reach)
+                             reach_of=reach)
     h = Harness(cfg, vocab=3)
     rng = np.random.default_rng(0)
     ops = [("add", [[1, 2, 1], [0, 1], [2, 2, 2, 1]], [12, 10, 14], [0, 1, 0])]
@@ -131,12 +133,19 @@ def test_the_histogram_rule_drafts_from_the_states_widths_as_the_oracle_does(tre
     assert int(h.st.counters.drafted) > 0
 
 
-def test_a_tree_without_a_reach_table_reaches_what_its_buckets_reach():
+def test_a_reach_table_is_checked_and_a_chain_is_resolved_to_the_policys_k():
+    """`SchedulerConfig.reach_of`: a tree's table is kept; () or a chain (of any K: a config whose policy was
+    replaced) is this policy's chain; a table of the wrong length, decreasing, or past its count is refused."""
     pol = policies.skvs_article(15)
-    cfg = sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, draft_reach=(0, 3, 4))
-    assert cfg.reach_of[7] == 3 and cfg.reach_of[6] == 0 and cfg.reach_of[15] == 4
-    with pytest.raises(ValueError, match="reach_table"):
-        sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, reach_table=(0, 2))
+    tree = speculation.reach(speculation.SMALL_TREE, range(16))
+    cfg = sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, reach_of=tree)
+    assert cfg.reach_of == tree and cfg.reach_of[7] == 3 and cfg.reach_of[6] == 2 and cfg.reach_of[15] == 4
+    chain = sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16)
+    assert chain.reach_of == tuple(range(16))
+    assert dataclasses.replace(chain, policy=policies.skvs_article(4)).reach_of == (0, 1, 2, 3, 4)
+    for bad in ((0, 2), (0, 1, 1, 0) + (1,) * 12, (0, 2) + (2,) * 14, ("a",) * 16):
+        with pytest.raises(ValueError, match="reach_of must give"):
+            sc.SchedulerConfig(cache=CACHE, policy=pol, max_running=5, token_budget=16, reach_of=bad)
 
 
 # ---------------------------------------------------------------------------------- the engine's programs

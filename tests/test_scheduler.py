@@ -69,7 +69,7 @@ CONFIGS = {
     "naive_spec_vllm": _cfg(policies.naive_spec_vllm(4)),
     # The goodput controller on a draft tree of 4 slots reaching depth 2 (slot counts 0..4 reach 0, 1, 1, 2, 2):
     # it drafts to a depth in the fewest slots, and counts the depths reached.
-    "skvs-tree": _cfg(SKVS, reach_table=(0, 1, 1, 2, 2)),
+    "skvs-tree": _cfg(SKVS, reach_of=(0, 1, 1, 2, 2)),
 }
 # Knobs other than the config's policy's own (`Policy.knobs()`), by config name.
 KNOBS = {"skvs-verify-budget-6": SKVS.replace(verify_budget=6).knobs(),

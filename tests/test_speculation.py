@@ -205,7 +205,7 @@ def test_tree_decoding_is_greedy_and_the_cache_holds_exactly_the_validated_path(
 def test_skvs_with_a_tree_and_typical_acceptance_at_temperature_zero_is_greedy(shipped, trace, reference):
     e = _engine(shipped, policies.skvs_article(15), trace, tree=SMALL_TREE, acceptance="typical")
     assert e.run() == reference
-    assert e.cfg.sched.reach == (0, 3, 4)  # buckets {0, 7, 15} nodes reach depths {0, 3, 4}
+    assert tuple(e.cfg.sched.reach_of[b] for b in (0, 7, 15)) == (0, 3, 4)  # buckets {0, 7, 15} reach {0, 3, 4}
     assert int(e.state.sched.counters.accepted) > 0
 
 
@@ -351,18 +351,18 @@ def test_adaptive_draft_length_compares_the_expected_acceptance_with_each_bucket
 
     policy = policies.skvs_article(15)
     cfg = sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96,
-                             draft_reach=speculation.reach(SMALL_TREE, policy.draft_buckets))
+                             reach_of=speculation.reach(SMALL_TREE, range(policy.draft_len + 1)))
     seqs = sc.init(cfg).seqs
     hist = np.zeros((8, 16), np.int32)
     hist[0, 4] = 3  # always the full depth: the largest bucket
     hist[1, 1], hist[1, 2] = 70, 20  # mean ~1.3: round(1.95) = 2 -> the 7-node bucket (reach 3)
     hist[2, 0] = 200  # drafts keep failing: bucket 0, no speculation
     seqs = seqs.replace(accept_hist=jnp.asarray(hist))
-    want = np.asarray(sc.draft_lengths(seqs, policy.knobs(), policy, cfg.reach))
+    want = np.asarray(sc.draft_lengths(seqs, policy.knobs(), policy, reach_of=cfg.reach_of))
     assert want[0] == 15 and want[1] == 7 and want[2] == 0
     assert want[3] == 15  # a new request: only the prior (full depth 4 accepted once)
-    with pytest.raises(ValueError, match="draft_reach"):
-        sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96, draft_reach=(0, 8, 4))
+    with pytest.raises(ValueError, match="reach_of"):
+        sc.SchedulerConfig(cache=CACHE, policy=policy, max_running=8, token_budget=96, reach_of=(0, 8, 4))
 
 
 def test_the_policys_kv_precision_builds_the_cache(shipped):

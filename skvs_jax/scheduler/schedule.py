@@ -64,16 +64,16 @@ def in_order(x: jax.Array, order: jax.Array, rank: jax.Array) -> jax.Array:
     return jnp.cumsum(x[order], dtype=i32)[rank]
 
 
-def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int, ...] | None = None,
-                  widths: jax.Array | None = None, reach_of: tuple[int, ...] | None = None) -> jax.Array:
+def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, widths: jax.Array | None = None,
+                  reach_of: tuple[int, ...] | None = None) -> jax.Array:
     """int32[B] drafts each sequence would propose (before memory and room limits).
 
-    Fixed: knobs.draft_len. Adaptive: the smallest draft bucket whose reach (`SchedulerConfig.draft_reach`;
-    for a chain the bucket itself) is >= round(1.5 * mean accepted count) of the request's histogram, which
-    holds one prior observation of full acceptance (so a new request starts at the largest bucket). Drafting
-    half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
+    Fixed: knobs.draft_len. Adaptive: the smallest draft bucket whose reach (reach_of[bucket],
+    `SchedulerConfig.reach_of`; for a chain the bucket itself) is >= round(1.5 * mean accepted count) of the request's
+    histogram, which holds one prior observation of full acceptance (so a new request starts at the largest bucket).
+    Drafting half again the expected accepted length keeps the chance of extra tokens without paying for K - a rejected
     slots every step; a request whose drafts keep failing drops to 0 (no speculation). The buckets are the
-    policy's `draft_buckets` (reach: per bucket), or, given widths int32[widths] (`SchedState.draft_widths`, data),
+    policy's `draft_buckets`, or, given widths int32[widths] (`SchedState.draft_widths`, data),
     those widths, each reaching reach_of[w] (`SchedulerConfig.reach_of`, per count 0..K; default a chain).
     Goodput control (`policy.draft_control`): knobs.draft_len, the cap below which `plan_drafts` decides.
     """
@@ -83,11 +83,11 @@ def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, reach: tuple[int
     if not policy.adaptive_draft_len or policy.goodput_control:
         return jnp.broadcast_to(k_max, seqs.num_tokens.shape)
     k = policy.draft_len
+    reach_of = reach_of or tuple(range(k + 1))
     if widths is None:
-        reach = reach or policy.draft_buckets or (k,)
+        reach = tuple(reach_of[b] for b in policy.draft_buckets or (k,))
         widths, reach_arr, top = jnp.asarray(policy.draft_buckets or (k,), i32), jnp.asarray(reach, i32), reach[-1]
     else:
-        reach_of = reach_of or tuple(range(k + 1))
         reach_arr, top = jnp.asarray(reach_of, i32)[widths], reach_of[k]
     hist = seqs.accept_hist.at[:, top].add(1).astype(jnp.float32)  # the prior: everything reachable accepted
     mean = jnp.sum(hist * jnp.arange(k + 1, dtype=jnp.float32)[None, :], axis=1) / jnp.sum(hist, axis=1)

@@ -49,14 +49,13 @@ class SchedulerConfig:
         a decode step fills about B * (tokens per step) / S blocks.
       prefix_capacity / prefix_ways: the prefix cache's table (default: `PrefixCacheConfig.for_cache`'s, four
         times the usable blocks, in 8-way buckets).
-      draft_reach: per draft bucket, the most drafts a step with that many draft slots can accept (default: the
-        buckets themselves, a chain). A draft tree of d nodes reaches only its depth, so adaptive draft length
-        compares the expected accepted length with the reach, not with the node count.
       impl: the kernels' implementation (`pallas_kernels.IMPLS`) the KV manager's commit runs its block-state
         update with (`KVConfig.impl`); the engine sets it to its own `impl`.
-      reach_table: per draft count d in 0..K, the most drafts d slots can accept (default: d itself, a chain; the
-        engine sets it for a tree). The draft widths are data (`SchedState.draft_widths`), so their reach is
-        looked up here; without it, a tree's `draft_reach` gives each count the reach of the largest bucket <= it.
+      reach_of: per draft count d in 0..K, the most drafts d slots can accept: a draft tree of d nodes reaches
+        only their depth (`serve.speculation.reach`; the engine sets it for a tree). () or a chain (d itself) is
+        resolved to this policy's chain at construction. The draft widths are data (`SchedState.draft_widths`),
+        so their reach is looked up here, and adaptive draft length compares the expected accepted length with a
+        bucket's reach, not its node count.
     """
 
     cache: CacheConfig
@@ -70,9 +69,8 @@ class SchedulerConfig:
     index_rows: int = 0
     prefix_capacity: int | None = None
     prefix_ways: int = 8
-    draft_reach: tuple[int, ...] = ()
     impl: str = "xla"
-    reach_table: tuple[int, ...] = ()
+    reach_of: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -92,32 +90,15 @@ class SchedulerConfig:
             raise TypeError(f"victim must be None or a function, got {type(self.victim).__name__}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
-        buckets = self.policy.draft_buckets or ((self.policy.draft_len,) if self.policy.speculation else ())
-        if self.draft_reach and (len(self.draft_reach) != len(buckets) or list(self.draft_reach) != sorted(
-                self.draft_reach) or any(not 0 <= r <= k for r, k in zip(self.draft_reach, buckets))):
-            raise ValueError(f"draft_reach must give, per draft bucket {buckets}, a non-decreasing reach <= the "
-                             f"bucket, got {self.draft_reach}")
         k = self.policy.draft_len
-        if self.reach_table and (len(self.reach_table) != k + 1 or list(self.reach_table) != sorted(self.reach_table)
-                                 or any(not 0 <= r <= d for d, r in enumerate(self.reach_table))):
-            raise ValueError(f"reach_table must give, per draft count 0..{k}, a non-decreasing reach <= the count, "
-                             f"got {self.reach_table}")
-
-    @property
-    def reach(self) -> tuple[int, ...]:
-        """Per draft bucket, the most drafts it can accept (see `draft_reach`)."""
-        return self.draft_reach or self.policy.draft_buckets or (self.policy.draft_len,)
-
-    @property
-    def reach_of(self) -> tuple[int, ...]:
-        """Per draft count 0..K, the most drafts it can accept (see `reach_table`)."""
-        k = self.policy.draft_len
-        if self.reach_table:
-            return self.reach_table
-        if not self.draft_reach:
-            return tuple(range(k + 1))
-        pairs = list(zip(self.policy.draft_buckets or (k,), self.draft_reach))
-        return tuple(max((r for b, r in pairs if b <= d), default=0) for d in range(k + 1))
+        reach = tuple(self.reach_of)
+        if reach == tuple(range(len(reach))):  # none given, or a chain (of any K, e.g. after a policy replace)
+            reach = tuple(range(k + 1))
+        if (any(not checks.is_int(r) for r in reach) or len(reach) != k + 1 or list(reach) != sorted(reach)
+                or any(not 0 <= r <= d for d, r in enumerate(reach))):
+            raise ValueError(f"reach_of must give, per draft count 0..{k}, a non-decreasing reach <= the count, "
+                             f"got {self.reach_of}")
+        object.__setattr__(self, "reach_of", tuple(int(r) for r in reach))  # frozen: resolved once, here
 
     @property
     def chunk(self) -> int:

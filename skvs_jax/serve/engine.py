@@ -110,8 +110,7 @@ class Engine:
             token_budget=opt.token_budget, prefill_chunk=opt.prefill_chunk, victim=opt.victim, impl=opt.impl,
             swap_blocks=opt.swap_blocks + opt.disk_blocks,  # the scheduler counts the room of both tiers
             admit_window=min(cache.max_seqs, 32),
-            draft_reach=spec.reach(tree, policy.draft_buckets) if tree and policy.draft_buckets else (),
-            reach_table=spec.reach(tree, tuple(range(policy.draft_len + 1))) if tree else ())
+            reach_of=spec.reach(tree, tuple(range(policy.draft_len + 1))) if tree else ())
         if not isinstance(opt.step_cost, str):
             sc.check_step_cost(opt.step_cost, scfg)
         kv_dtype = policy.kv_dtype() if opt.kv_dtype is None else opt.kv_dtype  # an explicit dtype overrides

@@ -67,10 +67,11 @@ def parents(tree: DraftTree) -> np.ndarray:
     return np.array([0] + [slot.get(c[:-1], 0) for c in tree.choices], np.int32)
 
 
-def reach(tree: DraftTree, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """Per draft bucket d (nodes granted), the most drafts its subtree can accept: the depth of its first d nodes."""
+def reach(tree: DraftTree, counts) -> tuple[int, ...]:
+    """Per draft count d in `counts` (nodes granted), the most drafts its subtree can accept: the depth of its
+    first d nodes (`SchedulerConfig.reach_of` is this over 0..K)."""
     depth = tree.depth
-    return tuple(int(depth[: d + 1].max()) for d in buckets)
+    return tuple(int(depth[: d + 1].max()) for d in counts)
 
 
 def node_tokens(draft_logits: jax.Array, tree: DraftTree) -> jax.Array:
