@@ -51,3 +51,13 @@ VICTIM_RULES: dict[str, VictimRule] = {
     "most_blocks": most_blocks,
 }
 VICTIM_RULE_NAMES = tuple(VICTIM_RULES)
+
+
+def check_custom_rule(rule) -> None:
+    """A config's `victim` hook (`SchedulerConfig.victim`, `EngineOptions.victim`): None or a function. A rule's
+    name is refused there, with where it goes instead: the policy names rules, the hook takes one without a name."""
+    if isinstance(rule, str):
+        raise TypeError(f"victim takes a function (a custom rule); name a rule on the policy instead: "
+                        f"policy.replace(victim={rule!r})")
+    if rule is not None and not callable(rule):
+        raise TypeError(f"victim must be None or a function, got {type(rule).__name__}")

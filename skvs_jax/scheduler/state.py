@@ -20,7 +20,7 @@ from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager
 from skvs_jax.kv import prefix_cache as pc
 from skvs_jax.policies import Policy
-from skvs_jax.victims import VICTIM_RULES, VictimRule
+from skvs_jax.victims import VICTIM_RULES, VictimRule, check_custom_rule
 
 EMPTY, WAITING, RUNNING, SWAPPED, FINISHED = 0, 1, 2, 3, 4
 STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
@@ -83,11 +83,7 @@ class SchedulerConfig:
         if self.max_running > self.cache.max_seqs:
             raise ValueError(f"max_running ({self.max_running}) cannot exceed cache.max_seqs "
                              f"({self.cache.max_seqs})")
-        if isinstance(self.victim, str):
-            raise TypeError(f"victim takes a function (a custom rule); name a rule on the policy instead: "
-                            f"policy.replace(victim={self.victim!r})")
-        if self.victim is not None and not callable(self.victim):
-            raise TypeError(f"victim must be None or a function, got {type(self.victim).__name__}")
+        check_custom_rule(self.victim)
         if self.impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         k = self.policy.draft_len

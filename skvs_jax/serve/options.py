@@ -23,7 +23,7 @@ from skvs_jax.policies import Policy
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import ModelRunner
-from skvs_jax.victims import VictimRule
+from skvs_jax.victims import VictimRule, check_custom_rule
 
 STEP_COSTS = ("fit", "flat")
 
@@ -107,11 +107,7 @@ class EngineOptions:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
         if self.tree is not None and not isinstance(self.tree, spec.DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(self.tree).__name__}")
-        if isinstance(self.victim, str):
-            raise TypeError(f"victim takes a function (a custom rule); name a rule on the policy instead: "
-                            f"policy.replace(victim={self.victim!r})")
-        if self.victim is not None and not callable(self.victim):
-            raise TypeError(f"victim must be None or a function, got {type(self.victim).__name__}")
+        check_custom_rule(self.victim)
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 
