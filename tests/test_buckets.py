@@ -158,16 +158,16 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
     every program compiled over the run is a width it had: 1 + budget * (1 + re-choices) at most. Greedy output
     is unchanged, and the scheduler's state holds the chooser's widths."""
     from reference_models import greedy_generate
-    from skvs_jax.serve import engine, engine_step
+    from skvs_jax.serve import dispatch, engine
 
     model, heads = shipped
     cache = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
     policy = policies.skvs(4).replace(bucket_budget=3)
     e = engine.Engine(model, heads, policy, cache, token_budget=96, prefill_chunk=32)
     e.picker.chooser.every = 6
-    before = engine_step.fused_step._cache_size()
+    before = dispatch.run_steps._cache_size()
     assert e.warmup({4: 40}) == [e.picker.prompt_width, 5] and e.picker.decode_widths == (5,)  # only K was ever wanted
-    assert engine_step.fused_step._cache_size() - before == 2
+    assert dispatch.run_steps._cache_size() - before == 2
     rng = np.random.default_rng(1)
     prompts = [rng.integers(32, 127, size=int(rng.integers(6, 20))).tolist() for _ in range(3)]
     ids = [e.add_request(p, engine.SamplingParams(max_tokens=48)) for p in prompts]
@@ -179,7 +179,7 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
         steps += 1
     for rid, p in zip(ids, prompts):
         assert e.requests[rid].tokens == greedy_generate(model, np.asarray([p]), 48)[0, len(p):].tolist()
-    compiled = engine_step.fused_step._cache_size() - before
+    compiled = dispatch.run_steps._cache_size() - before
     # bounds of 2 drafts: width 1 + 2 joins K's
     assert e.picker.chooser.rechoices == 1 and e.picker.decode_widths == (3, 5)
     assert compiled == len(e.picker.widths) == 3 <= 1 + policy.bucket_budget * (1 + e.picker.chooser.rechoices)

@@ -15,7 +15,7 @@ from skvs_jax import policies, workloads
 from skvs_jax.commands import bench
 from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager
-from skvs_jax.serve import engine, engine_step
+from skvs_jax.serve import dispatch, engine, engine_step
 from skvs_jax.serve.model_runner import LlamaMedusaRunner
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
@@ -65,12 +65,12 @@ def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_noth
     e = engine.Engine(model, heads, policies.preset("skvs"), CACHE, token_budget=96, prefill_chunk=32)
     order = e.warmup({4: 1, 2: 50, 0: 3})  # the prompt width, then drafts 2 (width 3), 0 (width 1), 4 (width 5)
     assert order == [e.picker.prompt_width, 3, 1, 5] and sorted(order) == list(e.picker.widths)
-    before = engine_step.fused_step._cache_size()
+    before = dispatch.run_steps._cache_size()
     small = trace.requests[:2]
     for r in small:
         e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id)
     assert e.run() == {r.request_id: reference[r.request_id] for r in small}
-    assert engine_step.fused_step._cache_size() == before
+    assert dispatch.run_steps._cache_size() == before
     assert sum(e.picker.draft_hist.values()) == sum(e.picker.width_hist.values()) > 0
 
 
@@ -87,12 +87,12 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
     assert chosen_wide.count(narrow) > 0 and chosen_wide.count(e.picker.prompt_width) > 0
     assert set(e.picker.width_hist) <= set(e.picker.widths) and sum(e.picker.width_hist.values()) == len(e.step_log)
 
-    fused = engine_step.fused_step
+    run_steps = dispatch.run_steps
 
-    def always_wide(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
-        return fused(runner, params, st, knobs, engine_step.WIDE, cfg=cfg, width=width)
+    def always_wide(runner, params, st, knobs, lim, branch=engine_step.AUTO, *, cfg, width, capacity):
+        return run_steps(runner, params, st, knobs, lim, engine_step.WIDE, cfg=cfg, width=width, capacity=capacity)
 
-    monkeypatch.setattr(engine_step, "fused_step", always_wide)
+    monkeypatch.setattr(dispatch, "run_steps", always_wide)
     wide, out_wide = _serve(shipped, policy, trace)
     assert out_wide == reference
     assert jax.tree.map(int, wide.state.sched.counters) == jax.tree.map(int, e.state.sched.counters)
@@ -105,24 +105,28 @@ def test_the_split_branch_computes_what_the_wide_one_does(shipped, trace, refere
     The run goes on from the wide branch's state and still gives the greedy reference; split_rows < 0 is
     refused."""
     policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
-    fused, compared = engine_step.fused_step, []
+    run_steps, compared = dispatch.run_steps, []
 
-    def both(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
+    def both(runner, params, st, knobs, lim, branch=engine_step.AUTO, *, cfg, width, capacity):
         if width <= engine_step.narrow_width(cfg):
-            return fused(runner, params, st, knobs, branch, cfg=cfg, width=width)
-        s_split, split = fused(runner, params, jax.tree.map(lambda x: x.copy(), st), knobs, engine_step.SPLIT,
-                               cfg=cfg, width=width)
-        st, wide = fused(runner, params, st, knobs, engine_step.WIDE, cfg=cfg, width=width)
-        if bool(split.width_ok):  # the chunks fit the extra rows (else the split is not what AUTO runs)
+            return run_steps(runner, params, st, knobs, lim, branch, cfg=cfg, width=width, capacity=capacity)
+        # One step at a time, so each is compared from the same state.
+        one = lim.replace(n=np.int32(1))
+        s_split, split = run_steps(runner, params, jax.tree.map(lambda x: x.copy(), st), knobs, one,
+                                   engine_step.SPLIT, cfg=cfg, width=width, capacity=capacity)
+        st, wide = run_steps(runner, params, st, knobs, one, engine_step.WIDE, cfg=cfg, width=width,
+                             capacity=capacity)
+        if int(wide.steps) and bool(split.out.width_ok[0]):  # the chunks fit the extra rows (else AUTO runs WIDE)
             for field in ("num_new", "new_tokens", "accepted", "num_drafts", "scheduled", "finished"):
-                assert np.asarray(getattr(split, field)).tolist() == np.asarray(getattr(wide, field)).tolist()
+                assert (np.asarray(getattr(split.out, field))[0].tolist()
+                        == np.asarray(getattr(wide.out, field))[0].tolist())
             np.testing.assert_allclose(np.asarray(s_split.hidden), np.asarray(st.hidden), atol=1e-5)
             for a, b in zip(runner.kv_pages(s_split.cache), runner.kv_pages(st.cache)):
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-            compared.append(int(wide.num_tokens))  # tokens the step computed
+            compared.append(int(wide.out.num_tokens[0]))  # tokens the step computed
         return st, wide
 
-    monkeypatch.setattr(engine_step, "fused_step", both)
+    monkeypatch.setattr(dispatch, "run_steps", both)
     e, out = _serve(shipped, policy, trace)
     assert out == reference
     # Among the compared steps, ones whose chunks needed extra rows (more tokens than the narrow rows hold).
@@ -511,10 +515,10 @@ GARBAGE = 1e4  # large and finite: a read of it moves the logits; NaN would leak
 
 
 def _record_batches(monkeypatch) -> list:
-    """Make `Engine.step` run its fused step as its two halves (the same program, split) and keep every step's
-    batch on the host with each row's committed length right after the step (int32[B]: read from the step's own
-    state, since the engine's last step then releases the finished slots), so a test can see which slots held
-    which drafts."""
+    """Make `Engine.step` (of an engine with steps_per_dispatch=1) run its fused step as its two halves (the same
+    program, split) and keep every step's batch on the host with each row's committed length right after the step
+    (int32[B]: read from the step's own state, since the engine's last step then releases the finished slots), so
+    a test can see which slots held which drafts."""
     seen = []
 
     def fused_with_batch(runner, params, st, knobs, branch=engine_step.AUTO, *, cfg, width):
@@ -583,7 +587,8 @@ def _serve_checked(e, requests, *, poison: bool) -> tuple[dict, int, int]:
 
 def _engine(shipped, policy, monkeypatch, **kw):
     model, heads = shipped
-    e = engine.Engine(model, heads, policy, kw.pop("cache", CACHE), token_budget=96, prefill_chunk=32, **kw)
+    e = engine.Engine(model, heads, policy, kw.pop("cache", CACHE), token_budget=96, prefill_chunk=32,
+                      steps_per_dispatch=1, **kw)  # one step per dispatch: the test reads every step's batch
     e._test_batches = _record_batches(monkeypatch)
     return e
 

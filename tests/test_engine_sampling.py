@@ -19,9 +19,10 @@ PROMPT = list(b"def parse(text):\n    ")
 OTHERS = [list(b"import numpy as np\n"), list(b"class Engine:\n    "), list(b"    return x")]
 
 
-def _engine(shipped, policy=None):
+def _engine(shipped, policy=None, **options):
     model, heads = shipped
-    return engine.Engine(model, heads, policy or policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    return engine.Engine(model, heads, policy or policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32,
+                         **options)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +162,7 @@ def test_aborting_one_output_before_its_fork_ends_that_output_alone(shipped):
 def test_aborting_an_n_request_ends_every_output_before_and_after_the_fork(shipped):
     """`abort_request(rid)` on an n = 3 request ends all three outputs, whether they have forked or not (after
     the fork it used to end output 0 only, and outputs 1 and 2 ran on to max_tokens)."""
-    e = _engine(shipped)
+    e = _engine(shipped, steps_per_dispatch=1)  # one step at a time: abort between admission and fork
     before = e.add_request(PROMPT * 2, engine.SamplingParams(max_tokens=12, n=3))
     e.step()  # admitted, not forked
     assert before in e.table.slot_of and len(e.table.slot_of) == 1

@@ -14,7 +14,7 @@ from reference_models import greedy_generate
 from reference_models.medusa_tree import SMALL_TREE
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
-from skvs_jax.serve import engine, engine_step, speculation
+from skvs_jax.serve import dispatch, engine, engine_step, speculation
 from skvs_jax.serve.speculation import DraftTree
 
 # Tight enough that preemption and prefix hits happen (as in test_engine).
@@ -231,7 +231,7 @@ def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped)
     model, heads = shipped
     # The configuration the sampled-drafts and warm-up tests below reuse (their programs are compiled here).
     e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32, seed=3,
-                      sample_drafts=True)
+                      sample_drafts=True, steps_per_dispatch=1)
     rng = np.random.default_rng(0)
     before, steps = _compilations(), 0
     drafts_seen = set()
@@ -255,7 +255,8 @@ def test_a_verify_budget_narrows_the_query_width_the_engine_compiles_and_runs(sh
     bound includes the budget's cap, so R decode rows run a width of at most 1 + the smallest bucket holding
     floor(budget / R) - 1 drafts (never a query that does not fit: the engine raises on one)."""
     budget = 8  # 2 decode rows: up to 3 drafts, 3 rows: 1, 4 or more: none
-    e = _engine(shipped, policies.skvs(4).replace(verify_budget=budget), trace)
+    # One step per dispatch: the test reads each step's width.
+    e = _engine(shipped, policies.skvs(4).replace(verify_budget=budget), trace, steps_per_dispatch=1)
     buckets = sorted(e.picker.decode_widths)
     steps = []
     while e.has_work():
@@ -330,7 +331,8 @@ def test_bad_speculation_arguments_are_refused(shipped):
 
 
 def _compilations() -> int:
-    return engine_step.fused_step._cache_size()
+    """Programs of the step compiled so far: one step (`fused_step`) and many (`dispatch.run_steps`)."""
+    return engine_step.fused_step._cache_size() + dispatch.run_steps._cache_size()
 
 
 def test_sampled_drafts_at_temperature_zero_give_the_greedy_tokens(shipped, trace, reference):

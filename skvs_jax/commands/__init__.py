@@ -4,16 +4,19 @@
   skvs bench             vllm_default vs naive_spec vs skvs on one trace with the shipped tiny model
   skvs claims            every claim of the article with our figure and a verdict (docs/claims.md)
   skvs generate TEXT     stream a continuation, showing accepted drafts (--model / --medusa: your checkpoint)
+  skvs gpu-check         the one GPU script: the kernels, then serving at 1 and N steps per dispatch (--cpu-smoke)
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro buckets     padding with draft widths chosen from the histogram vs the fixed {0, K/2, K}
+  skvs micro host        the host's share of serving wall time, by policy and steps per dispatch
   skvs micro precision   Medusa acceptance with the KV cache in float32 / bfloat16 / fp8 / int8, K = 1..4
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
   skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
 
 Each command's module: `bench` (with `bench_serving` and `bench_report`), `simulate`, `claims`, `generate`,
-`micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`, `micro_buckets`.
+`gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
+`micro_buckets`, `micro_host`.
 Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
 `micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
 folder). Commands are dispatched by one table, `COMMANDS`.
@@ -44,6 +47,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("micro", "simulate"), "micro_simulate", "simulated steps/s, and a vmapped sweep vs sequential runs"),
     (("micro", "attention"), "micro_attention", "paged decode attention vs dense attention (XLA, CPU)"),
     (("micro", "buckets"), "micro_buckets", "padding: draft widths chosen from the histogram vs {0, K/2, K}"),
+    (("micro", "host"), "micro_host", "the host's share of serving wall time, by policy and steps per dispatch"),
+    (("gpu-check",), "gpu_check", "the one GPU script: kernels, then serving at 1 and N steps per dispatch"),
 )
 GROUPS = {"micro": "micro-benchmarks of single components"}  # a first word with commands of its own
 

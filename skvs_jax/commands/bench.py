@@ -112,6 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it), flat = every step the same (schedules reproducible across runs)")
     parser.add_argument("--split-rows", type=int, default=None,
                         help="extra query rows of the prompt width's split branch (default: the engine's; 0: no split)")
+    parser.add_argument("--steps-per-dispatch", default="auto", type=_steps_per_dispatch,
+                        help="engine steps one jitted program runs before the host reads it (an int >= 1, or auto: "
+                             "up to 32; a dispatch also ends where the host is needed); 1: the host between steps")
     parser.add_argument("--impl", default="xla", choices=("xla", "pallas", "reference"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="skvs-results", help="output folder")
@@ -128,6 +131,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "policy's step cost after it (default: on): XLA:CPU runs each kernel of a compiled "
                              "program slowly the first time it executes, and warm-up's empty steps never execute a "
                              "step's preemption, eviction or prefix-hit kernels")
+
+
+def _steps_per_dispatch(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1 or 'auto', got {value!r}")
+    return n
 
 
 def make_trace(args) -> workloads.Trace:

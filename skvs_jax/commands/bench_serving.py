@@ -6,6 +6,7 @@ report is `bench_report`'s.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import statistics
@@ -36,7 +37,8 @@ def host_blocks(args) -> int:
 
 def engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
-                  step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None))
+                  step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None),
+                  steps_per_dispatch=getattr(args, "steps_per_dispatch", "auto"))
     if policy.preemption == "swap":
         kwargs["swap_blocks"] = host_blocks(args)
     if policy.speculation:
@@ -93,7 +95,9 @@ class Serving:
         return bool(self.pending) or self.e.has_work()
 
     def turn(self) -> None:
-        """Admit what has arrived, then one engine step, or (nothing to run) wait for the next arrival."""
+        """Admit what has arrived, then one turn of the engine's overlapped loop (`Engine.advance`: dispatch the
+        next program, read the last), or (nothing to run) wait for the next arrival. In lockstep the turn ends
+        when the dispatch it sent is done, so no engine's program runs during another engine's turn."""
         e, args = self.e, self.args
         now = e.now()
         while self.pending and (args.rate is None or self.pending[0].arrival_time <= now):
@@ -107,8 +111,10 @@ class Serving:
             else:
                 time.sleep(max(0.0, wait))
             return
-        new = e.step()
-        if len(e.step_log) == 4 and not self.rehearsal:
+        new = e.advance()
+        if self.clock is not None:
+            e.wait()
+        if len(e.step_log) >= 4 and self.sched_snapshot is None and not self.rehearsal:
             self.sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
         if self.progress is not None:
             self.progress(sum(len(t) for _, t, _ in new))
@@ -158,7 +164,19 @@ class Serving:
                 "split_step_us": round(fitted[2], 1) if fitted and fitted[2] is not None else None,
                 "split": {"steps": e.picker.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
                           "rows": e.cfg.split_rows},
-                "width_hist": {str(w): n for w, n in sorted(e.picker.width_hist.items())}}
+                "width_hist": {str(w): n for w, n in sorted(e.picker.width_hist.items())},
+                "dispatches": dispatch_summary(e)}
+
+
+def dispatch_summary(e: eng.Engine) -> dict:
+    """How the run's steps were dispatched: dispatches (those that ran a step, and all), steps, dispatches per
+    request, and the dispatches by why they ended (`serve.dispatch.STOP_NAMES`)."""
+    log = e.dispatch_log
+    ran = [d for d in log if d["steps"]]
+    stops = collections.Counter(d["stop"] for d in ran)
+    requests = max(1, len(e.requests))
+    return {"dispatches": len(ran), "sent": len(log), "steps": sum(d["steps"] for d in log),
+            "per_request": round(len(ran) / requests, 3), "stops": dict(sorted(stops.items()))}
 
 
 def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,

@@ -6,6 +6,8 @@
   widths        the width picker: each step's query width, the histograms, the draft widths' re-choice
   step_cost     the engine's step cost, fitted from timed steps of its compiled programs
   engine_step   the jitted step itself, as named phases (schedule, drafts, forward, verify, update)
+  dispatch      many engine steps in one jitted program (`run_steps`): the loop, the device's width pick, the
+                rules that end a dispatch where the host is needed
   sampling      per-request sampling inside the step: logits processing, streams, stop sequences, logprobs
   sampling_params  `SamplingParams`: what a request asks of the sampler, validated at the boundary
   model_runner  the protocol the engine reaches models through, and the tiny Llama + Medusa runner

@@ -1,11 +1,17 @@
-"""The engine: the scheduler driving a real model, one jitted step at a time.
+"""The engine: the scheduler driving a real model, many jitted steps per dispatch.
 
-One step is one jitted program, with no host round trip inside:
+One step has no host round trip inside:
 
   schedule → copy-on-write copies → query tokens (prompt chunks; last token + Medusa drafts) → paged forward
   (prefill chunks and decode/verification rows in one [B, Q] batch) → verify (greedy or sampled; accept the
   longest prefix of drafts the target agrees with) → update (commit / roll back, append tokens, index blocks,
   reclaim) → per-step statistics.
+
+Up to `steps_per_dispatch` steps run in one jitted program (`serve.dispatch.run_steps`, a `lax.while_loop`), which
+ends before a step that needs the host (an admission, a fork, a swap, another width, a first token); the
+schedules are the one-step engine's. The host overlaps the device (`advance`, what `run` and `stream` take): it
+sends dispatch k + 1 before it reads dispatch k. `steps_per_dispatch=1` runs one `engine_step.fused_step` per
+step with the host between every two, the engine before dispatches of many steps.
 
 The host loop around it is three parts behind one class, after vLLM's Processor / OutputProcessor / EngineCore:
 
@@ -29,7 +35,7 @@ max(0, p − q)" is the same as sampling t ~ p at each position and accepting wh
 sampled at the first mismatch (or after the last draft) is the bonus token. Greedy is the temperature-0 limit.
 
 Preemption by swap needs host I/O between the scheduler's decision and the model, so with `preemption="swap"`
-the step runs as two jitted programs (schedule; then model + update) with the tier copies between them.
+a step that swaps runs as two jitted programs (schedule; then model + update) with the tier copies between them.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from skvs_jax.config import NULL_BLOCK, CacheConfig
 from skvs_jax.kv import manager
 from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
+from skvs_jax.serve import dispatch as dispatch_mod
 from skvs_jax.serve import engine_step
 from skvs_jax.serve import sampling as sampling_mod
 from skvs_jax.serve import speculation as spec
@@ -78,8 +85,9 @@ class Engine:
 
     The parts (see the module docstring): `table` (`serve.requests.RequestTable`: `requests`, `queue`, `slot_of`),
     `picker` (`serve.widths.WidthPicker`: the widths and their histograms), and here the device `state`, the
-    step log (`step_log`, one dict per step), the compiled (width, swaps) pairs (`compiled`), and the step cost
-    (`step_cost`, its timed widths `step_cost_times` and the split branch's `split_step_us`).
+    step log (`step_log`, one dict per step), `dispatch_log` (one dict per dispatch), the compiled (width, swaps)
+    pairs (`compiled`), and the step cost (`step_cost`, its timed widths `step_cost_times` and the split
+    branch's `split_step_us`).
     """
 
     def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, options: EngineOptions | None = None,
@@ -146,6 +154,14 @@ class Engine:
         self.clock, self.t0 = opt.clock, opt.clock()
         self.step_log: list[dict] = []
         self.compiled: set[tuple[int, bool]] = set()
+        steps = opt.steps_per_dispatch
+        self._steps = dispatch_mod.AUTO_STEPS if steps == "auto" else steps  # the bound each dispatch gets
+        self._loop = steps != 1  # dispatches run `dispatch.run_steps`; 1: the one-step programs, as before
+        self._flight: _Flight | None = None  # the dispatch sent and not read yet (`advance`)
+        self._ready: list[Result] = []  # results read early (an abort drains the dispatch in flight)
+        self._last_stop = dispatch_mod.RUNNING  # why the last dispatch read ended
+        self._busy_until = 0.0  # engine time at which the device finished the last dispatch read
+        self.dispatch_log: list[dict] = []  # one row per dispatch: start, end, steps, stop (its reason), width
         self.tiers = None
         if policy.preemption == "swap" and scfg.swap_blocks:  # host tier (swap_blocks) backed by disk (disk_blocks)
             self.tiers = tiers_mod.SwapSpace(self._kv_pages(), opt.swap_blocks, opt.disk_blocks, opt.disk_dir)
@@ -165,7 +181,8 @@ class Engine:
                                                                            self.cfg.kv_shardings))()
         state = engine_step.EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
-            sampling=sampling_mod.default_rows(b), step_cost=self._device_step_cost())
+            sampling=sampling_mod.default_rows(b), step_cost=self._device_step_cost(),
+            prompt_work=jnp.asarray(False), next_want=jnp.asarray(self.policy.draft_len, jnp.int32))
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:
@@ -242,7 +259,8 @@ class Engine:
         return self.clock() - self.t0
 
     def has_work(self) -> bool:
-        return self.table.has_work()
+        """Some request is queued or in a slot, or a dispatch's outputs are not read yet."""
+        return self.table.has_work() or self._flight is not None or bool(self._ready)
 
     def _admit_queue(self) -> None:
         """The queued requests that fit into the device's empty slots (slots finished last step are EMPTY only
@@ -266,6 +284,7 @@ class Engine:
         n > 1 (docs/serving.md, "Aborting"): the request's id (output 0's) ends all of its outputs that have not
         ended, before and after they fork; `request_id + j` ends output j alone (one not forked yet gives back
         the slot held for it, and is never forked). True when some output ended."""
+        self._ready += self._drain()  # the slot table must be exact before the host writes to the device
         ended, slots = self.table.abort(request_id)
         if slots:
             mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
@@ -282,35 +301,158 @@ class Engine:
         sched = self.state.sched
         self.state = self.state.replace(sched=sched.replace(kv=_reset_prefix(sched.kv, cfg=self.cfg.sched.kv)))
 
-    # ------------------------------------------------------------------------------------------------- step
+    # ------------------------------------------------------------------------------------------------- steps
 
     def step(self) -> list[Result]:
-        """One engine step. Returns (request_id, new tokens, finished) for every request that produced tokens."""
+        """One dispatch of up to `steps_per_dispatch` engine steps (`serve.dispatch`), read before returning:
+        (request_id, new tokens, finished) for every request that produced tokens or finished in its steps (and in
+        a dispatch `advance` left in flight, read first). With steps_per_dispatch=1, one engine step."""
+        results = self._take_ready() + self._drain()
+        turn = self._host_turn()
+        if turn is not None:
+            return results + turn
+        return results + self._read(self._dispatch(*self.picker.pick(self.knobs)))
+
+    def advance(self) -> list[Result]:
+        """One turn of the overlapped serving loop (what `stream` and `run` take): dispatch the next program, then
+        read the one before it, so the host's bookkeeping of dispatch k runs while dispatch k + 1 computes.
+
+        The next dispatch is sent before k's outputs are known, at k's width: when k ended because the host is
+        needed (an admission, a fork, a swap, another width: `serve.dispatch`), the same rule ends k + 1 before its
+        first step, and the host acts before the dispatch after it. Nothing the host writes to the device (admissions,
+        forks, aborts) is written while a dispatch it has not read is in flight, so the host's slot table is exact.
+        Returns what the read dispatch produced (on the first call, nothing is read yet)."""
+        if not self._loop:  # one step per dispatch: a blind next step could not end itself, so none is sent
+            return self.step()
+        results = self._take_ready()
+        if self._flight is None:
+            turn = self._host_turn()
+            if turn is not None:
+                return results + turn
+            self._flight = self._dispatch(*self.picker.pick(self.knobs))
+        k = self._flight
+        self._flight = self._dispatch(k.width, None, exact=True)
+        results += self._read(k)
+        if self._last_stop not in (dispatch_mod.BOUND, dispatch_mod.FIRST_TOKEN):
+            results += self._drain()  # k + 1 ran no step: the host acts first
+        return results
+
+    def wait(self) -> None:
+        """Block until the dispatch in flight (if any) is done, without reading it: a caller timing its own turns
+        (`skvs bench` in lockstep) keeps the device's work inside them."""
+        if self._flight is not None:
+            self._flight.out.steps.block_until_ready()
+
+    def _take_ready(self) -> list[Result]:
+        results, self._ready = self._ready, []
+        return results
+
+    def _drain(self) -> list[Result]:
+        """Read the dispatch in flight, if any."""
+        flight, self._flight = self._flight, None
+        return [] if flight is None else self._read(flight)
+
+    def _host_turn(self) -> list[Result] | None:
+        """The host's work between dispatches, with none in flight: the step the last dispatch left to the host
+        (a swap), else admissions. Returns that step's results, [] when there is nothing to dispatch, or None when
+        a dispatch should follow."""
+        if self._last_stop == dispatch_mod.SWAP:
+            return self._swap_step()
         self._admit_queue()
-        width, bound = self.picker.pick(self.knobs)
+        return None if self.table.has_work() else []
+
+    def _admit_at(self) -> int:
+        """The empty slots at which the host admits its queue head (`dispatch.ADMIT`): the head's outputs plus the
+        slots held for unforked outputs (`RequestTable.admissions`' rule)."""
+        t = self.table
+        if not t.queue:
+            return dispatch_mod.NO_ADMISSION
+        return 1 + len(t.live_outputs(t.queue[0])) + sum(t.unforked.values())
+
+    def _dispatch(self, width: int, bound: int | None, exact: bool = False) -> _Flight:
+        """Send one dispatch at `width` (not read here): `dispatch.run_steps`, or with steps_per_dispatch=1 the
+        one-step programs (`engine_step.fused_step`; with a swap tier `schedule_only`, the tier copies,
+        `model_only`). bound: the draft bound that picked the width (`WidthPicker.pick`); exact: the width was not
+        chosen from the last step's outputs (`advance`)."""
+        del bound  # the read replays the host's pick per step (`_took_step`)
         start = self.now()
+        self.compiled.add((width, self.tiers is not None))
         args = (self.runner, self.params)
-        if self.tiers is None:
-            self.state, out = engine_step.fused_step(*args, self.state, self.knobs, engine_step.AUTO, cfg=self.cfg,
-                                                     width=width)
+        if not self._loop:
+            if self.tiers is None:
+                self.state, out = engine_step.fused_step(*args, self.state, self.knobs, engine_step.AUTO,
+                                                         cfg=self.cfg, width=width)
+            else:
+                self.state, batch = engine_step.schedule_only(self.state, self.knobs, cfg=self.cfg)
+                self._swap(batch)
+                self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
+                                                         cfg=self.cfg, width=width)
+            return _Flight(width=width, start=start, out=out)
+        lim = jax.tree.map(self._arg, dispatch_mod.limits(self._steps, self._admit_at(), exact))
+        self.state, out = dispatch_mod.run_steps(*args, self.state, self.knobs, lim, engine_step.AUTO, cfg=self.cfg,
+                                                 width=width, capacity=dispatch_mod.CAPACITY)
+        return _Flight(width=width, start=start, out=out)
+
+    def _read(self, flight: _Flight) -> list[Result]:
+        """A dispatch's outputs into the request table, the width picker and the step log (blocks until it is done).
+        Each step's time is the dispatch's wall time (from when the device could start it) spread over its steps
+        in proportion to the fitted step cost of the width each ran (equal shares before a fit)."""
+        if isinstance(flight.out, engine_step.StepOut):  # one step (steps_per_dispatch=1)
+            steps, stop, rows = 1, dispatch_mod.BOUND, [self._fetch(flight.out)]
         else:
-            self.state, batch = engine_step.schedule_only(self.state, self.knobs, cfg=self.cfg)
-            self._swap(batch)
-            self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
-                                                     cfg=self.cfg, width=width)
-        out = self._fetch(out)
+            head = self._fetch((flight.out.steps, flight.out.stop))
+            steps, stop = int(head[0]), int(head[1])
+            out = self._fetch(flight.out.out) if steps else None
+            rows = [jax.tree.map(lambda x, i=i: x[i], out) for i in range(steps)]
+        end = self.now()
+        start = max(flight.start, self._busy_until)
+        self._busy_until, self._last_stop = end, stop
+        self.dispatch_log.append(dict(start=start, end=end, steps=steps, stop=dispatch_mod.STOP_NAMES[stop],
+                                      width=flight.width))
+        if not steps:
+            return []
+        times = _spread(start, end, [self._priced(r) for r in rows])
+        results = []
+        for i, row in enumerate(rows):
+            results += self._took_step(row, flight.width, times[i], times[i + 1])
+        if not self.table.has_work() and rows[-1].finished.any():
+            self._release_idle(int(np.sum(rows[-1].finished)))
+        return results
+
+    def _priced(self, out: engine_step.StepOut) -> float:
+        """A step's share of its dispatch's time: the fitted time of the width it ran (1 without a fit)."""
+        if bool(out.split) and self.split_step_us is not None:
+            return self.split_step_us
+        return self.step_cost_times.get(int(out.width), 1.0) if self.step_cost_times else 1.0
+
+    def _took_step(self, out: engine_step.StepOut, width: int, start: float, end: float) -> list[Result]:
+        """One step's outputs (numpy leaves) at `width`: the picker, the request table, the step log and forks."""
         if not out.width_ok:
             raise RuntimeError("engine bug: a query did not fit its bucket or an allocation failed")
-        self.compiled.add((width, self.tiers is not None))
+        _, bound = self.picker.pick(self.knobs)  # the bound the host's rule would have picked this step with
         self.table.free_slots = int(out.free_slots) - sum(self.table.unforked.values())
         ran = self.picker.observe(out, width, self.knobs)
-        end = self.now()
         forking = self.table.forking()
         results = self.table.collect(out, end)
         self.step_log.append(_step_row(out, start, end))
         self._account_padding(out, ran, bound)
-        results += self._fork(out, forking, end)
-        if not self.has_work() and out.finished.any():
+        return results + self._fork(out, forking, end)
+
+    def _swap_step(self) -> list[Result]:
+        """The step a dispatch left to the host because its schedule swaps (`dispatch.SWAP`): schedule, the tier
+        copies, then the model step, as two programs (the engine's only per-step host loop)."""
+        self._last_stop = dispatch_mod.RUNNING
+        width, _ = self.picker.pick(self.knobs)
+        start = max(self.now(), self._busy_until)
+        args = (self.runner, self.params)
+        self.state, batch = engine_step.schedule_only(self.state, self.knobs, cfg=self.cfg)
+        self._swap(batch)
+        self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
+                                                 cfg=self.cfg, width=width)
+        out = self._fetch(out)
+        self._busy_until = end = self.now()
+        results = self._took_step(out, width, start, end)
+        if not self.table.has_work() and out.finished.any():
             self._release_idle(int(np.sum(out.finished)))
         return results
 
@@ -327,6 +469,11 @@ class Engine:
         """Outputs 1.. of the n > 1 requests whose output 0 sampled its first token this step fork off its slot,
         sharing the prompt's blocks (`RequestTable.fork_plan`)."""
         results, forks = self.table.fork_plan(out, forking, end)
+        settled = [slot for slot in forking.values() if out.num_new[slot]]
+        if settled and not forks:  # nothing forks off them: clear their siblings, so no dispatch waits on them
+            mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
+            mask[settled] = True
+            self.state = dispatch_mod.settle_forks(self.state, self._arg(mask))
         if not forks:
             return results
         b = self.cfg.sched.cache.max_seqs
@@ -368,9 +515,10 @@ class Engine:
         self._set_kv_pages(pages)
 
     def stream(self) -> Iterator[Result]:
-        """Step until every queued request finished, yielding (request_id, new tokens, finished)."""
+        """Serve until every queued request finished, yielding (request_id, new tokens, finished) as each dispatch
+        is read (`advance`: the host's work overlaps the device's)."""
         while self.has_work():
-            yield from self.step()
+            yield from self.advance()
 
     def run(self) -> dict[int, list[int]]:
         """Step until done; returns every request's output tokens."""
@@ -433,6 +581,8 @@ class Engine:
         jax.block_until_ready(sampling_mod.stream_keys(zeros.astype(np.uint32), zeros))  # what an admission runs
         for w in order:
             jax.block_until_ready(self._idle_step(empty, w))
+            if self.tiers is not None and self._loop:  # the steps that swap run as two programs
+                jax.block_until_ready(self._idle_swap_step(empty, w))
             self.compiled.add((w, self.tiers is not None))
         if self.step_cost_mode == "fit" and (self.policy.goodput_control or self.policy.priced_drafts):
             self.fit_step_cost()
@@ -466,18 +616,28 @@ class Engine:
 
     def _idle_step(self, state: engine_step.EngineState, width: int, branch: int = engine_step.WIDE,
                    copy: bool = True):
-        """One step at `width` on a state with no requests (a copy of it unless copy=False: the step donates it),
-        through the program a serving step at that width runs, its `branch` forced (`engine_step.model_step_at`:
-        WIDE, the whole width, by default); returns its outputs. What `warmup` compiles with and `fit_step_cost`
-        times."""
+        """One step at `width` on a state with no requests (a copy of it unless copy=False: the dispatch donates
+        it), through the program serving dispatches at that width run (`dispatch.run_steps`, made to run one step
+        on empty slots), its `branch` forced (`engine_step.model_step_at`: WIDE, the whole width, by default);
+        returns its outputs. What `warmup` compiles with and `fit_step_cost` times."""
         if copy:
             state = jax.tree.map(lambda x: x.copy(), state)
-        if self.tiers is None:
+        if not self._loop:
+            if self.tiers is not None:
+                state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
+                return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, branch,
+                                              cfg=self.cfg, width=width)
             return engine_step.fused_step(self.runner, self.params, state, self.knobs, branch, cfg=self.cfg,
                                           width=width)
-        state, batch = engine_step.schedule_only(state, self.knobs, cfg=self.cfg)
-        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, branch, cfg=self.cfg,
-                                      width=width)
+        lim = jax.tree.map(self._arg, dispatch_mod.limits(1, probe=True))
+        return dispatch_mod.run_steps(self.runner, self.params, state, self.knobs, lim, branch, cfg=self.cfg,
+                                      width=width, capacity=dispatch_mod.CAPACITY)
+
+    def _idle_swap_step(self, state: engine_step.EngineState, width: int):
+        """`_idle_step` through the two programs of a step the host runs because it swaps (`_swap_step`)."""
+        state, batch = engine_step.schedule_only(jax.tree.map(lambda x: x.copy(), state), self.knobs, cfg=self.cfg)
+        return engine_step.model_only(self.runner, self.params, state, batch, self.knobs, engine_step.AUTO,
+                                      cfg=self.cfg, width=width)
 
     def _splits(self) -> bool:
         """The prompt width's program has a split branch (`engine_step.model_step_at`)."""
@@ -510,3 +670,22 @@ def _step_row(out: engine_step.StepOut, start: float, end: float) -> dict:
         kv_tokens_read=int(out.shape.kv_tokens_read), num_seqs=int(out.shape.num_seqs),
         drafting_rows=int(out.shape.drafting_rows),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flight:
+    """A dispatch sent and not read: its width, when it was sent (engine time) and its outputs (device arrays)."""
+
+    width: int
+    start: float
+    out: dispatch_mod.Dispatched | engine_step.StepOut  # a StepOut: one step (steps_per_dispatch=1)
+
+
+def _spread(start: float, end: float, weights: list[float]) -> list[float]:
+    """The boundaries of len(weights) consecutive steps sharing [start, end] in proportion to the weights."""
+    total = sum(weights) or 1.0
+    edges, acc = [start], 0.0
+    for w in weights:
+        acc += w
+        edges.append(start + (end - start) * acc / total)
+    return edges

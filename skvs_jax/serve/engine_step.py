@@ -58,6 +58,10 @@ class EngineState:
     hidden: jax.Array  # float32[B, Dm] base-model hidden state at each slot's last accepted position
     sampling: sampling.SamplingRows  # per-slot sampling parameters and random streams
     step_cost: sc.StepCost | None = None  # what the goodput draft controller prices a step with (None: flat)
+    # What picks the next step's width on the device (`serve.dispatch`), as the last step left it: some row has
+    # prompt work (bool[]; `add_requests` sets it), and the draft bound were every width compiled (int32[]).
+    prompt_work: jax.Array | None = None
+    next_want: jax.Array | None = None
 
 
 @struct.dataclass
@@ -142,9 +146,9 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     view_tokens = None if k == 0 or spec.is_chain(cfg.tree) else queries.nodes  # the drafts in tree-slot order
     sched, res = sc.update_unchecked(st.sched, batch, accepted, next_token, path_tokens, stop, knobs, cfg=cfg.sched,
                                      view_tokens=view_tokens)
-    st = st.replace(sched=sched, cache=cache, hidden=hidden)
     out = _step_out(sched, batch, res, new_tokens, knobs, cfg=cfg.sched, width=width, step_cost=st.step_cost,
                     logprobs=logprobs, fits=fits, split=split_rows > 0)
+    st = st.replace(sched=sched, cache=cache, hidden=hidden, prompt_work=out.prompt_work, next_want=out.next_want)
     return st, out.replace(sibling_tokens=targets.siblings[0], sibling_logprob=targets.siblings[1])
 
 
@@ -614,7 +618,8 @@ def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, reques
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
                                     cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
-    return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows)), slots
+    prompt_work = st.prompt_work | jnp.any(slots >= 0)  # the new requests wait to be prefilled
+    return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows), prompt_work=prompt_work), slots
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))

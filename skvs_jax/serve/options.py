@@ -55,6 +55,10 @@ class EngineOptions:
         a temporary one), for `preemption="swap"`.
       mesh: a `jax.sharding.Mesh` with a "tp" axis: weights and KV cache sharded over KV heads (None: one device).
     The host:
+      steps_per_dispatch: engine steps one jitted program runs before the host reads its outputs (an int in
+        [1, 64], or "auto": up to `dispatch.AUTO_STEPS`); a dispatch also ends where the host is needed: an
+        admission, a fork, a swap, a width change, a first token (`serve.dispatch`). 1: the one-step programs
+        with the host between every two steps (the engine before dispatches of many steps).
       seed: the engine's seed, from which requests without one get theirs; in [0, 2**32).
       clock: the engine's clock (seconds); `time.perf_counter` by default.
     """
@@ -76,6 +80,7 @@ class EngineOptions:
     disk_blocks: int = 0
     disk_dir: str | None = None
     mesh: jax.sharding.Mesh | None = None
+    steps_per_dispatch: int | str = "auto"
     seed: int = 0
     clock: Callable[[], float] = time.perf_counter
 
@@ -88,6 +93,14 @@ class EngineOptions:
             checks.at_least("split_rows", self.split_rows, 0)
         if self.disk_dir is not None and not isinstance(self.disk_dir, str):
             raise TypeError(f"disk_dir must be a directory path (str) or None, got {type(self.disk_dir).__name__}")
+        if isinstance(self.steps_per_dispatch, str):
+            if self.steps_per_dispatch != "auto":
+                raise ValueError(f"steps_per_dispatch must be an int >= 1 or 'auto', got {self.steps_per_dispatch!r}")
+        else:
+            checks.at_least("steps_per_dispatch", self.steps_per_dispatch, 1)
+            if self.steps_per_dispatch > 64:  # `serve.dispatch.CAPACITY`
+                raise ValueError(f"steps_per_dispatch must be <= 64 (the dispatch's output buffers), got "
+                                 f"{self.steps_per_dispatch}")
         if not checks.is_int(self.seed):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__} {self.seed!r}")
         if not 0 <= self.seed < 2**32:

@@ -6,6 +6,7 @@
   oracle_scheduler   `OracleScheduler`: the scheduler's decisions one sequence at a time
   scheduler_harness  `Harness`: runs the jitted scheduler and the oracle in lockstep and compares every step
   hlo                `canonical` / `differing`: two compiled programs compared up to names (is a refactor one?)
+  engines            `assert_same_serving`: two engines served the same requests alike (tokens, logprobs, counts)
 
 `from skvs_jax import testing` gives the allocator kit's names and the strategies at the top level
 (`testing.check_invariants`, `testing.cache_configs`, ...). The strategies are imported on first use, so the

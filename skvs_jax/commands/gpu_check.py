@@ -1,0 +1,92 @@
+"""`skvs gpu-check`: the project's one GPU script. Every GPU figure in docs/ comes from it.
+
+Sections (`--only a,b`), each with a time budget; the whole script stays under five minutes with compilation:
+
+  kernels   the Pallas kernels against their references, then timed against jax's own Pallas paged attention,
+            the XLA path and the device's copy bandwidth (`pallas_kernels.gpu_check`)
+  serving   the engine on the shipped tiny model at one step per dispatch and at the chosen steps per dispatch
+            (`skvs micro host`'s measurement): throughput, dispatches per request, and the device's idle time
+            between dispatches per step (wall time minus the programs' own time)
+
+Without a GPU it says so and exits 2; `--cpu-smoke` runs every section end to end on this CPU at tiny sizes
+(interpreted kernels, a few requests): a check of the script, not of a GPU. Record what it prints in docs/ with
+the device and the versions it prints first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+SECTIONS = ("kernels", "serving")
+BUDGET_S = {"kernels": 120.0, "serving": 150.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--cpu-smoke", action="store_true", help="run on this CPU at tiny sizes (checks the script)")
+    parser.add_argument("--steps-per-dispatch", default="auto", help="the chosen N the serving section compares "
+                                                                      "with N = 1 (an int, or auto)")
+
+
+def _kernels(smoke: bool) -> bool:
+    from pallas_kernels import gpu_check as kernel_check
+
+    rng = np.random.default_rng(0)
+    ok = kernel_check.check_correctness(rng, interpret=smoke, small=smoke)
+    kernel_check.benchmark(rng, smoke, smoke, 2 if smoke else 20)
+    return ok
+
+
+def _serving(smoke: bool, chosen) -> bool:
+    from skvs_jax.commands import micro_host
+
+    names = ["skvs"] if smoke else ["naive_spec", "skvs"]
+    steps = [1, chosen]
+    rows = micro_host.measure(names, steps, rounds=1, requests=4 if smoke else 32)
+    print(f"{'config':<24}{'tok/s':>9}{'steps':>7}{'dispatches':>12}{'/request':>10}{'idle us/step':>14}"
+          f"{'host %':>8}")
+    for name, rs in rows.items():
+        r = rs[0]
+        idle_us = 1e6 * (r["wall_s"] - r["device_s"]) / r["steps"]
+        print(f"{name:<24}{r['tok_s']:>9.0f}{r['steps']:>7}{r['dispatches']:>12}{r['per_request']:>10.2f}"
+              f"{idle_us:>14.0f}{100 * r['host_share']:>8.1f}")
+    for name in names:
+        one, many = rows[f"{name} N=1"][0], rows[f"{name} N={chosen}"][0]
+        print(f"{name}: N={chosen} / N=1 throughput {many['tok_s'] / one['tok_s']:.3f}x")
+    if len(names) > 1:
+        for n in steps:
+            ratio = rows[f"skvs N={n}"][0]["tok_s"] / rows[f"naive_spec N={n}"][0]["tok_s"]
+            print(f"skvs / naive_spec at N={n}: {ratio:.3f}x")
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise SystemExit(f"skvs gpu-check: --only: unknown section(s) {unknown}; choose from {SECTIONS}")
+    chosen = args.steps_per_dispatch if args.steps_per_dispatch == "auto" else int(args.steps_per_dispatch)
+    on_gpu = jax.default_backend() == "gpu"
+    import skvs_jax
+
+    print(f"skvs gpu-check: skvs_jax {skvs_jax.__version__}, jax {jax.__version__}, backend "
+          f"{jax.default_backend()}, devices {jax.devices()}")
+    if not on_gpu and not args.cpu_smoke:
+        print("no GPU visible: nothing checked (--cpu-smoke exercises this script on the CPU)")
+        return 2
+    ok, t_all = True, time.perf_counter()
+    for section in only:
+        t0 = time.perf_counter()
+        print(f"\n== {section} (budget {BUDGET_S[section]:.0f} s)")
+        good = _kernels(args.cpu_smoke) if section == "kernels" else _serving(args.cpu_smoke, chosen)
+        took = time.perf_counter() - t0
+        over = "" if took <= BUDGET_S[section] or args.cpu_smoke else f"  OVER BUDGET ({BUDGET_S[section]:.0f} s)"
+        print(f"== {section}: {'ok' if good else 'FAILED'} in {took:.0f} s{over}")
+        ok &= good
+    print(f"\nskvs gpu-check: {'all sections passed' if ok else 'SOME SECTIONS FAILED'} in "
+          f"{time.perf_counter() - t_all:.0f} s")
+    return 0 if ok else 1

@@ -1,0 +1,177 @@
+"""Many engine steps per dispatch: `run_steps`, one jitted program that runs up to n engine steps in a
+`lax.while_loop`, and the rules that end it early.
+
+Each iteration is the one-step engine's step (`engine_step.fused_step`: schedule, model step at the program's
+width, update), so the scheduler, the allocator, the prefix cache, drafting and verification never leave the
+device between steps. The width a step needs is picked on the device from what the previous step left in the
+state (`EngineState.prompt_work`, `EngineState.next_want`), by the host's own rule (`serve.widths`): the prompt
+width while some row has prompt work, else 1 + the smallest draft width holding the bound. A program has one
+width; a step that needs another ends the dispatch (no `lax.switch` on a computed index, which on XLA:GPU is
+one more host round trip per step). The schedule never depends on the width (it is an upper bound), so a
+dispatch makes exactly the one-step engine's schedules: only the number of host visits changes.
+
+Before step i the loop ends (`STOP_*`, first that holds) when:
+
+  BOUND        i == n (the caller's bound; n <= the program's `capacity`, the output buffers' length)
+  IDLE         no slot holds a live request
+  FORK         an n > 1 request's output 0 has sampled its first token: its outputs 1.. fork on the host
+  ADMIT        the empty slots reach `admit_at`: the host's queue head fits, and the one-step engine would admit
+               it before this step (the host passes a huge number when its queue is empty)
+  WIDTH        the step needs another width (step 0 of a dispatch the host chose the width of: a wider width
+               than needed is allowed, a narrower one never)
+  FIRST_TOKEN  (i > 0) the previous step sampled some request's first token: the host streams it now, so the
+               time to first token does not wait for the rest of the dispatch
+
+and after step i's schedule, with swap preemption only:
+
+  SWAP         the schedule swaps a sequence to or from the host tier: the step is dropped (the state from before
+               it is kept: the state is functional) and the host runs it through the two-program path with the
+               tier copies between them (`Engine`).
+
+Per-step outputs go into buffers of `capacity` rows (`StepOut` with a leading step axis); the host reads them
+once per dispatch, rows [0, steps).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from skvs_jax import scheduler as sc
+from skvs_jax.arrays import i32
+from skvs_jax.serve import engine_step
+from skvs_jax.serve.engine_step import EngineConfig, EngineState, StepOut
+
+RUNNING, BOUND, IDLE, FORK, ADMIT, WIDTH, FIRST_TOKEN, SWAP = range(8)
+STOP_NAMES = ("running", "bound", "idle", "fork", "admit", "width", "first_token", "swap")
+CAPACITY = 64  # the output buffers' length: the most steps one dispatch runs (every bound shares one program)
+AUTO_STEPS = 32  # steps_per_dispatch="auto": the bound of every dispatch (the stop rules end most of them sooner)
+NO_ADMISSION = 2**31 - 1  # `admit_at` when the host's queue is empty: no count of empty slots reaches it
+
+
+@struct.dataclass
+class Dispatched:
+    """What one dispatch did (the host reads it once)."""
+
+    steps: jax.Array  # int32[] engine steps run
+    stop: jax.Array  # int32[] why it ended (`STOP_NAMES`)
+    out: StepOut  # every leaf [capacity, ...]: step i's outputs in row i < steps, zeros past them
+
+
+@struct.dataclass
+class Limits:
+    """A dispatch's data arguments (int32[] each): every value shares one program."""
+
+    n: jax.Array  # most steps to run, 1 <= n <= capacity
+    admit_at: jax.Array  # empty slots at which the host would admit its queue head (`NO_ADMISSION`: none queued)
+    exact: jax.Array  # 1: step 0 too must need exactly the program's width (a dispatch the host did not size)
+    probe: jax.Array  # 1: run exactly n steps whatever else holds (warm-up and the step-cost fit, on empty slots)
+
+
+def limits(n: int, admit_at: int = NO_ADMISSION, exact: bool = False, probe: bool = False) -> Limits:
+    """`Limits` as host scalars (numpy int32), an argument of `run_steps`."""
+    return Limits(n=np.int32(n), admit_at=np.int32(min(admit_at, NO_ADMISSION)), exact=np.int32(exact),
+                  probe=np.int32(probe))
+
+
+def prompt_width(cfg: EngineConfig) -> int:
+    """The width of steps with prompt work: the prefill chunk, at least 1 + K (`engine_step.narrow_width`)."""
+    return max(cfg.sched.chunk, engine_step.narrow_width(cfg))
+
+
+def needed_width(st: EngineState, cfg: EngineConfig) -> jax.Array:
+    """int32[]: the width the next step needs, by `serve.widths.WidthPicker.pick`'s rule, from the state."""
+    decode = 1 + sc.buckets.snap_up(st.next_want, st.sched.draft_widths)
+    return jnp.where(st.prompt_work, prompt_width(cfg), decode).astype(i32)
+
+
+def swaps_possible(cfg: EngineConfig) -> bool:
+    """Static: the schedule may swap to the host tier (and the host must then run the step)."""
+    return cfg.sched.policy.preemption == "swap" and cfg.sched.swap_blocks > 0
+
+
+def stop_before(i: jax.Array, st: EngineState, first_token: jax.Array, lim: Limits, *, cfg: EngineConfig,
+                width: int) -> jax.Array:
+    """int32[]: why the loop ends before step i (`RUNNING`: it does not). first_token: bool[] the previous step
+    sampled some request's first token (False before step 0)."""
+    seqs = st.sched.seqs
+    # A parent that finished with its first token still forks (off its FINISHED slot, before a schedule frees it).
+    fork = jnp.any((seqs.status != sc.EMPTY) & (st.sampling.siblings > 0) & (seqs.num_tokens > seqs.prompt_len))
+    empty = jnp.sum(seqs.status == sc.EMPTY, dtype=i32)
+    need = needed_width(st, cfg)
+    wrong_width = jnp.where((i == 0) & (lim.exact == 0), need > width, need != width)
+    reasons = [(i >= lim.n, BOUND), (~jnp.any(sc.live(seqs.status)), IDLE), (fork, FORK),
+               (empty >= lim.admit_at, ADMIT), (wrong_width, WIDTH), ((i > 0) & first_token, FIRST_TOKEN)]
+    stop = jnp.asarray(RUNNING, i32)
+    for hit, code in reversed(reasons):  # the first that holds wins
+        stop = jnp.where(hit, code, stop)
+    return jnp.where(lim.probe > 0, jnp.where(i >= lim.n, BOUND, RUNNING), stop).astype(i32)
+
+
+def _first_tokens(st: EngineState, out: StepOut) -> jax.Array:
+    """bool[]: the step sampled some request's first output token (its known tokens were the prompt alone)."""
+    seqs = st.sched.seqs
+    return jnp.any((out.num_new > 0) & (seqs.num_tokens - out.num_new == seqs.prompt_len))
+
+
+def _zeros_like_out(runner, params, st, knobs, cfg, width) -> StepOut:
+    shape = jax.eval_shape(lambda: _one_step(runner, params, st, knobs, cfg, width)[1])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+
+
+def _one_step(runner, params, st: EngineState, knobs, cfg: EngineConfig, width: int, branch=engine_step.AUTO,
+              skip_swaps: bool = False):
+    """One engine step (`engine_step.fused_step`'s body; branch as `engine_step.model_step_at`'s). skip_swaps: a
+    step whose schedule swaps is not run (returns the state unchanged, zero outputs and True)."""
+    sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
+
+    def run(_):
+        return engine_step.model_step_at(runner, params, st.replace(sched=sched), batch, knobs, branch, cfg=cfg,
+                                         width=width)
+
+    if not skip_swaps:
+        new, out = run(None)
+        return new, out, jnp.asarray(False)
+    swap = jnp.any(batch.swap_out | batch.swap_in)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, None)[1])
+    new, out = jax.lax.cond(swap, lambda _: (st, zeros), run, None)
+    return new, out, swap
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("cfg", "width", "capacity"), donate_argnums=(2,))
+def run_steps(runner, params, st: EngineState, knobs, lim: Limits, branch=engine_step.AUTO, *, cfg: EngineConfig,
+              width: int, capacity: int) -> tuple[EngineState, Dispatched]:
+    """Up to lim.n engine steps at query width `width` (static) in one program; returns (state, `Dispatched`).
+    The state is donated. `capacity` (static) is the output buffers' length, the most steps one dispatch can run.
+    branch (int32[]): `engine_step.model_step_at`'s, AUTO when serving (the step-cost fit forces one)."""
+    swaps = swaps_possible(cfg)
+    zero = _zeros_like_out(runner, params, st, knobs, cfg, width)
+    buf = jax.tree.map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), zero)
+    stop0 = stop_before(jnp.asarray(0, i32), st, jnp.asarray(False), lim, cfg=cfg, width=width)
+
+    def cond(carry):
+        return carry[3] == RUNNING
+
+    def body(carry):
+        i, st, buf, _ = carry
+        new, out, swapped = _one_step(runner, params, st, knobs, cfg, width, branch, skip_swaps=swaps)
+        buf = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buf, out)
+        ran = i + jnp.where(swapped, 0, 1).astype(i32)
+        stop = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width)
+        return ran, new, buf, jnp.where(swapped, SWAP, stop).astype(i32)
+
+    steps, st, buf, stop = jax.lax.while_loop(cond, body, (jnp.asarray(0, i32), st, buf, stop0))
+    return st, Dispatched(steps=steps, stop=stop, out=buf)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def settle_forks(st: EngineState, parents: jax.Array) -> EngineState:
+    """The rows of bool[B] `parents` have no outputs left to fork (their outputs 1.. ended with their first token,
+    or were aborted): the FORK rule no longer holds for them. `engine_step.fork_requests` does this for the rows
+    it forks off."""
+    rows = st.sampling
+    return st.replace(sampling=rows.replace(siblings=jnp.where(parents, 0, rows.siblings)))
