@@ -4,12 +4,14 @@ Each configuration serves `skvs bench`'s default trace (32 requests of shared sy
 shipped tiny model, 64 KV blocks of 8, 8 slots, token budget 128, prefill chunk 32) twice on a warm engine with a
 flat step cost (so every run makes the same schedule):
 
-  wall    the run as a user runs it (`Engine.run`: on this tree the overlapped loop)
-  device  the same run with every program call timed from the call until its outputs are ready, one at a time:
-          the programs' own time (the call's argument handling included, a few tens of microseconds)
+  wall     the run as a user runs it (`Engine.run`: on this tree the overlapped loop)
+  serial   the same run with every program call waited for, one at a time, and timed from the call until its
+           outputs are ready: `prog`, the programs' own time (the call's argument handling included)
 
-host share = 1 - device / wall: the part of the wall time in which no program ran. With N > 1 steps per
-dispatch the overlapped run can hide host work under the next dispatch, so the share can approach 0.
+host % = 1 - prog / serial: the host's own share of a run in which nothing overlaps (per step: host ms/step);
+visible % = (wall - prog) / wall: the share of the served run in which no program ran, the device's idle time
+(0 when the host's work hides under the next dispatch; a negative difference, from the call overheads `prog`
+counts, is shown as 0).
 
 The file runs on its own too (`python skvs_jax/commands/micro_host.py`), so that the same measurement can be
 taken on an older tree (`PYTHONPATH=<old tree>`), whose engine has no steps per dispatch: there only N = 1 runs,
@@ -46,28 +48,33 @@ def _has_dispatch() -> bool:
 
 @contextlib.contextmanager
 def _timed_programs(totals: list[float]):
-    """Every serving program call blocks until its outputs are ready; its time is appended to `totals`."""
+    """Every serving program call (`engine_step.fused_step`, and `dispatch.run_steps` where the tree has it) blocks
+    until its outputs are ready; its time from the call is appended to `totals`."""
+    from skvs_jax.serve import engine_step
+
+    targets = [(engine_step, "fused_step")]
     if _has_dispatch():
-        from skvs_jax.serve import dispatch as module
+        from skvs_jax.serve import dispatch
 
-        name = "run_steps"
-    else:
-        from skvs_jax.serve import engine_step as module
+        targets.append((dispatch, "run_steps"))
+    originals = [getattr(m, n) for m, n in targets]
 
-        name = "fused_step"
-    original = getattr(module, name)
+    def timed(original):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(original(*args, **kwargs))
+            totals.append(time.perf_counter() - t0)
+            return out
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(original(*args, **kwargs))
-        totals.append(time.perf_counter() - t0)
-        return out
+        return call
 
-    setattr(module, name, timed)
+    for (m, n), original in zip(targets, originals):
+        setattr(m, n, timed(original))
     try:
         yield
     finally:
-        setattr(module, name, original)
+        for (m, n), original in zip(targets, originals):
+            setattr(m, n, original)
 
 
 def _engine(model, heads, policy, cache, steps):
@@ -110,14 +117,16 @@ def measure(policy_names, steps_values, rounds: int, requests: int) -> dict:
             wall, e = _serve(model, heads, policy, cache, trace, c[1])
             totals: list[float] = []
             with _timed_programs(totals):
-                _, e_dev = _serve(model, heads, policy, cache, trace, c[1])
+                serial, e_dev = _serve(model, heads, policy, cache, trace, c[1])
             device = sum(totals)
             steps = len(e.step_log)
             tokens = sum(len(x.tokens) for x in e.requests.values())
-            dispatches = len([d for d in getattr(e, "dispatch_log", []) if d["steps"]]) or steps
-            rows[c].append(dict(wall_s=wall, device_s=device, host_share=1 - device / wall, steps=steps,
-                                dispatches=dispatches, per_request=dispatches / len(trace.requests),
-                                host_ms_per_step=1e3 * (wall - device) / steps, tok_s=tokens / wall,
+            log = getattr(e, "dispatch_log", [])
+            dispatches = len([d for d in log if d["steps"]]) or steps
+            rows[c].append(dict(wall_s=wall, serial_s=serial, device_s=device, host_share=1 - device / serial,
+                                visible=max(0.0, wall - device) / wall, steps=steps, dispatches=dispatches,
+                                sent=len(log) or steps, per_request=dispatches / len(trace.requests),
+                                host_ms_per_step=1e3 * (serial - device) / steps, tok_s=tokens / wall,
                                 same_steps=len(e_dev.step_log) == steps))
     return {f"{p} N={s}": v for (p, s), v in rows.items()}
 
@@ -132,14 +141,17 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("skvs micro host: --rounds must be >= 1")
     out = measure(names, steps, args.rounds, args.requests)
     print(f"skvs micro host: {args.requests} requests, jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"{args.rounds} rounds (medians); host share = 1 - program time / wall time")
-    print(f"{'config':<24}{'wall s':>8}{'prog s':>8}{'host %':>8}{'host ms/step':>14}{'steps':>7}"
-          f"{'dispatches':>12}{'/request':>10}{'tok/s':>8}")
+          f"{args.rounds} rounds (medians). serial: the run with each program waited for; host % = 1 - program "
+          "time / serial wall; visible % = (wall - program time) / wall, the device's idle share as served (0: "
+          "the host's work is hidden)")
+    print(f"{'config':<20}{'wall s':>8}{'serial s':>9}{'prog s':>8}{'host %':>8}{'visible %':>10}"
+          f"{'host ms/step':>13}{'steps':>7}{'dispatches':>11}{'sent':>6}{'/request':>9}{'tok/s':>8}")
     for name, rs in out.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "same_steps"}
-        print(f"{name:<24}{med['wall_s']:>8.2f}{med['device_s']:>8.2f}{100 * med['host_share']:>8.1f}"
-              f"{med['host_ms_per_step']:>14.2f}{med['steps']:>7.0f}{med['dispatches']:>12.0f}"
-              f"{med['per_request']:>10.2f}{med['tok_s']:>8.0f}")
+        print(f"{name:<20}{med['wall_s']:>8.3f}{med['serial_s']:>9.3f}{med['device_s']:>8.3f}"
+              f"{100 * med['host_share']:>8.1f}{100 * med['visible']:>10.1f}{med['host_ms_per_step']:>13.2f}"
+              f"{med['steps']:>7.0f}{med['dispatches']:>11.0f}{med['sent']:>6.0f}{med['per_request']:>9.2f}"
+              f"{med['tok_s']:>8.0f}")
         if not all(r["same_steps"] for r in rs):
             print(f"  warning: {name}: the timed and untimed runs took different steps")
     if args.json:

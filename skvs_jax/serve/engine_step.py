@@ -50,6 +50,14 @@ class EngineConfig:
     kv_shardings: tuple | None = None  # on a mesh: a NamedSharding per `runner.kv_pages` array, else None
     split_rows: int = 0  # extra query rows of the prompt width's split branch (`model_step_at`); 0: no split
 
+    def __hash__(self) -> int:
+        # A static argument of every step program, hashed by jit at each call: computed once (nested configs).
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
 
 @struct.dataclass
 class EngineState:

@@ -79,13 +79,22 @@ class LlamaMedusaRunner:
             raise TypeError(f"model must be a reference_models.Llama, got {type(model).__name__}")
         graphdef, state = nnx.split(model)
         if heads is None:
-            return cls(graphdef, None, model.config, 0), (state, None)
+            return _interned(cls(graphdef, None, model.config, 0)), (state, None)
         if not isinstance(heads, MedusaHeads):
             raise TypeError(f"heads must be MedusaHeads or None, got {type(heads).__name__}")
         if heads.config.hidden_size != model.config.hidden_size or heads.config.vocab_size != model.config.vocab_size:
             raise ValueError("the Medusa heads do not match the base model's hidden size / vocabulary")
         heads_graphdef, heads_state = nnx.split(heads)
-        return cls(graphdef, heads_graphdef, model.config, heads.config.num_heads), (state, heads_state)
+        return _interned(cls(graphdef, heads_graphdef, model.config, heads.config.num_heads)), (state, heads_state)
+
+    def __hash__(self) -> int:
+        # jit hashes its static arguments at every call, and a GraphDef's hash walks the whole module tree: ~2 ms a
+        # call on the shipped model, more than the host's other work per dispatch. Computed once per runner.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.graphdef, self.heads_graphdef, self.config, self.num_draft_heads))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def vocab_size(self) -> int:
@@ -148,3 +157,12 @@ class LlamaMedusaRunner:
     def cache_specs(self, cache: KVCache) -> tuple:
         """One PartitionSpec per `kv_pages` array: every page and scale array split on its Hkv axis."""
         return tuple(distributed.kv_spec(x) for x in self.kv_pages(cache))
+
+
+_RUNNERS: dict[LlamaMedusaRunner, LlamaMedusaRunner] = {}
+
+
+def _interned(runner: LlamaMedusaRunner) -> LlamaMedusaRunner:
+    """One runner object per model structure: jit matches a static argument by hash, then by `==`, which for
+    another but equal runner compares the GraphDefs node by node at every call; the same object compares at once."""
+    return _RUNNERS.setdefault(runner, runner)
