@@ -6,9 +6,10 @@ width, update), so the scheduler, the allocator, the prefix cache, drafting and 
 device between steps. The width a step needs is picked on the device from what the previous step left in the
 state (`EngineState.prompt_work`, `EngineState.next_want`), by the host's own rule (`serve.widths`): the prompt
 width while some row has prompt work, else 1 + the smallest draft width holding the bound. A program has one
-width; a step that needs another ends the dispatch (no `lax.switch` on a computed index, which on XLA:GPU is
-one more host round trip per step). The schedule never depends on the width (it is an upper bound), so a
-dispatch makes exactly the one-step engine's schedules: only the number of host visits changes.
+width: a step that needs a wider one ends the dispatch, and so does one whose narrower program would save more
+than the padding is worth (`fits_width`); no `lax.switch` on a computed index, which on XLA:GPU is one more host
+round trip per step. The schedule never depends on the width (it is an upper bound), so a dispatch makes
+exactly the one-step engine's schedules: only the number of host visits changes.
 
 Before step i the loop ends (`STOP_*`, first that holds) when:
 
@@ -17,8 +18,9 @@ Before step i the loop ends (`STOP_*`, first that holds) when:
   FORK         an n > 1 request's output 0 has sampled its first token: its outputs 1.. fork on the host
   ADMIT        the empty slots reach `admit_at`: the host's queue head fits, and the one-step engine would admit
                it before this step (the host passes a huge number when its queue is empty)
-  WIDTH        the step needs another width (step 0 of a dispatch the host chose the width of: a wider width
-               than needed is allowed, a narrower one never)
+  WIDTH        the step needs a wider width, or a narrower one whose program would save more than a sixteenth of
+               the step (`fits_width`, by the fitted step cost); step 0 of a dispatch the host chose the width of
+               runs at any width at least the one needed
   FIRST_TOKEN  (i > 0) the previous step sampled some request's first token: the host streams it now, so the
                time to first token does not wait for the rest of the dispatch
 
@@ -94,6 +96,28 @@ def swaps_possible(cfg: EngineConfig) -> bool:
     return cfg.sched.policy.preemption == "swap" and cfg.sched.swap_blocks > 0
 
 
+PAD_SHARE = 16  # a step runs on in a wider program while the padding costs at most 1/16 of the step (fitted cost)
+
+
+def fits_width(st: EngineState, need: jax.Array, *, cfg: EngineConfig, width: int) -> jax.Array:
+    """bool[]: a step that needs width `need` runs on in this program of `width` instead of ending the dispatch:
+    need <= width, and the padding (by the state's fitted step cost: the width the program runs minus the one
+    needed) costs at most 1 / `PAD_SHARE` of the step. A decode step in a program wider than 1 + K runs its narrow
+    branch (`engine_step.model_step_at`), so a prompt-width program pads it to 1 + K only. Without a width table
+    (a flat cost: widths priced alike) every narrower need runs on. Ending a dispatch costs a host turn, which on
+    this project's CPU is worth more than a few percent of one step; a GPU's fitted widths are nearly flat."""
+    narrow = engine_step.narrow_width(cfg)
+    cost = st.step_cost
+    if cost is None or cost.width_us is None:
+        return need <= width
+    table = cost.width_us
+    runs = jnp.where((width > narrow) & (need <= narrow), narrow, width)
+    top = table.shape[0] - 1
+    pad = table[jnp.minimum(runs, top)] - table[jnp.minimum(need, top)]
+    step = cost.token_us[0] + table[jnp.minimum(need, top)]
+    return (need <= width) & (pad * PAD_SHARE <= step)
+
+
 def stop_before(i: jax.Array, st: EngineState, first_token: jax.Array, lim: Limits, *, cfg: EngineConfig,
                 width: int) -> jax.Array:
     """int32[]: why the loop ends before step i (`RUNNING`: it does not). first_token: bool[] the previous step
@@ -103,7 +127,7 @@ def stop_before(i: jax.Array, st: EngineState, first_token: jax.Array, lim: Limi
     fork = jnp.any((seqs.status != sc.EMPTY) & (st.sampling.siblings > 0) & (seqs.num_tokens > seqs.prompt_len))
     empty = jnp.sum(seqs.status == sc.EMPTY, dtype=i32)
     need = needed_width(st, cfg)
-    wrong_width = jnp.where((i == 0) & (lim.exact == 0), need > width, need != width)
+    wrong_width = jnp.where((i == 0) & (lim.exact == 0), need > width, ~fits_width(st, need, cfg=cfg, width=width))
     reasons = [(i >= lim.n, BOUND), (~jnp.any(sc.live(seqs.status)), IDLE), (fork, FORK),
                (empty >= lim.admit_at, ADMIT), (wrong_width, WIDTH), ((i > 0) & first_token, FIRST_TOKEN)]
     stop = jnp.asarray(RUNNING, i32)
