@@ -346,8 +346,10 @@ def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsy
     from skvs_jax.metrics import METRICS
 
     for p in doc["policies"].values():
-        assert set(p) == {"metrics", "counters", "compiled_buckets", "series", "step_cost_us", "steps_by_width"}
+        assert set(p) == {"metrics", "counters", "compiled_buckets", "series", "step_cost_us", "steps_by_width",
+                          "split_step_us", "split", "dispatches"}
         assert p["step_cost_us"] == {} and sum(p["steps_by_width"].values()) == p["metrics"]["num_steps"]
+        assert p["dispatches"]["steps"] == p["metrics"]["num_steps"] >= p["dispatches"]["dispatches"] > 0
         assert set(p["metrics"]) >= {key for key, _, _ in METRICS}
         for v in p["metrics"].values():
             assert v is None or isinstance(v, (int, float))

@@ -324,6 +324,7 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
                   f"({paired_ci[n][0]:.3f}-{paired_ci[n][1]:.3f}; {sum(v > 1 for v in r)} of {len(r)})"
                   for n, r in paired.items() if r))
     _print_stalls(stalls)
+    _print_dispatches(results, names, args)
     priced = _print_fits(results, names)
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
@@ -348,6 +349,19 @@ def _print_stalls(stalls: dict) -> None:
                   + ("excluded from its median and range" if not all(st) else
                      "its timing rows measure that, not the policy; with --repeats 2 or more the later runs reuse "
                      "the compiled programs"))
+
+
+def _print_dispatches(results: dict, names: list[str], args) -> None:
+    """How each policy's steps were dispatched (`bench_serving.dispatch_summary`)."""
+    parts = []
+    for n in names:
+        d = results[n].get("dispatches")
+        if d:
+            stops = ", ".join(f"{k} {v}" for k, v in d["stops"].items())
+            parts.append(f"{n} {d['steps']} steps in {d['dispatches']} ({d['per_request']:.2f} a request; {stops})")
+    if parts:
+        print(f"dispatches (--steps-per-dispatch {getattr(args, 'steps_per_dispatch', 'auto')}), by why each ended: "
+              + "; ".join(parts))
 
 
 def _print_fits(results: dict, names: list[str]) -> dict | None:
@@ -399,6 +413,7 @@ def write_outputs(reported: dict, specs: dict, budget, trace, cache, args) -> No
                          "compiled_buckets": results[n]["compiled"], "series": results[n]["series"],
                          "step_cost_us": results[n].get("step_cost_us", {}),
                          "steps_by_width": results[n].get("width_hist", {}),
+                         "dispatches": results[n].get("dispatches", {}),
                          "split_step_us": results[n].get("split_step_us"), "split": results[n].get("split", {})}
                      for n in names},
     }
