@@ -130,7 +130,8 @@ def _bounded_compile_cache(request):
 # The heaviest test files first (worker-seconds measured in CI, 2026-11-30: ~330, ~310, ~280, ~190, ~125), so
 # that with `--dist loadfile --no-loadscope-reorder` the two workers finish together. xdist's own reorder sorts
 # files by their number of tests, which put test_distributed (6 tests, one of ~125 s) last, alone on one worker.
-_HEAVIEST_FIRST = ("test_engine.py", "test_scheduler.py", "test_speculation.py", "test_cli.py", "test_distributed.py")
+_HEAVIEST_FIRST = ("test_engine.py", "test_engine_dispatch_features.py", "test_scheduler.py", "test_speculation.py",
+                   "test_engine_dispatch.py", "test_cli.py", "test_distributed.py")
 
 
 def pytest_collection_modifyitems(items):

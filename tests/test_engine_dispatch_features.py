@@ -3,10 +3,14 @@ has per-request sampling, aborts, the overlap and the timing): preemption by swa
 disk tier (a step that swaps ends its dispatch and runs on the host's two-program path), a draft tree with
 typical acceptance at temperature > 0, and the other presets. Each against the one-step engine
 (steps_per_dispatch=1); the default run takes each feature at one N, `-m slow` at every N in {2, 8, 64, auto}.
+For a greedy feature the default run compares with the greedy reference instead, which the one-step engine gives
+(tests/test_engine.py): the same tokens, without compiling the one-step programs too.
 """
 
+import numpy as np
 import pytest
 
+from reference_models import greedy_generate
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import dispatch, engine, speculation
@@ -62,11 +66,21 @@ def one_step(shipped, trace, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def reference(shipped, trace):
+    model, _ = shipped
+    return {r.request_id: greedy_generate(model, np.asarray([r.prompt]), r.max_new_tokens)[0, len(r.prompt):].tolist()
+            for r in trace.requests}
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FEATURES])
-def test_each_feature_at_one_steps_per_dispatch(shipped, trace, one_step, name, tmp_path):
+def test_each_feature_at_one_steps_per_dispatch(shipped, trace, one_step, reference, name, tmp_path):
     steps = DEFAULT_N[name]
     many = _serve(shipped, name, trace, steps, tmp_path)
-    assert_same_serving(one_step(name), many)
+    if FEATURES[name][2] is None:  # greedy: the one-step engine's tokens are the reference's
+        assert {rid: r.tokens for rid, r in many.requests.items()} == reference
+    else:
+        assert_same_serving(one_step(name), many)
     assert len([d for d in many.dispatch_log if d["steps"]]) < len(many.step_log)
     c = many.state.sched.counters
     if name == "swap_tiers":  # swaps happened, spilled to disk and came back; each ended its dispatch
