@@ -155,7 +155,10 @@ class Engine:
         self.step_log: list[dict] = []
         self.compiled: set[tuple[int, bool]] = set()
         steps = opt.steps_per_dispatch
-        self._steps = dispatch_mod.AUTO_STEPS if steps == "auto" else steps  # the bound each dispatch gets
+        self._steps = dispatch_mod.AUTO_STEPS if steps == "auto" else steps  # the most steps a dispatch gets
+        self._auto = steps == "auto"
+        self._bound = 1 if self._auto else steps  # the next dispatch's bound (auto: `_next_bound`)
+        self._added = self._added_seen = 0  # requests added, and as many when the last dispatch was sent
         self._loop = steps != 1  # dispatches run `dispatch.run_steps`; 1: the one-step programs, as before
         self._flight: _Flight | None = None  # the dispatch sent and not read yet (`advance`)
         self._ready: list[Result] = []  # results read early (an abort drains the dispatch in flight)
@@ -249,7 +252,9 @@ class Engine:
         arrival_time: seconds on the engine's clock, finite (None: now). cache_salt (vLLM's): requests with
         different salts never share a prefix-cache block, so one tenant cannot learn another's prompts from hit
         timing; requests with the same salt share as unsalted ones do (None = no salt)."""
-        return self.table.add(prompt_tokens, sampling, arrival_time, request_id, cache_salt, self.now())
+        rid = self.table.add(prompt_tokens, sampling, arrival_time, request_id, cache_salt, self.now())
+        self._added += 1
+        return rid
 
     def completions(self, request_id: int) -> list[list[int]]:
         """The outputs of a request in order: its n outputs (`SamplingParams.n`), each as `RequestLog.output_tokens`."""
@@ -388,10 +393,24 @@ class Engine:
                 self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
                                                          cfg=self.cfg, width=width)
             return _Flight(width=width, start=start, out=out)
-        lim = jax.tree.map(self._arg, dispatch_mod.limits(self._steps, self._admit_at(), exact))
+        lim = jax.tree.map(self._arg, dispatch_mod.limits(self._next_bound(), self._admit_at(), exact))
         self.state, out = dispatch_mod.run_steps(*args, self.state, self.knobs, lim, engine_step.AUTO, cfg=self.cfg,
                                                  width=width, capacity=dispatch_mod.CAPACITY)
         return _Flight(width=width, start=start, out=out)
+
+    def _next_bound(self) -> int:
+        """The next dispatch's bound on its steps. A fixed steps_per_dispatch is itself. "auto" starts at 1 and
+        doubles with every dispatch sent while no request was added, up to `dispatch.AUTO_STEPS`; a request added
+        since the last dispatch was sent brings it back to 1. A request that arrives during a dispatch waits for
+        its end to be admitted (the device cannot read the host's queue), so while requests keep arriving the
+        dispatches stay short; a batch queued at once soon runs at the full bound (docs/serving.md)."""
+        if not self._auto:
+            return self._steps
+        if self._added != self._added_seen:
+            self._added_seen, self._bound = self._added, 1
+        else:
+            self._bound = min(2 * self._bound, self._steps)
+        return self._bound
 
     def _read(self, flight: _Flight) -> list[Result]:
         """A dispatch's outputs into the request table, the width picker and the step log (blocks until it is done).

@@ -56,9 +56,10 @@ class EngineOptions:
       mesh: a `jax.sharding.Mesh` with a "tp" axis: weights and KV cache sharded over KV heads (None: one device).
     The host:
       steps_per_dispatch: engine steps one jitted program runs before the host reads its outputs (an int in
-        [1, 64], or "auto": up to `dispatch.AUTO_STEPS`); a dispatch also ends where the host is needed: an
-        admission, a fork, a swap, a width change, a first token (`serve.dispatch`). 1: the one-step programs
-        with the host between every two steps (the engine before dispatches of many steps).
+        [1, 64], or "auto": from 1, doubling with each dispatch sent while no request arrives, up to
+        `dispatch.AUTO_STEPS`); a dispatch also ends where the host is needed: an admission, a fork, a swap, a
+        width change, a first token (`serve.dispatch`). 1: the one-step programs with the host between every
+        two steps (the engine before dispatches of many steps).
       seed: the engine's seed, from which requests without one get theirs; in [0, 2**32).
       clock: the engine's clock (seconds); `time.perf_counter` by default.
     """
