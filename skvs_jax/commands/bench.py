@@ -36,7 +36,9 @@ steps decide where the same tokens took different steps; otherwise the spread of
 skvs; one round with equal steps is no evidence, and only with --rate does one round fall back to THROUGHPUT_NOISE,
 the run-to-run spread of a 2-core CPU). `--policies` takes presets with overrides (`policies.parse_policies`), and
 --preemption, --victim, --kv-precision, --no-prefix-cache and --host-blocks set a switch for every policy
-(`policy_flags`). bench.json (SCHEMA_VERSION 2): the version-1 keys, unchanged, plus with --repeats > 1 or
+(`policy_flags`). `--steps-per-dispatch` is the engines' (`EngineOptions.steps_per_dispatch`; a line under the table
+says how each policy's steps were dispatched, and bench.json's `policies.*.dispatches` records it).
+bench.json (SCHEMA_VERSION 2): the version-1 keys, unchanged, plus with --repeats > 1 or
 --ablation "runs" ({"throughput": policy -> tok/s of each repeat, "stalled": policy -> a flag per repeat, and
 without --ablation "paired_to_naive_spec": policy -> its throughput over naive_spec's in each round, stalled rounds
 left out, and "paired_to_naive_spec_ci95": policy -> [low, high], the 95% bootstrap interval of that ratio's median,
