@@ -32,11 +32,26 @@ def test_the_serving_section_prints_every_figure_from_the_measurement(capsys, mo
 
     fake = {f"{p} N={n}": rows(100 if n == 1 else 20) for p in ("naive_spec", "skvs") for n in (1, "auto")}
     monkeypatch.setattr(micro_host, "measure", lambda *a, **k: fake)
+    monkeypatch.setattr(gpu_check, "_round_trips", lambda name, smoke: f"{name}: width 5: 3 while, 2 cond")
     monkeypatch.setattr(gpu_check.jax, "default_backend", lambda: "gpu")
     assert commands.main(["gpu-check", "--only", "serving"]) == 0
     out = capsys.readouterr().out
     assert "skvs N=auto" in out and "1000" in out and "naive_spec: N=auto / N=1 throughput 2.000x" in out
-    assert "skvs / naive_spec at N=1: 1.000x" in out
+    assert "skvs / naive_spec at N=1: 1.000x" in out and "skvs: width 5: 3 while, 2 cond" in out
+
+
+def test_control_flow_counts_every_while_and_cond_inside_a_program():
+    import jax
+    import jax.numpy as jnp
+
+    def f(x):
+        def body(c):
+            return jax.lax.cond(c[0] > 2, lambda v: (v[0] + 1, v[1] * 2), lambda v: (v[0] + 1, v[1]), c)
+
+        y = jax.lax.while_loop(lambda c: c[0] < 5, body, (x, x))[1]
+        return jax.jit(lambda z: jax.lax.cond(z > 0, jnp.sin, jnp.cos, z))(y)
+
+    assert gpu_check.control_flow(jax.make_jaxpr(f)(1.0)) == {"while": 1, "cond": 2}
 
 
 @pytest.mark.slow  # compiles the engine at two steps per dispatch (~3 min here)

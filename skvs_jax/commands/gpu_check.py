@@ -4,9 +4,11 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under f
 
   kernels   the Pallas kernels against their references, then timed against jax's own Pallas paged attention,
             the XLA path and the device's copy bandwidth (`pallas_kernels.gpu_check`)
-  serving   the engine on the shipped tiny model at one step per dispatch and at the chosen steps per dispatch
-            (`skvs micro host`'s measurement): throughput, dispatches per request, and the device's idle time
-            between dispatches per step (wall time minus the programs' own time)
+  serving   the engine on the shipped tiny model (impl "auto": the compiled Pallas kernels on a GPU) at one step per
+            dispatch and at the chosen steps per dispatch (`skvs micro host`'s measurement): throughput,
+            dispatches per request, the device's idle time between dispatches per step (wall time minus the
+            programs' own time), skvs / naive_spec; then the `while` and `cond` inside the dispatch program
+            (`control_flow`: host round trips on XLA:GPU, which the lean-step issue owns)
 
 Without a GPU it says so and exits 2; `--cpu-smoke` runs every section end to end on this CPU at tiny sizes
 (interpreted kernels, a few requests): a check of the script, not of a GPU. Record what it prints in docs/ with
@@ -41,6 +43,46 @@ def _kernels(smoke: bool) -> bool:
     return ok
 
 
+def control_flow(jaxpr) -> dict[str, int]:
+    """`while` and `cond` equations in a (closed) jaxpr and every jaxpr inside it: on XLA:GPU each evaluates its
+    predicate or branch index on the host, once per trip, unless the program runs in a command buffer."""
+    counts = {"while": 0, "cond": 0}
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name in counts:
+                counts[eqn.primitive.name] += 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", None)
+                    if inner is not None:
+                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
+
+    walk(jaxpr.jaxpr)
+    return counts
+
+
+def _round_trips(name: str, smoke: bool) -> str:
+    """The dispatch program's control flow at its narrow and prompt widths, for one policy (traced, not run)."""
+    from reference_models import checkpoint, train
+    from skvs_jax import policies
+    from skvs_jax.config import CacheConfig
+    from skvs_jax.serve import dispatch, engine, engine_step
+
+    model = checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama")
+    heads = checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa")
+    cache = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+    e = engine.Engine(model, heads, policies.preset(name), cache, token_budget=128, prefill_chunk=32,
+                      step_cost="flat", steps_per_dispatch="auto", impl="auto")
+    parts = []
+    for width in sorted({engine_step.narrow_width(e.cfg), e.picker.prompt_width}):
+        fn = jax.make_jaxpr(lambda p, st, k, lim, w=width: dispatch.run_steps(
+            e.runner, p, st, k, lim, engine_step.AUTO, cfg=e.cfg, width=w, capacity=dispatch.CAPACITY))
+        c = control_flow(fn(e.params, e.state, e.knobs, dispatch.limits(1)))
+        parts.append(f"width {width}: {c['while']} while, {c['cond']} cond")
+    return f"{name}: " + "; ".join(parts)
+
+
 def _serving(smoke: bool, chosen) -> bool:
     from skvs_jax.commands import micro_host
 
@@ -62,6 +104,10 @@ def _serving(smoke: bool, chosen) -> bool:
         for n in steps:
             ratio = rows[f"skvs N={n}"][0]["tok_s"] / rows[f"naive_spec N={n}"][0]["tok_s"]
             print(f"skvs / naive_spec at N={n}: {ratio:.3f}x")
+    print("control flow inside the dispatch program (each a host round trip per trip on XLA:GPU without command "
+          "buffers; the lean-step issue owns them; the dispatch loop itself is one while):")
+    for name in names:
+        print("  " + _round_trips(name, smoke))
     return True
 
 

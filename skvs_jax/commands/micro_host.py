@@ -80,7 +80,7 @@ def _timed_programs(totals: list[float]):
 def _engine(model, heads, policy, cache, steps):
     from skvs_jax.serve import engine
 
-    kwargs = dict(token_budget=128, prefill_chunk=32, step_cost="flat")
+    kwargs = dict(token_budget=128, prefill_chunk=32, step_cost="flat", impl="auto")  # Pallas on a GPU
     if steps != "legacy":
         kwargs["steps_per_dispatch"] = steps
     return engine.Engine(model, heads, policy, cache, **kwargs)
