@@ -146,3 +146,18 @@ def shipped():
 
     return (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
             checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+
+
+@pytest.fixture(scope="module")
+def one_step(request, shipped, tmp_path_factory):
+    """The one-step engine's (steps_per_dispatch=1) run of a feature, served once per module: get(name) calls the
+    test module's `_serve(shipped, name, trace, 1, tmp_path)` with its `trace` fixture (tests/test_engine_dispatch*)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            trace = request.getfixturevalue("trace")
+            runs[name] = request.module._serve(shipped, name, trace, 1, tmp_path_factory.mktemp(name))
+        return runs[name]
+
+    return get

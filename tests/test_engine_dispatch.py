@@ -17,7 +17,7 @@ import pytest
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import dispatch, engine
-from skvs_jax.testing.engines import assert_same_serving
+from skvs_jax.testing.engines import assert_same_serving, serve_trace
 
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
 ALL_N = (2, 8, 64, "auto")
@@ -54,31 +54,10 @@ DEFAULT_N = {"sampling": 8}
 
 
 def _serve(shipped, name, trace, steps, tmp_path=None):
-    model, heads = shipped
     policy, options, sampling = FEATURES[name]
-    options = dict(options)
-    if "disk_blocks" in options and tmp_path is not None:
-        options["disk_dir"] = str(tmp_path / f"disk-{steps}")
-    e = engine.Engine(model, heads, policy, CACHE, token_budget=96, prefill_chunk=32, steps_per_dispatch=steps,
-                      seed=5, **options)
-    for i, r in enumerate(trace.requests):
-        sp = (sampling or (lambda _, m: engine.SamplingParams(max_tokens=m)))(i, r.max_new_tokens)
-        e.add_request(r.prompt, sp, request_id=10 * r.request_id)
-    e.run()
-    return e
-
-
-@pytest.fixture(scope="module")
-def one_step(shipped, trace, tmp_path_factory):
-    """The one-step engine's run of each feature, served once per module."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            runs[name] = _serve(shipped, name, trace, 1, tmp_path_factory.mktemp(name))
-        return runs[name]
-
-    return get
+    # ids 10 apart: an n > 1 request's outputs take the ids after its own
+    return serve_trace(*shipped, policy, CACHE, trace.requests, sampling, id_stride=10, token_budget=96,
+                       prefill_chunk=32, steps_per_dispatch=steps, seed=5, **options)
 
 
 @pytest.mark.parametrize("name", list(FEATURES))

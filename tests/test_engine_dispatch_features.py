@@ -14,7 +14,7 @@ from reference_models import greedy_generate
 from skvs_jax import policies, workloads
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import dispatch, engine, speculation
-from skvs_jax.testing.engines import assert_same_serving
+from skvs_jax.testing.engines import assert_same_serving, serve_trace
 
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
 ALL_N = (2, 8, 64, "auto")
@@ -39,31 +39,11 @@ def trace():
 
 
 def _serve(shipped, name, trace, steps, tmp_path):
-    model, heads = shipped
     policy, options, sampling = FEATURES[name]
-    options = dict(options)
     if "disk_blocks" in options:
-        options["disk_dir"] = str(tmp_path)
-    e = engine.Engine(model, heads, policy, CACHE, token_budget=96, prefill_chunk=32, steps_per_dispatch=steps,
-                      **options)
-    for i, r in enumerate(trace.requests):
-        sp = sampling(i, r.max_new_tokens) if sampling else engine.SamplingParams(max_tokens=r.max_new_tokens)
-        e.add_request(r.prompt, sp, request_id=r.request_id)
-    e.run()
-    return e
-
-
-@pytest.fixture(scope="module")
-def one_step(shipped, trace, tmp_path_factory):
-    """The one-step engine's run of each feature, served once per module."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            runs[name] = _serve(shipped, name, trace, 1, tmp_path_factory.mktemp(name))
-        return runs[name]
-
-    return get
+        options = dict(options, disk_dir=str(tmp_path))
+    return serve_trace(*shipped, policy, CACHE, trace.requests, sampling, token_budget=96, prefill_chunk=32,
+                       steps_per_dispatch=steps, **options)
 
 
 @pytest.fixture(scope="module")

@@ -148,21 +148,21 @@ def _zeros_like_out(runner, params, st, knobs, cfg, width) -> StepOut:
 
 
 def _one_step(runner, params, st: EngineState, knobs, cfg: EngineConfig, width: int, branch=engine_step.AUTO,
-              skip_swaps: bool = False):
-    """One engine step (`engine_step.fused_step`'s body; branch as `engine_step.model_step_at`'s). skip_swaps: a
-    step whose schedule swaps is not run (returns the state unchanged, zero outputs and True)."""
+              skip_swaps: StepOut | None = None):
+    """One engine step (`engine_step.fused_step`'s body; branch as `engine_step.model_step_at`'s). skip_swaps (the
+    step's zero outputs, or None): a step whose schedule swaps is not run (returns the state unchanged, these
+    outputs and True). Passed in, so the step is not traced once more for their shapes."""
     sched, batch = sc.schedule_unchecked(st.sched, knobs, st.step_cost, cfg=cfg.sched)
 
     def run(_):
         return engine_step.model_step_at(runner, params, st.replace(sched=sched), batch, knobs, branch, cfg=cfg,
                                          width=width)
 
-    if not skip_swaps:
+    if skip_swaps is None:
         new, out = run(None)
         return new, out, jnp.asarray(False)
     swap = jnp.any(batch.swap_out | batch.swap_in)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, None)[1])
-    new, out = jax.lax.cond(swap, lambda _: (st, zeros), run, None)
+    new, out = jax.lax.cond(swap, lambda _: (st, skip_swaps), run, None)
     return new, out, swap
 
 
@@ -182,7 +182,8 @@ def run_steps(runner, params, st: EngineState, knobs, lim: Limits, branch=engine
 
     def body(carry):
         i, st, buf, _ = carry
-        new, out, swapped = _one_step(runner, params, st, knobs, cfg, width, branch, skip_swaps=swaps)
+        new, out, swapped = _one_step(runner, params, st, knobs, cfg, width, branch,
+                                      skip_swaps=zero if swaps else None)
         buf = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buf, out)
         ran = i + jnp.where(swapped, 0, 1).astype(i32)
         stop = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width)

@@ -1,4 +1,5 @@
-"""`assert_same_serving(a, b)`: two engines that served the same requests produced the same thing.
+"""`assert_same_serving(a, b)`: two engines that served the same requests produced the same thing; `serve_trace`:
+an engine that served a trace, to compare.
 
 What "a change that changes nothing but the time" must keep (many steps per dispatch against one, a refactor of
 the host loop): every output's tokens, finish, abort, preemptions, prefix-cache hits and logprobs, the
@@ -7,8 +8,25 @@ scheduler's counters, and the tokens each engine step computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import numpy as np
+
+
+def serve_trace(model, heads, policy, cache, requests, sampling: Callable | None = None, id_stride: int = 1,
+                **options):
+    """An `Engine(model, heads, policy, cache, **options)` that served `requests` (`workloads.Request`s, all queued
+    at once) to completion through `run()`. sampling(i, max_tokens) gives request i's `SamplingParams` (None:
+    greedy); request i gets the id id_stride * its request_id (room for the ids of its n > 1 outputs)."""
+    from skvs_jax.serve import engine
+
+    e = engine.Engine(model, heads, policy, cache, **options)
+    for i, r in enumerate(requests):
+        sp = sampling(i, r.max_new_tokens) if sampling else engine.SamplingParams(max_tokens=r.max_new_tokens)
+        e.add_request(r.prompt, sp, request_id=id_stride * r.request_id)
+    e.run()
+    return e
 
 
 def assert_same_serving(a, b, *, rtol: float = 1e-5, atol: float = 1e-5) -> None:
