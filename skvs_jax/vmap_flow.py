@@ -25,6 +25,14 @@ Meanings are exactly `jax.lax`'s. Batched (`custom_vmap` rules), each switches o
                            computations (a cheap one valid on small inputs, a general one) the same way in every
                            lane, so that a sweep whose lanes disagree runs one of them, not both.
 
+**Skip or select**: on XLA:GPU every `while` trip and every `cond` copies its predicate or branch index to the
+host and waits for it (unless the program runs in a command buffer that supports them), so a skip costs a host
+round trip whether or not the work runs. `cond(..., skip=False)` computes both branches and selects;
+`select_when` computes fun(x) and selects (no select with identity_when_false); neither has control flow left.
+Callers pick with `SchedulerConfig.skip` (its `control_flow` field: "skip" on a CPU, "select" on a GPU or TPU),
+`cond(..., skip=cfg.skip)` and `when_for(cfg.skip)(pred, fun, x)`, and keep the skip only for work that costs
+more than a round trip (an eviction sort over N blocks).
+
 Branches and bodies may close over traced arrays: each is traced once to a jaxpr and every traced constant
 becomes an explicit operand, so the rules see batched ones. (`jax.closure_convert` would not do: it hoists only
 values that could carry float tangents, and the scheduler is integers.) Not differentiable.
@@ -40,8 +48,11 @@ import jax.numpy as jnp
 from jax import custom_batching
 
 
-def cond(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any) -> Any:
-    """`jax.lax.cond(pred, true_fun, false_fun, *operands)`; pred: bool[] (one per lane under vmap)."""
+def cond(pred: jax.Array, true_fun: Callable, false_fun: Callable, *operands: Any, skip: bool = True) -> Any:
+    """`jax.lax.cond(pred, true_fun, false_fun, *operands)`; pred: bool[] (one per lane under vmap). skip=False:
+    both branches run and the result is selected (no control flow; see the module docstring)."""
+    if not skip:
+        return _select(jnp.asarray(pred, bool), true_fun(*operands), false_fun(*operands))
     true_c, true_consts = _hoisted(true_fun, operands)
     false_c, false_consts = _hoisted(false_fun, operands)
 
@@ -94,6 +105,18 @@ def when(pred: jax.Array, fun: Callable, x: Any, *, identity_when_false: bool = 
         return x, _all_batched(x)
 
     return run(pred, consts, x)
+
+
+def select_when(pred: jax.Array, fun: Callable, x: Any, *, identity_when_false: bool = False) -> Any:
+    """`when` without control flow: fun(x) runs unconditionally and is selected by pred, or kept as it is with
+    identity_when_false (then fun(x) must equal x wherever pred is False, unbatched too)."""
+    return fun(x) if identity_when_false else _select(jnp.asarray(pred, bool), fun(x), x)
+
+
+def when_for(skip: bool) -> Callable:
+    """`when` (skip: the work runs only where needed, behind a loop of 0 or 1 trips) or `select_when` (no
+    control flow), called as either: `vmap_flow.when_for(cfg.skip)(pred, fun, x, ...)`."""
+    return when if skip else select_when
 
 
 def while_loop(cond_fun: Callable, body_fun: Callable, init: Any, *, identity_when_done: bool = False) -> Any:
@@ -167,7 +190,8 @@ def _broadcast(x: Any, batched: Any, axis_size: int) -> Any:
 
 
 def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """Per lane: pred[lane] ? on_true : on_false (leaves with a leading lane axis)."""
+    """Per lane: pred[lane] ? on_true : on_false (leaves with a leading lane axis); a scalar pred selects whole
+    leaves."""
     return jax.tree.map(lambda t, f: jnp.where(pred.reshape(pred.shape + (1,) * (t.ndim - 1)), t, f),
                         on_true, on_false)
 

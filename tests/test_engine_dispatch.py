@@ -80,6 +80,20 @@ def test_every_feature_at_every_steps_per_dispatch(shipped, trace, one_step, nam
     assert_same_serving(one_step(name), _serve(shipped, name, trace, steps, tmp_path))
 
 
+def test_the_gpu_program_serves_the_cpu_programs_tokens(shipped, trace, one_step):
+    """The step program a GPU runs by default (control_flow "select": no cond or loop where rare work was skipped;
+    prefix_sums "dense": no gather, scan or sort for sums in priority order; tests/test_control_flow.py), traced
+    and run here at many steps per dispatch, serves every request as this CPU's one-step program does: penalties
+    (applied without a cond), logprobs, n > 1, stops, preemption, prefix hits."""
+    policy, options, sampling = FEATURES["sampling"]
+    gpu = serve_trace(*shipped, policy, CACHE, trace.requests, sampling, id_stride=10, token_budget=96,
+                      prefill_chunk=32, steps_per_dispatch=8, seed=5, control_flow="select", prefix_sums="dense",
+                      **options)
+    assert gpu.cfg.sched.control_flow == "select" and gpu.cfg.sched.dense
+    assert_same_serving(one_step("sampling"), gpu)
+    assert int(gpu.state.sched.counters.preempt_recompute) > 0 and int(gpu.state.sched.counters.cached_tokens) > 0
+
+
 def _drive(e: engine.Engine, trace, actions) -> None:
     """Queue the trace, then serve it dispatch by dispatch (`step`), calling actions(e, i) before dispatch i."""
     for r in trace.requests:

@@ -59,3 +59,13 @@ def test_the_whole_script_runs_end_to_end_on_the_cpu(capsys):
     assert commands.main(["gpu-check", "--cpu-smoke"]) == 0
     out = capsys.readouterr().out
     assert "== serving: ok" in out and "skvs: N=auto / N=1 throughput" in out
+
+
+def test_micro_program_prints_the_counts_of_each_target(capsys):
+    """`skvs micro program` (what the program section's counts come from), traced only: one policy, the small size."""
+    assert commands.main(["micro", "program", "--policies", "skvs", "--sizes", "small", "--no-compile",
+                          "--no-step"]) == 0
+    out = capsys.readouterr().out
+    assert "skvs / cpu" in out and "skvs / gpu" in out and "skvs: gpu / cpu heavy primitives" in out
+    with pytest.raises(SystemExit, match="--sizes"):
+        commands.main(["micro", "program", "--sizes", "huge"])

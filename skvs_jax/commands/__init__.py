@@ -9,6 +9,7 @@
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro buckets     padding with draft widths chosen from the histogram vs the fixed {0, K/2, K}
   skvs micro host        the host's share of serving wall time, by policy and steps per dispatch
+  skvs micro program     one step's program as a GPU runs it: heavy primitives, kernels, host round trips
   skvs micro precision   Medusa acceptance with the KV cache in float32 / bfloat16 / fp8 / int8, K = 1..4
   skvs micro scheduler   one scheduler step (schedule + update) vs the plain-Python oracle scheduler
   skvs micro simulate    simulated steps per second, and a vmapped sweep vs the same points one by one
@@ -16,7 +17,7 @@
 
 Each command's module: `bench` (with `bench_serving` and `bench_report`), `simulate`, `claims`, `generate`,
 `gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
-`micro_buckets`, `micro_host`.
+`micro_buckets`, `micro_host`, `micro_program`.
 Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
 `micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
 folder). Commands are dispatched by one table, `COMMANDS`.
@@ -48,6 +49,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("micro", "attention"), "micro_attention", "paged decode attention vs dense attention (XLA, CPU)"),
     (("micro", "buckets"), "micro_buckets", "padding: draft widths chosen from the histogram vs {0, K/2, K}"),
     (("micro", "host"), "micro_host", "the host's share of serving wall time, by policy and steps per dispatch"),
+    (("micro", "program"), "micro_program",
+     "one step's program as a GPU runs it: heavy primitives, kernels, host round trips"),
     (("gpu-check",), "gpu_check", "the one GPU script: kernels, then serving at 1 and N steps per dispatch"),
 )
 GROUPS = {"micro": "micro-benchmarks of single components"}  # a first word with commands of its own

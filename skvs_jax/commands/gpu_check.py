@@ -8,7 +8,17 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under f
             dispatch and at the chosen steps per dispatch (`skvs micro host`'s measurement): throughput,
             dispatches per request, the device's idle time between dispatches per step (wall time minus the
             programs' own time), skvs / naive_spec; then the `while` and `cond` inside the dispatch program
-            (`control_flow`: host round trips on XLA:GPU, which the lean-step issue owns)
+            (`control_flow`: host round trips on XLA:GPU)
+  program   the step program as a GPU runs it (`skvs micro program`): the scheduler's step (schedule + update, no
+            model) in-graph per step at the bench's geometry and at 256 slots, each policy with the GPU's choices
+            (control_flow "select", prefix_sums "dense") and the CPU's ("skip", "scan") on the same device, so the
+            choice is measured where it matters; schedule's heavy primitives per program; then the simulator
+            (`skvs micro simulate`: one run's steps per second and a vmapped sweep of 64 lanes)
+
+XLA's GPU command buffers can run `while` and `cond` on the device: `--command-buffers` sets
+XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL before the
+backend starts; run the program section with and without it to see whether they remove the round trips (the
+CPU's "skip" program is the one with control flow left to remove).
 
 Without a GPU it says so and exits 2; `--cpu-smoke` runs every section end to end on this CPU at tiny sizes
 (interpreted kernels, a few requests): a check of the script, not of a GPU. Record what it prints in docs/ with
@@ -23,8 +33,9 @@ import time
 import jax
 import numpy as np
 
-SECTIONS = ("kernels", "serving")
-BUDGET_S = {"kernels": 120.0, "serving": 150.0}
+SECTIONS = ("kernels", "serving", "program")
+BUDGET_S = {"kernels": 120.0, "serving": 150.0, "program": 180.0}
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="run on this CPU at tiny sizes (checks the script)")
     parser.add_argument("--steps-per-dispatch", default="auto", help="the chosen N the serving section compares "
                                                                       "with N = 1 (an int, or auto)")
+    parser.add_argument("--command-buffers", action="store_true",
+                        help=f"set XLA_FLAGS={COMMAND_BUFFERS} before the backend starts")
 
 
 def _kernels(smoke: bool) -> bool:
@@ -111,12 +124,45 @@ def _serving(smoke: bool, chosen) -> bool:
     return True
 
 
+def _program(smoke: bool) -> bool:
+    from skvs_jax.commands import micro_program, micro_simulate
+
+    names = ["skvs"] if smoke else ["naive_spec", "skvs"]
+    sizes = ["small"] if smoke else ["small", "256"]
+    print("scheduler step (schedule + update, no model), in-graph, a full decode batch; targets: gpu = control_flow "
+          "'select' + prefix_sums 'dense' (a GPU's defaults), cpu = 'skip' + 'scan'")
+    print(f"{'size':<7}{'policy':<12}{'target':<8}{'us/step':>10}{'heavy':>8}{'while+cond':>12}")
+    ok, times = True, {}
+    for size in sizes:
+        for name in names:
+            for target in ("gpu", "cpu"):
+                r = micro_program.time_step(name, size, target, steps=2 if smoke else 10, calls=1 if smoke else 5)
+                heavy = micro_program.count_schedule(name, size, target, compile_it=False)["heavy"]
+                times[size, name, target] = r["us_per_step"]
+                ok &= r["all_ok"]
+                print(f"{size:<7}{name:<12}{target:<8}{r['us_per_step']:>10.1f}{sum(heavy.values()):>8}"
+                      f"{heavy['while'] + heavy['cond']:>12}")
+            print(f"{size:<7}{name:<12}gpu / cpu target: {times[size, name, 'gpu'] / times[size, name, 'cpu']:.3f}x")
+    sim = argparse.Namespace(max_seqs=256, requests=128, points=64, steps=256, max_output_len=128,
+                             max_prompt_len=256, rate=16.0, skip_vmap=False, cost_mode="auto")
+    if smoke:
+        sim = argparse.Namespace(**{**vars(sim), "max_seqs": 8, "requests": 8, "points": 8, "steps": 16,
+                                    "max_output_len": 16, "max_prompt_len": 16})
+    print("\nthe simulator on this device (skvs micro simulate, its default run: the GPU's choices apply by default)")
+    return ok & (micro_simulate.run(sim) == 0)
+
+
 def run(args: argparse.Namespace) -> int:
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         raise SystemExit(f"skvs gpu-check: --only: unknown section(s) {unknown}; choose from {SECTIONS}")
     chosen = args.steps_per_dispatch if args.steps_per_dispatch == "auto" else int(args.steps_per_dispatch)
+    if args.command_buffers:  # read when the backend starts, which is on the first device call below
+        import os
+
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS}".strip()
+        print(f"XLA_FLAGS={os.environ['XLA_FLAGS']}")
     on_gpu = jax.default_backend() == "gpu"
     import skvs_jax
 
@@ -129,7 +175,9 @@ def run(args: argparse.Namespace) -> int:
     for section in only:
         t0 = time.perf_counter()
         print(f"\n== {section} (budget {BUDGET_S[section]:.0f} s)")
-        good = _kernels(args.cpu_smoke) if section == "kernels" else _serving(args.cpu_smoke, chosen)
+        run_section = {"kernels": lambda: _kernels(args.cpu_smoke), "serving": lambda: _serving(args.cpu_smoke, chosen),
+                       "program": lambda: _program(args.cpu_smoke)}[section]
+        good = run_section()
         took = time.perf_counter() - t0
         over = "" if took <= BUDGET_S[section] or args.cpu_smoke else f"  OVER BUDGET ({BUDGET_S[section]:.0f} s)"
         print(f"== {section}: {'ok' if good else 'FAILED'} in {took:.0f} s{over}")

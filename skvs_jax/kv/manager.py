@@ -44,6 +44,8 @@ class KVConfig:
       rows_indexed: R, rows offered to the prefix index per step (see `index_rows`).
       impl: the block-state kernel `commit` runs (`pallas_kernels.update_block_states`): "xla" (its jnp
         reference), "pallas" or "auto" (Pallas on a GPU); the engine passes its own `impl`.
+      skip: rare work is skipped by control flow (True) or computed every call and selected (False: no host
+        round trip on a GPU); `SchedulerConfig.control_flow`. Eviction and the index's insert skip either way.
     """
 
     cache: CacheConfig
@@ -51,6 +53,7 @@ class KVConfig:
     prefix: pc.PrefixCacheConfig
     rows_indexed: int
     impl: str = "xla"
+    skip: bool = True
 
     @property
     def window(self) -> int:
@@ -118,7 +121,7 @@ def usage(kv: KVState, cfg: KVConfig) -> Usage:
 
 def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
     """The sequences in seq_mask bool[B] give back their blocks (cached ones stay, evictable)."""
-    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec)
+    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec, skip=cfg.skip)
     return kv.replace(alloc=alloc)
 
 
@@ -136,7 +139,7 @@ def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.
         return hit.num_blocks, hit.block_ids
 
     none = (jnp.zeros((a,), i32), jnp.zeros((a, m), i32))
-    num_blocks, block_ids = vmap_flow.cond(jnp.any(lengths > 0), look, lambda _: none, None)
+    num_blocks, block_ids = vmap_flow.cond(jnp.any(lengths > 0), look, lambda _: none, None, skip=cfg.skip)
     return jnp.where(lengths > 0, num_blocks, 0), block_ids
 
 
@@ -146,7 +149,7 @@ def share(kv: KVState, block_ids: jax.Array, num_tokens: jax.Array, cfg: KVConfi
     def do_share(alloc):
         return allocator.share_unchecked(alloc, block_ids, num_tokens, cfg=cfg.cache)[0]
 
-    alloc = vmap_flow.when(jnp.any(num_tokens > 0), do_share, kv.alloc, identity_when_false=True)
+    alloc = vmap_flow.when_for(cfg.skip)(jnp.any(num_tokens > 0), do_share, kv.alloc, identity_when_false=True)
     return kv.replace(alloc=alloc)
 
 
@@ -191,33 +194,36 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
     return vmap_flow.when(num_blocks > 0, run, kv)
 
 
-def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array, cfg: KVConfig, *,
-             speculative: bool) -> tuple[KVState, AllocResult]:
+def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array | None, cfg: KVConfig, *,
+             speculative: bool, ahead: jax.Array | None = None) -> tuple[KVState, AllocResult]:
     """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`, in two passes: rows
     whose request spans <= W columns (every decode row) in a [B, W] window, then, only if some row is wider
     (prefill chunks, swap-ins), those rows over the full [B, M] table. The scheduler has already made everything
     fit, so both passes grant everything; the oracle mirrors the two passes (they decide which rows pop first).
     Drafts take the window pass alone: a row's at most K drafts start in its partial block and span at most
     ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the window pass refuses
-    it as the full one would (one `_grow` fewer to compile and run)."""
+    it as the full one would (one `_grow` fewer to compile and run). ahead bool[B, B]: the order as `arrays.before`
+    of its rank, for dense prefix sums (then order may be None; the scheduler built it, so it is not checked to be
+    a permutation)."""
     s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
     if speculative:
         alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                                  window=w, speculative=True)
+                                                  window=w, speculative=True, skip=cfg.skip, ahead=ahead)
         return kv.replace(alloc=alloc), res
     have = alloc.seqs.num_allocated
     narrow = cdiv(have + num_tokens, s) - have // s <= w
     alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order,
-                                                cfg=cfg.cache, spec=cfg.spec, window=w, speculative=speculative)
+                                                cfg=cfg.cache, spec=cfg.spec, window=w, speculative=speculative,
+                                                skip=cfg.skip, ahead=ahead)
     wide = jnp.where(narrow, 0, num_tokens)
 
     def full(operand):
         return allocator.allocate_unchecked(operand[0], wide, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                            window=None, speculative=speculative)
+                                            window=None, speculative=speculative, skip=cfg.skip, ahead=ahead)
 
     zeros = jnp.zeros_like(wide)
     nothing = AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=zeros, cow_dst=zeros)
-    alloc, second = vmap_flow.when(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
+    alloc, second = vmap_flow.when_for(cfg.skip)(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
     return kv.replace(alloc=alloc), AllocResult(
         ok=first.ok & second.ok,
         cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
@@ -241,27 +247,31 @@ def commit(kv: KVState, num_accepted: jax.Array, cfg: KVConfig) -> KVState:
         return allocator.commit_unchecked(alloc, jnp.where(fits, 0, num_accepted), cfg=cfg.cache, spec=cfg.spec,
                                           window=None, impl=cfg.impl)[0]
 
-    return kv.replace(alloc=vmap_flow.when(jnp.any(~fits), full, alloc, identity_when_false=True))
+    return kv.replace(alloc=vmap_flow.when_for(cfg.skip)(jnp.any(~fits), full, alloc, identity_when_false=True))
 
 
-def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array) -> KVState:
-    """Speculative-pool blocks more than `threshold` generations older than `generation` go to the free stack."""
-    alloc, _ = allocator.reclaim_expired_unchecked(kv.alloc, generation, threshold)
+def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array, skip: bool = True) -> KVState:
+    """Speculative-pool blocks more than `threshold` generations older than `generation` go to the free stack.
+    skip: `KVConfig.skip`."""
+    alloc, _ = allocator.reclaim_expired_unchecked(kv.alloc, generation, threshold, skip=skip)
     return kv.replace(alloc=alloc)
 
 
-def pin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
+def pin(alloc: AllocatorState, ids: jax.Array, skip: bool = True) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
-    pinning nothing changes nothing, so the pass over them is skipped then."""
-    return vmap_flow.when(jnp.any(ids > 0), lambda alloc: allocator.set_cached_unchecked(alloc, ids, ids > 0), alloc,
-                          identity_when_false=True)
+    pinning nothing changes nothing, so the pass over them is skipped then (unless not skip: `KVConfig.skip`)."""
+    return vmap_flow.when_for(skip)(jnp.any(ids > 0), lambda alloc: allocator.set_cached_unchecked(alloc, ids, ids > 0),
+                                    alloc, identity_when_false=True)
 
 
 def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
-    """Unpin blocks whose index entries were removed, ids int32[X]; the ref-0 ones go to the free stack in id
-    order (a canonical order: the index's slot order is a hash order)."""
-    ids = jnp.sort(ids)
-    return allocator.set_cached_unchecked(alloc, ids, jnp.zeros(ids.shape, bool))
+    """Unpin blocks whose index entries were removed, ids int32[X] (distinct, NULL_BLOCK = none); the ref-0 ones
+    go to the free stack in id order (a canonical order: the index's slot order is a hash order). The ids are put
+    in id order by marking them in an [N] mask, not by sorting the X = C slots' ids."""
+    n = alloc.blocks.state.shape[0]
+    marked = jnp.zeros((n,), bool).at[jnp.where(ids > 0, ids, n)].set(True, mode="drop")
+    in_order = jnp.where(marked, jnp.arange(n, dtype=i32), NULL_BLOCK)
+    return allocator.set_cached_unchecked(alloc, in_order, jnp.zeros((n,), bool))
 
 
 def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
@@ -294,9 +304,12 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
     # Two one-trip loops, not a `cond`: a cond's branches would each copy the table they update. In a vmapped
     # sweep every lane takes the same size (the R/4 one only if it fits every lane), so one insert runs, not two;
     # a lane with no row to index inserts only padding, an identity, so no lane selects (copies) its table.
-    few = vmap_flow.all_lanes(count <= small)
+    # Without skips (`KVConfig.skip` False) one insert over all R rows, behind the one skip kept: its loop has a
+    # data-dependent trip count either way.
     x = (prefix, jnp.full((r, cfg.cache.max_blocks_per_seq), NULL_BLOCK, i32))
-    x = vmap_flow.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
+    few = vmap_flow.all_lanes(count <= small) if cfg.skip else jnp.zeros((), bool)
+    if cfg.skip:
+        x = vmap_flow.when((count > 0) & few, lambda x: insert(small)(x[0]), x, identity_when_false=True)
     return vmap_flow.when((count > 0) & ~few, lambda x: insert(r)(x[0]), x, identity_when_false=True)
 
 
@@ -305,7 +318,7 @@ def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax
     """Insert-after-validation: index the full blocks of lengths int32[B] committed tokens of the rows `sel`
     (int32[R], see `index_rows`) and pin them. Only validated content ever enters the index."""
     prefix, ids = index_rows(kv.prefix, tokens, lengths, kv.alloc.seqs.block_table, sel, cfg, salt)
-    return KVState(alloc=pin(kv.alloc, ids.reshape(-1)), prefix=prefix)
+    return KVState(alloc=pin(kv.alloc, ids.reshape(-1), cfg.skip), prefix=prefix)
 
 
 def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, table: jax.Array, sel: jax.Array,
@@ -318,12 +331,16 @@ def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, tab
     return kv.replace(prefix=prefix), ids
 
 
-def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVConfig) -> KVState:
+def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVConfig, drafts: bool = True) -> KVState:
     """After commit: entries indexed on fill, ids int32[R, M], whose block reaches past the row's valid_len
     int32[R] tokens (it holds a rejected draft) are removed with their descendants; the rest are pinned, and
-    the descendants' blocks unpinned. Most steps index no stale block: the table-wide removal and the sort over
-    its slots are skipped then (removing nothing changes nothing; the order remove, pin, unpin is kept)."""
+    the descendants' blocks unpinned. Most steps index no stale block: the table-wide removal and the unpinning
+    are skipped then (removing nothing changes nothing; the order remove, pin, unpin is kept), unless not
+    `cfg.skip`. drafts False (a policy without speculation): no entry can be stale, every row's blocks hold
+    computed tokens only, so there is nothing to remove and the removal is left out of the program."""
     s, m = cfg.cache.block_size, cfg.cache.max_blocks_per_seq
+    if not drafts:
+        return kv.replace(alloc=pin(kv.alloc, ids.reshape(-1), cfg.skip))
     stale = (ids > 0) & ((jnp.arange(m, dtype=i32)[None, :] + 1) * s > valid_len[:, None])
 
     def remove_stale(operand):
@@ -332,9 +349,9 @@ def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVCon
         return prefix, removed.descendants
 
     no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
-    prefix, descendants = vmap_flow.when(jnp.any(stale), remove_stale, (kv.prefix, no_descendants))
-    alloc = pin(kv.alloc, jnp.where(stale, 0, ids).reshape(-1))
-    alloc = vmap_flow.when(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants), alloc)
+    prefix, descendants = vmap_flow.when_for(cfg.skip)(jnp.any(stale), remove_stale, (kv.prefix, no_descendants))
+    alloc = pin(kv.alloc, jnp.where(stale, 0, ids).reshape(-1), cfg.skip)
+    alloc = vmap_flow.when_for(cfg.skip)(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants), alloc)
     return KVState(alloc=alloc, prefix=prefix)
 
 

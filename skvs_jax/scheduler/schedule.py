@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, count_leading, i32, rank_of
+from skvs_jax.arrays import before, cdiv, count_leading, i32, prefix_sum, rank_of, running_sum
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
@@ -26,6 +26,7 @@ from skvs_jax.scheduler import buckets, draft_control
 from skvs_jax.scheduler.state import (
     EMPTY,
     FINISHED,
+    RANK_BY_COUNTING,
     RUNNING,
     SWAPPED,
     WAITING,
@@ -39,9 +40,6 @@ from skvs_jax.scheduler.state import (
 
 # ------------------------------------------------------------------------------------------ ordering and drafts
 
-RANK_BY_COUNTING = 512  # up to this many slots, priority_order counts instead of sorting
-
-
 def priority_order(seqs: SeqTable) -> jax.Array:
     """Slots by (priority, arrival, slot): int32[B], order[r] = slot served r-th.
 
@@ -49,19 +47,43 @@ def priority_order(seqs: SeqTable) -> jax.Array:
     sorts through a compiled comparator, and a three-key sort cost ~2.3x the count at B = 256 (measured, 1000
     calls in a loop). The order is total (the slot breaks ties), so the ranks are a permutation."""
     b = seqs.priority.shape[0]
-    b_idx = jnp.arange(b, dtype=i32)
     if b > RANK_BY_COUNTING:
+        b_idx = jnp.arange(b, dtype=i32)
         return jnp.lexsort((b_idx, seqs.arrival, seqs.priority)).astype(i32)
+    return jnp.zeros((b,), i32).at[_counted_rank(seqs)].set(jnp.arange(b, dtype=i32), unique_indices=True)
+
+
+def _counted_rank(seqs: SeqTable) -> jax.Array:
+    """int32[B] each slot's rank by (priority, arrival, slot): the slots ahead of it, by [B, B] compares."""
     p, a = seqs.priority, seqs.arrival
-    ahead = (p[:, None] < p[None, :]) | ((p[:, None] == p[None, :]) & (
-        (a[:, None] < a[None, :]) | ((a[:, None] == a[None, :]) & (b_idx[:, None] < b_idx[None, :]))))
-    rank = jnp.sum(ahead, axis=0, dtype=i32)  # rank[j]: slots i ahead of slot j
-    return jnp.zeros((b,), i32).at[rank].set(b_idx, unique_indices=True)
+    b_idx = jnp.arange(p.shape[0], dtype=i32)
+    return _rank_by_keys((p, a, b_idx))
 
 
-def in_order(x: jax.Array, order: jax.Array, rank: jax.Array) -> jax.Array:
-    """Inclusive prefix sum of x[B] taken in `order` (rank = its inverse), returned per slot."""
-    return jnp.cumsum(x[order], dtype=i32)[rank]
+def _rank_by_keys(keys: tuple[jax.Array, ...]) -> jax.Array:
+    """int32[B]: how many rows come before each by the keys int32[B] each, compared lexicographically (the last
+    key must break every tie: then the ranks are a permutation). [B, B] compares and one sum, no sort."""
+    ahead = jnp.zeros((keys[0].shape[0],) * 2, bool)
+    for k in reversed(keys):  # ahead[i, j]: row i comes before row j
+        ahead = (k[:, None] < k[None, :]) | ((k[:, None] == k[None, :]) & ahead)
+    return jnp.sum(ahead, axis=0, dtype=i32)
+
+
+def step_order(seqs: SeqTable, cfg: SchedulerConfig) -> Order:
+    """The step's priority order (`priority_order`) as the phases use it: with dense prefix sums
+    (`SchedulerConfig.dense`) its rank and `arrays.before` matrix alone (no order array, no scatter); else the
+    order and its rank."""
+    if cfg.dense:
+        rank = _counted_rank(seqs)
+        return Order(order=None, rank=rank, ahead=before(rank))
+    order = priority_order(seqs)
+    return Order(order=order, rank=rank_of(order))
+
+
+def in_order(x: jax.Array, order: jax.Array | None, rank: jax.Array, ahead: jax.Array | None = None) -> jax.Array:
+    """Inclusive prefix sum of x[B] taken in `order` (rank = its inverse), returned per slot; ahead bool[B, B]
+    (`arrays.before(rank)`): the same sum, dense (`arrays.prefix_sum`; order is then not read)."""
+    return prefix_sum(x, order, rank, ahead)
 
 
 def draft_lengths(seqs: SeqTable, knobs: Knobs, policy: Policy, widths: jax.Array | None = None,
@@ -121,10 +143,13 @@ def verify_cap(decoding: jax.Array, knobs: Knobs) -> jax.Array:
 
 
 class Order(NamedTuple):
-    """The step's priority order: order int32[B] (order[r] = slot served r-th) and its inverse rank int32[B]."""
+    """An order of the rows (the step's priority order, or preemption's victim order): order int32[B] (order[r] =
+    slot served r-th; None with dense prefix sums), its inverse rank int32[B], and ahead bool[B, B]
+    (`arrays.before(rank)`) with dense prefix sums, else None. `in_order(x, *order)` sums in it."""
 
-    order: jax.Array
+    order: jax.Array | None
     rank: jax.Array
+    ahead: jax.Array | None = None
 
 
 class DraftPlan(NamedTuple):
@@ -310,11 +335,12 @@ def available_blocks(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
 
 
 def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig
-                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   ) -> tuple[jax.Array, Order, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
-    speculative-pool and evictable blocks. Returns (victim bool[B]; the rows int32[B] in the rule's order, the
-    victims first; oom bool[], some row could not get its blocks without preemption). Most steps fit without
-    preempting anyone: the victim order (a sort) is skipped then."""
+    speculative-pool and evictable blocks. Returns (victim bool[B]; the rows in the rule's order, the victims
+    first, as an `Order`; oom bool[], some row could not get its blocks without preemption). Most steps fit
+    without preempting anyone: the victim order (a sort, or with dense prefix sums a count) is skipped then
+    (unless `SchedulerConfig.skip` is off: then it is computed and selected)."""
     b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
     committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
@@ -325,14 +351,24 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
     def victims(_):
         freed = blocks_freed(st, cfg)
         key = cfg.victim_rule(rank, committed, held).astype(i32)
+        if cfg.dense:  # the same order by counting: running first, by key, then lower priority
+            victim_rank = _rank_by_keys(((~running).astype(i32), key, -rank))
+            order = Order(order=None, rank=victim_rank, ahead=before(victim_rank))
+            # Preempting the first j victims suffices where j - 1 is a fitting victim's rank: the smallest such j.
+            fits = total - in_order(need, *order) <= avail + in_order(freed, *order)
+            first = jnp.min(jnp.where(fits, victim_rank + 1, b + 1))
+            return jnp.where((total > avail) & (first <= b), first, 0).astype(i32), order
         victim_order = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
         fits = total - jnp.cumsum(need[victim_order], dtype=i32) <= avail + jnp.cumsum(freed[victim_order], dtype=i32)
         fits = jnp.concatenate([(total <= avail)[None], fits])  # fits[j]: preempting the first j victims suffices
-        return jnp.argmax(fits).astype(i32), victim_order, rank_of(victim_order)
+        return jnp.argmax(fits).astype(i32), Order(order=victim_order, rank=rank_of(victim_order))
 
-    num_victims, victim_order, victim_rank = vmap_flow.cond(
-        total <= avail, lambda _: (jnp.zeros((), i32), b_idx, b_idx), victims, None)
-    return running & (victim_rank < num_victims), victim_order, num_victims > 0
+    def none(_):
+        return jnp.zeros((), i32), Order(order=None if cfg.dense else b_idx, rank=b_idx,
+                                         ahead=before(b_idx) if cfg.dense else None)
+
+    num_victims, victim_order = vmap_flow.cond(total <= avail, none, victims, None, skip=cfg.skip)
+    return running & (victim_order.rank < num_victims), victim_order, num_victims > 0
 
 
 def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, keep_victims: jax.Array,
@@ -404,11 +440,11 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
         # time is mostly per-op overhead.
         fits = jnp.sum(grant.need_query + grant.need_drafts, dtype=i32) <= avail
         all_victims, all_order, all_oom, drafts_paid = vmap_flow.cond(
-            fits, lambda _: (victim, victim_order, oom, jnp.zeros((), bool)), priced, None)
+            fits, lambda _: (victim, victim_order, oom, jnp.zeros((), bool)), priced, None, skip=cfg.skip)
         by_drafts = drafts_paid
         drafts_victims = jnp.where(drafts_paid, jnp.sum(all_victims & ~victim, dtype=i32), 0)
         victim = jnp.where(drafts_paid, all_victims, victim)
-        victim_order = jnp.where(drafts_paid, all_order, victim_order)
+        victim_order = jax.tree.map(lambda a, b: jnp.where(drafts_paid, a, b), all_order, victim_order)
         oom = jnp.where(drafts_paid, all_oom, oom)
     else:  # opportunistic drafts take only free blocks left over: they never make a step short
         by_drafts = jnp.zeros((), bool)
@@ -417,7 +453,7 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     swap_len = jnp.where(victim, committed, 0)
     if pol.preemption == "swap" and cfg.swap_blocks > 0:
         room = cfg.swap_blocks - st.swap_used
-        swap = victim & (committed > 0) & (in_order(cdiv(swap_len, s), victim_order, rank_of(victim_order)) <= room)
+        swap = victim & (committed > 0) & (in_order(cdiv(swap_len, s), *victim_order) <= room)
     else:
         swap = jnp.zeros((b,), bool)
     swap_need = jnp.where(swap, cdiv(swap_len, s), 0)
@@ -509,6 +545,19 @@ def newly_held(hit_ids: jax.Array, hit_col: jax.Array, evictable: jax.Array) -> 
     return jnp.sum(hit_col & evictable[hit_ids] & (first[hit_ids] == cand), axis=1, dtype=i32)
 
 
+def waiting_candidates(waiting: jax.Array, order: Order, a: int) -> jax.Array:
+    """int32[A]: the first A slots of waiting bool[B] in `order`, B where there are fewer. Dense (order.ahead
+    given): each waiting slot's position among the waiting is counted and the A positions matched, [A, B] compares
+    and no scan or scatter; else a gather and `jnp.nonzero`."""
+    b = waiting.shape[0]
+    if order.ahead is None:
+        pos = jnp.nonzero(waiting[order.order], size=a, fill_value=b)[0]
+        return jnp.where(pos < b, order.order[jnp.clip(pos, 0, b - 1)], b)
+    position = jnp.sum(order.ahead & waiting[None, :], axis=1, dtype=i32) - 1  # among the waiting, in order
+    match = waiting[None, :] & (position[None, :] == jnp.arange(a, dtype=i32)[:, None])  # [A, B]
+    return jnp.where(jnp.any(match, axis=1), jnp.sum(jnp.where(match, jnp.arange(b, dtype=i32), 0), axis=1), b)
+
+
 def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption, order: Order,
           cfg: SchedulerConfig) -> tuple[SchedState, Grant, Room, Admission]:
     """5b. When nobody was preempted and none is left swapped: up to A = `admit_window` WAITING rows in priority
@@ -519,8 +568,7 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     s, m, b, a = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs, cfg.admit_rows
     pol, seqs = cfg.policy, st.seqs
     still_swapped = jnp.any(seqs.status == SWAPPED)
-    pos = jnp.nonzero((seqs.status == WAITING)[order.order], size=a, fill_value=b)[0]
-    cand = jnp.where(pos < b, order.order[jnp.clip(pos, 0, b - 1)], b)  # int32[A] slots, b = none
+    cand = waiting_candidates(seqs.status == WAITING, order, a)  # int32[A] slots, b = none
     real = (cand < b) & ~preemption.oom & ~still_swapped
     cand_slot = jnp.clip(cand, 0, b - 1)
     cand_len = jnp.where(real, seqs.num_tokens[cand_slot], 0)
@@ -539,15 +587,15 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     a_res = jnp.where(cand_len - hit > 1, plan.reserve, 0) if pol.spec_in_prefill else jnp.zeros((a,), i32)
     a_res = jnp.clip(a_res, 0, cfg.max_len - hit - a_chunk)
     budget_left = cfg.token_budget - jnp.sum(grant.query + grant.drafts, dtype=i32)
-    a_left = budget_left - (jnp.cumsum(a_chunk + a_res, dtype=i32) - (a_chunk + a_res))
+    a_left = budget_left - (running_sum(a_chunk + a_res, cfg.dense) - (a_chunk + a_res))
     a_query = jnp.clip(a_left, 0, a_chunk)
     a_drafts = jnp.where(a_query == a_chunk, jnp.clip(a_left - a_query, 0, a_res), 0)
     a_need = cdiv(hit + a_query + a_drafts, s) - hit_blocks
     hit_col = jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None]
     hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0), lambda _: newly_held(hit_ids, hit_col, room.evictable),
-                                   lambda _: jnp.zeros((a,), i32), None)
-    fit = real & (a_query > 0) & (jnp.cumsum(a_need + hit_evictable, dtype=i32) <= room.avail - room.need) & (
-        jnp.cumsum(real.astype(i32), dtype=i32) <= cfg.max_running - room.running)
+                                   lambda _: jnp.zeros((a,), i32), None, skip=cfg.skip)
+    fit = real & (a_query > 0) & (running_sum(a_need + hit_evictable, cfg.dense) <= room.avail - room.need) & (
+        running_sum(real.astype(i32), cfg.dense) <= cfg.max_running - room.running)
     admitted = jnp.arange(a, dtype=i32) < count_leading(fit)  # stop at the first that does not fit
     dst = jnp.where(admitted, cand, b)
     rows = jnp.zeros((b,), bool).at[dst].set(True, mode="drop")
@@ -582,10 +630,12 @@ def evict_and_allocate(st: SchedState, grant: Grant, room: Room, restored: SwapI
     shortfall = jnp.maximum(room.need - manager.free_blocks(st.kv, cfg.kv), 0)
     kv = manager.evict(st.kv, shortfall, cfg.kv)
     kv, res = manager.allocate(kv, grant.query + restored.tokens, jnp.zeros((), i32), order.order, cfg.kv,
+                               ahead=order.ahead,
                                speculative=False)
     ok = jnp.all(res.ok)
     if cfg.policy.speculation:
-        kv, spec_res = manager.allocate(kv, grant.drafts, st.step, order.order, cfg.kv, speculative=True)
+        kv, spec_res = manager.allocate(kv, grant.drafts, st.step, order.order, cfg.kv, speculative=True,
+                                        ahead=order.ahead)
         ok &= jnp.all(spec_res.ok)
     return st.replace(kv=kv), res, ok
 
@@ -630,8 +680,7 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     """`schedule` without the boundary checks: the phases in order (see the module docstring). step_cost: what
     the goodput draft controller prices a step with (None: `flat_step_cost`); other policies ignore it."""
     st = release_finished(st, cfg)
-    order = priority_order(st.seqs)
-    order = Order(order=order, rank=rank_of(order))
+    order = step_order(st.seqs, cfg)
     plan = plan_drafts(st, knobs, cfg, step_cost)
     grant = budget_tokens(st, plan, order, cfg)
     st, grant, preemption = preempt(st, grant, plan, order, cfg, step_cost)

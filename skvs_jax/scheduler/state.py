@@ -28,6 +28,22 @@ STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
 
 # ---------------------------------------------------------------------------------------------- config
 
+CONTROL_FLOWS = ("skip", "select")
+PREFIX_SUMS = ("scan", "dense")
+RANK_BY_COUNTING = 512  # up to this many slots, priority order counts instead of sorting (and may go dense)
+
+
+def default_control_flow() -> str:
+    """`SchedulerConfig.control_flow`'s default for the default backend: "skip" on a CPU, where a loop of 0 trips
+    costs nothing and the work it skips costs its full time; "select" elsewhere, where each `while` trip and
+    `cond` waits for the host (docs/design.md, "Control flow on a GPU")."""
+    return "skip" if jax.default_backend() == "cpu" else "select"
+
+
+def default_prefix_sums() -> str:
+    """`SchedulerConfig.prefix_sums`'s default for the default backend: "scan" on a CPU, "dense" elsewhere."""
+    return "scan" if jax.default_backend() == "cpu" else "dense"
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
@@ -56,6 +72,17 @@ class SchedulerConfig:
         resolved to this policy's chain at construction. The draft widths are data (`SchedState.draft_widths`),
         so their reach is looked up here, and adaptive draft length compares the expected accepted length with a
         bucket's reach, not its node count.
+      control_flow: how the step skips rare work (`vmap_flow`): "skip" (a `cond` or a loop of 0 or 1 trips: the
+        work runs only when needed) or "select" (the work runs every step and its result is selected: no
+        control flow, so no host round trip on XLA:GPU). "" (the default) resolves at construction from the
+        backend, `default_control_flow()`: "skip" on a CPU, "select" on a GPU or TPU. Set it to trace a GPU's
+        program on a CPU (`skvs micro program`). Work that costs more than a round trip keeps its skip either
+        way (eviction, the prefix index's insert). Decisions are the same in both (tests/test_control_flow.py).
+      prefix_sums: how prefix sums over rows in priority order are taken (`arrays.prefix_sum`): "scan" (a
+        gather, a cumulative sum and a gather back; sorts where an order is needed) or "dense" (masked [B, B] row
+        sums and rank counting: no gather, scan or sort, one kernel each on a GPU, B^2 work a CPU pays for). ""
+        (the default): "scan" on a CPU, "dense" elsewhere (`default_prefix_sums()`). Dense applies up to
+        `RANK_BY_COUNTING` = 512 slots; past that, scans. Decisions are the same in both.
     """
 
     cache: CacheConfig
@@ -71,6 +98,8 @@ class SchedulerConfig:
     prefix_ways: int = 8
     impl: str = "xla"
     reach_of: tuple[int, ...] = ()
+    control_flow: str = ""
+    prefix_sums: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache, CacheConfig):
@@ -95,6 +124,24 @@ class SchedulerConfig:
             raise ValueError(f"reach_of must give, per draft count 0..{k}, a non-decreasing reach <= the count, "
                              f"got {self.reach_of}")
         object.__setattr__(self, "reach_of", tuple(int(r) for r in reach))  # frozen: resolved once, here
+        if self.control_flow not in ("",) + CONTROL_FLOWS:
+            raise ValueError(f"control_flow must be one of {CONTROL_FLOWS} (or '' for the backend's), got "
+                             f"{self.control_flow!r}")
+        object.__setattr__(self, "control_flow", self.control_flow or default_control_flow())
+        if self.prefix_sums not in ("",) + PREFIX_SUMS:
+            raise ValueError(f"prefix_sums must be one of {PREFIX_SUMS} (or '' for the backend's), got "
+                             f"{self.prefix_sums!r}")
+        object.__setattr__(self, "prefix_sums", self.prefix_sums or default_prefix_sums())
+
+    @property
+    def skip(self) -> bool:
+        """Whether rare work is skipped by control flow (`control_flow` == "skip") or computed and selected."""
+        return self.control_flow == "skip"
+
+    @property
+    def dense(self) -> bool:
+        """Whether prefix sums in priority order are dense (`prefix_sums` == "dense" and B <= 512)."""
+        return self.prefix_sums == "dense" and self.cache.max_seqs <= RANK_BY_COUNTING
 
     @property
     def chunk(self) -> int:
@@ -127,7 +174,7 @@ class SchedulerConfig:
     def kv(self) -> manager.KVConfig:
         """What the KV manager needs: the geometry, the policy's allocator switches, the index, R."""
         return manager.KVConfig(cache=self.cache, spec=self.policy.spec_config(), prefix=self.prefix,
-                                rows_indexed=self.rows_indexed, impl=self.impl)
+                                rows_indexed=self.rows_indexed, impl=self.impl, skip=self.skip)
 
 
 # ----------------------------------------------------------------------------------------------- state

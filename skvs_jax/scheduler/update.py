@@ -46,7 +46,8 @@ def drop_aborted(st: SchedState, batch: Batch) -> Batch:
 
 def rows_to_index(st: SchedState, batch: Batch, accepted: jax.Array, cfg: SchedulerConfig
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Rows that filled a block this step wait to be indexed; up to R of them (slot order) are offered per step.
+    """Running rows that filled a block this step wait to be indexed; up to R of them (slot order) are offered per
+    step.
     Returns (filled_to int32[B]: the tokens a row's full blocks may now cover, drafts included on fill; sel
     int32[R]: the slots offered, B = padding; pending bool[B]: those still waiting)."""
     s, b = cfg.cache.block_size, cfg.cache.max_seqs
@@ -54,7 +55,9 @@ def rows_to_index(st: SchedState, batch: Batch, accepted: jax.Array, cfg: Schedu
     on_fill = cfg.policy.prefix_cache and cfg.policy.insert == "on_fill"
     computed = start + batch.num_query + (batch.num_drafts if on_fill else accepted)
     filled_to = jnp.where(batch.scheduled, computed, start) + batch.restore
-    pending = st.seqs.index_pending | (filled_to // s > start // s)
+    # Only a row still running indexes: one aborted since schedule (or preempted while pending) has lost its blocks,
+    # and batch.block_table would name freed ones.
+    pending = (st.seqs.index_pending | (filled_to // s > start // s)) & (st.seqs.status == RUNNING)
     sel = jnp.nonzero(pending, size=cfg.rows_indexed, fill_value=b)[0]
     return filled_to, sel, pending.at[sel].set(False, mode="drop")
 
@@ -157,11 +160,11 @@ def update_unchecked(
     committed = kv.alloc.seqs.num_committed
     if on_fill:
         valid = committed if view_tokens is None else valid_on_fill(committed, accepted, view, draft_tokens, cfg)
-        kv = manager.settle_on_fill(kv, filled_ids, valid[rows], cfg.kv)
+        kv = manager.settle_on_fill(kv, filled_ids, valid[rows], cfg.kv, drafts=pol.speculation)
     elif pol.prefix_cache:
         kv = manager.index_validated(kv, st.seqs.tokens, committed, sel, cfg.kv, st.seqs.cache_salt)
     if pol.spec_pool:
-        kv = manager.reclaim(kv, st.step, knobs.generation_threshold)
+        kv = manager.reclaim(kv, st.step, knobs.generation_threshold, cfg.skip)
     st = record(st.replace(kv=kv), batch, accepted, new, finished, pending, cfg)
     return st, StepResult(num_new=new, finished=finished, accepted=accepted)
 

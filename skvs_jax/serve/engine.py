@@ -117,7 +117,8 @@ class Engine:
             cache=cache, policy=policy, max_running=opt.max_running or cache.max_seqs,
             token_budget=opt.token_budget, prefill_chunk=opt.prefill_chunk, victim=opt.victim, impl=opt.impl,
             swap_blocks=opt.swap_blocks + opt.disk_blocks,  # the scheduler counts the room of both tiers
-            admit_window=min(cache.max_seqs, 32),
+            admit_window=min(cache.max_seqs, 32), control_flow=opt.control_flow,
+            prefix_sums=opt.prefix_sums,
             reach_of=spec.reach(tree, tuple(range(policy.draft_len + 1))) if tree else ())
         if not isinstance(opt.step_cost, str):
             sc.check_step_cost(opt.step_cost, scfg)

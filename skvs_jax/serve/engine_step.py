@@ -130,7 +130,7 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     k = cfg.sched.policy.draft_len
     rows = st.sampling
     cache = _copy_on_write(runner, st.cache, batch)
-    context = _penalty_context(st.sched.seqs, batch, rows, runner.vocab_size)
+    context = _penalty_context(st.sched.seqs, batch, rows, runner.vocab_size, skip=cfg.sched.skip)
     # With split rows, `view` is the batch as its [B, Q] home rows see it (each row's last Q tokens; the earlier
     # ones of a long prompt chunk ride in extra rows); everything after the forward reads it, `update` the batch.
     view = _home_view(batch, width) if split_rows else batch
@@ -175,9 +175,11 @@ class _PenaltyContext:
     out_counts: jax.Array  # int32[B, V] occurrences in the output so far
 
 
-def _penalty_context(seqs: sc.SeqTable, batch: sc.Batch, rows: sampling.SamplingRows, vocab: int) -> _PenaltyContext:
+def _penalty_context(seqs: sc.SeqTable, batch: sc.Batch, rows: sampling.SamplingRows, vocab: int, *,
+                     skip: bool = True) -> _PenaltyContext:
     """Counts over each row's known tokens [0, start + num_query) (output: from prompt_len), computed only when
-    some row has a penalty (all zeros otherwise: then nothing reads them)."""
+    some row has a penalty (all zeros otherwise: then nothing reads them). skip=False (`SchedulerConfig.skip`):
+    computed every step, no cond."""
     known = batch.start + batch.num_query
 
     def counts(_):
@@ -186,6 +188,9 @@ def _penalty_context(seqs: sc.SeqTable, batch: sc.Batch, rows: sampling.Sampling
 
     b = known.shape[0]
     any_penalty = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0) | (rows.frequency_penalty != 0))
+    if not skip:  # nothing reads the counts without a penalty (`sampling.process` applies none then)
+        seen, out = counts(None)
+        return _PenaltyContext(seen=seen, out_counts=out)
     seen, out = jax.lax.cond(any_penalty, counts, lambda _: (jnp.zeros((b, vocab), bool), jnp.zeros((b, vocab), i32)),
                              None)
     return _PenaltyContext(seen=seen, out_counts=out)
@@ -197,8 +202,8 @@ def _with_drafts(context: _PenaltyContext, drafted: jax.Array) -> tuple[jax.Arra
     return context.seen[:, None] | (drafted > 0), context.out_counts[:, None] + drafted
 
 
-def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context: _PenaltyContext, pos0: jax.Array
-                   ) -> tuple[jax.Array, jax.Array]:
+def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context: _PenaltyContext, pos0: jax.Array,
+                   *, skip: bool = True) -> tuple[jax.Array, jax.Array]:
     """A chain of drafts sampled from the heads' distributions processed like the target's (each draft's
     penalties count the drafts before it). head_logits float32[B, K, V]; pos0 int32[B] the first draft's position.
     Returns (drafts int32[B, K], processed draft logits float32[B, K, V]: what `acceptance.lossless` takes as q,
@@ -208,7 +213,7 @@ def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context:
     drafted = jnp.zeros((b, v), i32)
     for i in range(k):  # K is static and small; draft i's penalties depend on drafts < i
         seen, out = _with_drafts(context, drafted[:, None])
-        logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows)
+        logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows, skip=skip)
         keys = sampling.position_keys(rows.stream, (pos0 + i)[:, None], sampling.DRAFT)
         draft = sampling.sample(keys, logits_i, temp)[:, 0]
         drafted = drafted + jax.nn.one_hot(draft, v, dtype=i32)
@@ -234,7 +239,8 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: samp
     if k > 0:
         head_logits = runner.draft_logits(params, hidden)  # [B, draft heads, V] for positions n + 1, n + 2, ...
         if cfg.sample_drafts:
-            nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, batch.start + num_query)
+            nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, batch.start + num_query,
+                                                 skip=cfg.sched.skip)
         else:
             nodes = spec.node_tokens(head_logits, cfg.tree)  # [B, K] in slot order
         _, positions, tree_mask = spec.layout(cfg.tree, batch.start, num_query, width)
@@ -361,7 +367,7 @@ def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows
         drafted = sampling.path_counts(queries.nodes, jnp.asarray(tree.mask), vocab)
     else:
         drafted = jnp.zeros((b, 1, vocab), i32)
-    processed, temp = sampling.process(raw, *_with_drafts(context, drafted), rows)
+    processed, temp = sampling.process(raw, *_with_drafts(context, drafted), rows, skip=cfg.sched.skip)
     pos0 = batch.start + batch.num_query  # where the root's token lands
     drawn = sampling.sample(sampling.position_keys(rows.stream, pos0[:, None] + depth[None, :], sampling.TARGET),
                             processed, temp)
@@ -520,6 +526,9 @@ def _next_width_bounds(sched: sc.SchedState, knobs, scfg: sc.SchedulerConfig, st
     most of a busy engine's steps, and the goodput controller's plan is most of the bounds' cost."""
     wide = sc.prompt_work(sched)
     k = jnp.asarray(scfg.policy.draft_len, i32)
+    if not scfg.skip:  # computed every step and selected: no cond (`SchedulerConfig.skip`)
+        bounds = sc.width_bounds(sched, knobs, scfg, step_cost)[1:]
+        return wide, jnp.where(wide, k, bounds[0]), jnp.where(wide, k, bounds[1])
     next_drafts, next_want = jax.lax.cond(wide, lambda: (k, k),
                                           lambda: sc.width_bounds(sched, knobs, scfg, step_cost)[1:])
     return wide, next_drafts, next_want

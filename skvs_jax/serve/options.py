@@ -50,6 +50,10 @@ class EngineOptions:
       posterior_threshold, posterior_alpha: the typical-acceptance rule's parameters.
     Memory and kernels:
       impl: the step's kernels, "xla" | "pallas" | "reference" | "auto" (Pallas on a GPU, XLA elsewhere).
+      control_flow: how the step skips rare work, "skip" | "select" | "" (the backend's: "skip" on a CPU,
+        "select" on a GPU; `scheduler.SchedulerConfig.control_flow`). The served tokens are the same either way.
+      prefix_sums: how the scheduler sums in priority order, "scan" | "dense" | "" (the backend's: "scan" on a
+        CPU, "dense" on a GPU; `scheduler.SchedulerConfig.prefix_sums`). The same decisions either way.
       kv_dtype: the KV cache's dtype (None: the policy's `kv_precision`).
       swap_blocks, disk_blocks, disk_dir: the host tier's blocks, the disk tier's behind it, and its folder (None:
         a temporary one), for `preemption="swap"`.
@@ -76,6 +80,8 @@ class EngineOptions:
     posterior_threshold: float = POSTERIOR_THRESHOLD
     posterior_alpha: float = POSTERIOR_ALPHA
     impl: str = "xla"
+    control_flow: str = ""
+    prefix_sums: str = ""
     kv_dtype: str | None = None
     swap_blocks: int = 0
     disk_blocks: int = 0

@@ -169,17 +169,22 @@ def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     return _masked(scaled, drop)
 
 
-def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows
+def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows, *, skip: bool = True
             ) -> tuple[jax.Array, jax.Array]:
     """(processed float32[B, slots, V], effective temperature float32[B]): log p of the processed distribution where
     temperature > 0 (effective temperature 1), the penalised logits where it is 0 (greedy, effective 0).
 
     logits float[B, slots, V] raw; seen, out_counts as `penalise`. With every option off this is exactly the old
-    pipeline (logits / T on sampled rows, the logits themselves on greedy ones): each step is skipped per row."""
+    pipeline (logits / T on sampled rows, the logits themselves on greedy ones): each step is skipped per row.
+    skip (`SchedulerConfig.skip`): penalties are skipped by a `cond` when no row has one; False: they are applied
+    (an identity without penalties) with no cond. Filtering (a sort over the vocabulary) keeps its cond either way."""
     logits = logits.astype(f32)
     any_penalty = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0)
                           | (rows.frequency_penalty != 0))
-    logits = jax.lax.cond(any_penalty, lambda x: penalise(x, seen, out_counts, rows), lambda x: x, logits)
+    if skip:
+        logits = jax.lax.cond(any_penalty, lambda x: penalise(x, seen, out_counts, rows), lambda x: x, logits)
+    else:
+        logits = jnp.where(any_penalty, penalise(logits, seen, out_counts, rows), logits)
     hot = rows.temperature > 0
     scaled = logits / jnp.where(hot, rows.temperature, 1.0)[:, None, None]
     any_filter = jnp.any(hot & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))

@@ -6,6 +6,8 @@
   oracle_scheduler   `OracleScheduler`: the scheduler's decisions one sequence at a time
   scheduler_harness  `Harness`: runs the jitted scheduler and the oracle in lockstep and compares every step
   hlo                `canonical` / `differing`: two compiled programs compared up to names (is a refactor one?)
+  program            `heavy` / `by_source` / `kernels`: what a step program costs a GPU (launches, host round
+                     trips), counted on any backend
   engines            `assert_same_serving`: two engines served the same requests alike (tokens, logprobs, counts)
 
 `from skvs_jax import testing` gives the allocator kit's names and the strategies at the top level

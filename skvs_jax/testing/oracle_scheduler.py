@@ -763,7 +763,8 @@ class OracleScheduler:
                for f in ("num_query", "num_drafts", "restore")})
 
     def select_filled_rows(self, batch: OracleBatch, acc: list) -> tuple[list[int], list[int]]:
-        """Rows that filled a block (drafts included when indexing on fill) wait to be indexed; returns the first R
+        """Running rows that filled a block (drafts included when indexing on fill) wait to be indexed (a row that
+        has left the batch waits no more: its blocks are gone); returns the first R
         of them in slot order, indexed this step, and per slot the tokens its table is filled to."""
         s, on_fill = self.cfg.cache.block_size, self.pol.prefix_cache and self.pol.insert == "on_fill"
         filled_to = []
@@ -773,7 +774,7 @@ class OracleScheduler:
             else:
                 upto = batch.start[b]
             filled_to.append(upto + batch.restore[b])
-            self.pending[b] = self.pending[b] or filled_to[b] // s > batch.start[b] // s
+            self.pending[b] = (self.pending[b] or filled_to[b] // s > batch.start[b] // s) and self.status[b] == RUNNING
         rows = [b for b in range(self.cfg.cache.max_seqs) if self.pending[b]][: self.cfg.rows_indexed]
         for b in rows:
             self.pending[b] = False

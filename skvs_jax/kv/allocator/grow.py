@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32, rank_of
+from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     RESERVED,
@@ -83,16 +83,20 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
     return _Request(requested, bad, cow, need, partial_col, partial_blk, new_alloc)
 
 
-def _grant_in_order(blocks: BlockPool, req: _Request, order: jax.Array | None, *,
+def _grant_in_order(blocks: BlockPool, req: _Request, order: jax.Array | None, ahead: jax.Array | None, *,
                     use_pool: bool) -> tuple[jax.Array, jax.Array]:
     """Grant the requests whose blocks fit, by a prefix sum of need over the free stack (and the pool) in
     priority order; a row past the first that does not fit does not fit either. Returns (ok bool[B], offset
-    int32[B]: the combined pop position of each row's first block)."""
+    int32[B]: the combined pop position of each row's first block). ahead bool[B, B] (`arrays.before` of the
+    order's rank, from the scheduler, trusted): the sum is dense and order is not read."""
     need, bad = req.need, req.bad
     if use_pool:
         available = blocks.free_top + blocks.pool_top
     else:
         available = blocks.free_top
+    if ahead is not None:
+        cum = prefix_sum(need, None, None, ahead)
+        return req.requested & ~bad & ((need == 0) | (cum <= available)), cum - need
     if order is not None:  # inside a user's jit `order` is data: a non-permutation refuses every request
         seen = jnp.zeros_like(order).at[order].add(1, mode="drop")
         need = jnp.where(jnp.all(seen == 1), need, 0)
@@ -173,7 +177,7 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     return blocks, block_table, old_cow_blk
 
 
-def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool) -> BlockPool:
+def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool, skip: bool) -> BlockPool:
     """Route the copied blocks (old_cow_blk int32[B], N = none) whose last reference the copies dropped."""
     n = blocks.state.shape[0]
     b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
@@ -185,8 +189,9 @@ def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool
         released &= last_holder[jnp.clip(old_cow_blk, 0, n - 1)] == b_idx
         return release_blocks(blocks, old_cow_blk, released, use_pool)[0]
 
-    # Copies are rare; skip the O(N) bookkeeping when there is none.
-    return vmap_flow.when(jnp.any(old_cow_blk < n), release_copied, blocks)
+    # Copies are rare; skip the O(N) bookkeeping when there is none. skip=False: run it every call; without copies
+    # it releases nothing (an identity, so no select is needed then).
+    return vmap_flow.when_for(skip)(jnp.any(old_cow_blk < n), release_copied, blocks, identity_when_false=not skip)
 
 
 def _count_grow(c: Counters, req: _Request, ok: jax.Array, grant: jax.Array, win: _Window, *,
@@ -216,6 +221,8 @@ def _grow(
     generation: jax.Array,
     max_draft_len: int,
     window: int,
+    skip: bool = True,
+    ahead: jax.Array | None = None,
 ) -> tuple[AllocatorState, AllocResult]:
     """Shared body of `allocate` and `allocate_speculative`: extend num_allocated by num_tokens[B].
 
@@ -224,12 +231,12 @@ def _grow(
     seqs = st.seqs
     req = _requested_blocks(cfg, seqs, st.blocks, num_tokens, speculative=speculative, max_draft_len=max_draft_len,
                             window=window)
-    ok, offset = _grant_in_order(st.blocks, req, order, use_pool=use_pool)
+    ok, offset = _grant_in_order(st.blocks, req, order, ahead, use_pool=use_pool)
     win = _pop_blocks(cfg, seqs, st.blocks, req, ok, offset, speculative=speculative, use_pool=use_pool,
                       window=window)
     blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win,
                                                                speculative=speculative, generation=generation)
-    blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool)
+    blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool, skip=skip)
 
     grant = ok & req.requested
     seqs = seqs.replace(
@@ -246,7 +253,7 @@ def _grow(
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative", "skip"))
 def allocate_unchecked(
     st: AllocatorState,
     num_tokens: jax.Array,
@@ -257,7 +264,11 @@ def allocate_unchecked(
     spec: SpecConfig,
     window: int | None,
     speculative: bool,
+    skip: bool = True,
+    ahead: jax.Array | None = None,
 ) -> tuple[AllocatorState, AllocResult]:
+    """`_grow` jitted; skip=False: no control flow (the rare release of copied blocks runs every call); ahead
+    bool[B, B]: dense prefix sums in the order it encodes (`_grant_in_order`; order may then be None)."""
     return _grow(
         cfg,
         st,
@@ -268,4 +279,6 @@ def allocate_unchecked(
         generation=jnp.asarray(generation, i32),
         max_draft_len=spec.draft_len,
         window=window or cfg.max_blocks_per_seq,
+        skip=skip,
+        ahead=ahead,
     )

@@ -95,9 +95,9 @@ def commit_unchecked(
 # ---------------------------------------------------------------------------------------------- free
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "skip"))
 def free_unchecked(
-    st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig()
+    st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig(), skip: bool = True
 ) -> tuple[AllocatorState, jax.Array]:
     n, m = cfg.num_blocks, cfg.max_blocks_per_seq
 
@@ -125,8 +125,9 @@ def free_unchecked(
         return st.replace(blocks=blocks, seqs=seqs), num_released
 
     # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
-    # step: skip the [B, M] and [N] passes then.
-    st, num_released = vmap_flow.when(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)), identity_when_false=True)
+    # step: skip the [B, M] and [N] passes then (skip=False: run them anyway, `vmap_flow`).
+    st, num_released = vmap_flow.when_for(skip)(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)),
+                                                identity_when_false=True)
     return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
 
 
@@ -182,9 +183,9 @@ def fork_unchecked(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -
 # ---------------------------------------------------------------------------------- reclaim / evict
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("skip",))
 def reclaim_expired_unchecked(
-    st: AllocatorState, current_generation: jax.Array, threshold: jax.Array
+    st: AllocatorState, current_generation: jax.Array, threshold: jax.Array, *, skip: bool = True
 ) -> tuple[AllocatorState, jax.Array]:
     blocks = st.blocks
     p = blocks.pool_stack.shape[0]
@@ -206,7 +207,7 @@ def reclaim_expired_unchecked(
             state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
         )
 
-    blocks = vmap_flow.when(count > 0, compact, blocks)
+    blocks = vmap_flow.when_for(skip)(count > 0, compact, blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
     return st.replace(blocks=blocks, counters=counters), count
 

@@ -1,0 +1,228 @@
+"""`skvs micro program`: what one engine step's program holds, counted as a GPU would run it, on any backend.
+
+A GPU pays a launch per kernel and, on XLA:GPU without command buffers, a host round trip per `while` trip and
+per `cond`; this CPU hides both (docs/scheduler.md, "The step program as a GPU runs it"). The per-backend choices
+are static config fields (`SchedulerConfig.control_flow`, `prefix_sums`), so this CPU traces the GPU's program
+exactly. For each size, policy and target:
+
+  schedule     `scheduler.schedule_unchecked`'s jaxpr: gathers, scatters, sorts, cumulative ops, `while`, `cond`
+               (`testing.program.heavy`), and its optimised XLA:CPU program's kernel-like instructions
+               (`testing.program.kernels`, the counting rule printed); XLA:GPU fuses differently, so the jaxpr
+               counts are the portable figure
+  step         the engine's fused step (`engine_step.fused_step`: schedule, model, sampling, verification,
+               update) outside the model (reference_models/, pallas_kernels/ and the runner: interpreted Pallas is
+               not what a GPU runs), and its data-dependent `while` / `cond` by source: each is a host round trip
+               per trip on XLA:GPU
+
+Targets: cpu = control_flow "skip" + prefix_sums "scan" (this CPU's defaults), gpu = "select" + "dense" (a GPU's).
+Sizes: small = `skvs bench`'s geometry (8 slots, 64 blocks of 8, M 16, token budget 128, chunk 32); 256 = `skvs
+micro scheduler`'s (256 slots, 65,536 blocks of 16, M 128, budget 2048, admission window 32). The step at 256
+slots is traced with 2,048 blocks of 16 and M 8 (the shipped model's positions; the counts do not depend on N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+TARGETS = {"cpu": dict(control_flow="skip", prefix_sums="scan"), "gpu": dict(control_flow="select",
+                                                                             prefix_sums="dense")}
+SIZES = ("small", "256")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {SIZES}")
+    parser.add_argument("--targets", default="cpu,gpu", help="comma-separated, of cpu,gpu (see the module doc)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the XLA:CPU kernel counts (compilation)")
+    parser.add_argument("--no-step", action="store_true", help="skip the fused step (loads the shipped model)")
+    parser.add_argument("--json", default=None, help="write every count here")
+
+
+def _sched_config(name: str, size: str, target: str):
+    from skvs_jax import policies
+    from skvs_jax import scheduler as sc
+    from skvs_jax.config import CacheConfig
+
+    if size == "small":
+        cache = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+        return sc.SchedulerConfig(cache=cache, policy=policies.preset(name), max_running=8, token_budget=128,
+                                  prefill_chunk=32, **TARGETS[target])
+    cache = CacheConfig(num_blocks=65_536, block_size=16, max_seqs=256, max_blocks_per_seq=128)
+    return sc.SchedulerConfig(cache=cache, policy=policies.preset(name), max_running=256, token_budget=2048,
+                              admit_window=32, **TARGETS[target])
+
+
+def count_schedule(name: str, size: str, target: str, compile_it: bool) -> dict:
+    """{"heavy": {kind: n}, "kernels": {opcode: n, "total": n} or None} for `schedule` of one policy."""
+    from skvs_jax import scheduler as sc
+    from skvs_jax.testing import program
+
+    cfg = _sched_config(name, size, target)
+    st = jax.eval_shape(lambda: sc.init(cfg))
+    fn = jax.jit(lambda st, k: sc.schedule_unchecked(st, k, cfg=cfg))
+    out = {"heavy": program.heavy(jax.make_jaxpr(fn)(st, cfg.policy.knobs())), "kernels": None}
+    if compile_it:
+        out["kernels"] = program.kernels(fn.lower(st, cfg.policy.knobs()).compile().as_text())
+    return out
+
+
+def count_step(shipped, name: str, size: str, target: str) -> dict:
+    """{"width": Q, "heavy": {kind: n}, "flow": {source: {kind: n}}} for the fused step outside the model, at
+    the narrow (decode) width."""
+    from skvs_jax import policies
+    from skvs_jax.config import CacheConfig
+    from skvs_jax.serve import engine, engine_step
+    from skvs_jax.testing import program
+
+    if size == "small":
+        cache, budget, chunk = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16), 128, 32
+    else:
+        cache, budget, chunk = CacheConfig(num_blocks=2049, block_size=16, max_seqs=256, max_blocks_per_seq=8), 2048, 64
+    e = engine.Engine(*shipped, policies.preset(name), cache, token_budget=budget, prefill_chunk=chunk,
+                      step_cost="flat", steps_per_dispatch=1, **TARGETS[target])
+    width = engine_step.narrow_width(e.cfg)
+    jaxpr = jax.make_jaxpr(lambda p, st, k: engine_step.fused_step(e.runner, p, st, k, cfg=e.cfg, width=width))(
+        e.params, e.state, e.knobs)
+    return {"width": width, "heavy": program.heavy(jaxpr, exclude=program.MODEL_SOURCES),
+            "flow": program.by_source(jaxpr, ("while", "cond"), exclude=program.MODEL_SOURCES)}
+
+
+def time_step(name: str, size: str, target: str, steps: int = 10, calls: int = 5, seed: int = 0) -> dict:
+    """The scheduler's step (schedule + update, no model) in-graph: `steps` steps under one `lax.scan` per call,
+    a full decode batch (as `skvs micro scheduler`, without its oracle), median over `calls` calls after the
+    first. Returns {"us_per_step", "seqs", "steps"}."""
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from skvs_jax import scheduler as sc
+
+    cfg = _sched_config(name, size, target)
+    b, k = cfg.cache.max_seqs, cfg.policy.draft_len
+    knobs = cfg.policy.knobs()
+    rng = np.random.default_rng(seed)
+    mean = 40 if size == "small" else 512
+    lens = np.clip(rng.integers(mean // 2, 3 * mean // 2, b), 2, cfg.max_len // 2).astype(np.int32)
+    prompts = rng.integers(0, 256, (b, int(lens.max()))).astype(np.int32)
+    prompts[rng.random(b) < 0.5, : mean // 4] = rng.integers(0, 256, mean // 4)  # half share a system prompt
+    st = sc.init(cfg)
+    max_new = jnp.full((b,), cfg.max_len - int(lens.max()), jnp.int32)
+    st, _ = sc.add(st, jnp.asarray(prompts), jnp.asarray(lens), max_new, cfg=cfg)
+
+    def one(st, xs):
+        acc, nxt, drafts = xs
+        st, batch = sc.schedule_unchecked(st, knobs, cfg=cfg)
+        st, _ = sc.update_unchecked(st, batch, acc, nxt, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
+        return st, batch.alloc_ok
+
+    scan = jax.jit(lambda st, xs: jax.lax.scan(one, st, xs), donate_argnums=0)
+
+    def draws(t):
+        r = np.random.default_rng((seed, t))
+        acc = np.sum(np.cumprod(r.random((steps, b, max(k, 1))) < 0.7, axis=2), axis=2).astype(np.int32)
+        return (jnp.asarray(acc), jnp.asarray(r.integers(0, 256, (steps, b)).astype(np.int32)),
+                jnp.asarray(r.integers(0, 256, (steps, b, max(k, 1))).astype(np.int32)))
+
+    t, times = 0, []
+    for _ in range(64):  # prefill (the first call compiles), until every row decodes
+        st, ok = scan(st, draws(t))
+        t += 1
+        decoding = sc.decoding_rows(st.seqs.status, st.seqs.num_tokens, st.kv.alloc.seqs.num_committed,
+                                    st.seqs.prompt_len)
+        if bool(jnp.all(decoding)):
+            break
+    for _ in range(calls):
+        xs = draws(t)
+        t += 1
+        t0 = time.perf_counter()
+        st, ok = scan(st, xs)
+        jax.block_until_ready(st)
+        times.append((time.perf_counter() - t0) / steps)
+    return {"us_per_step": 1e6 * float(np.median(times)), "seqs": b, "steps": steps * calls,
+            "all_ok": bool(np.all(np.asarray(ok)))}
+
+
+def _row(label: str, heavy: dict, extra: str = "") -> str:
+    from skvs_jax.testing import program
+
+    cells = "".join(f"{heavy[k]:>8}" for k in program.KINDS)
+    return f"  {label:<26}{cells}{sum(heavy.values()):>8}{extra}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from skvs_jax import policies
+    from skvs_jax.testing import program
+
+    names = [n for n in args.policies.split(",") if n]
+    sizes = [s for s in args.sizes.split(",") if s]
+    targets = [t for t in args.targets.split(",") if t]
+    for flag, got, allowed in (("--policies", names, sorted(policies.PRESETS)), ("--sizes", sizes, SIZES),
+                               ("--targets", targets, tuple(TARGETS))):
+        bad = sorted(set(got) - set(allowed))
+        if bad or not got:
+            raise SystemExit(f"skvs micro program: {flag}: unknown or empty {bad}; choose from {list(allowed)}")
+    shipped = None
+    if not args.no_step:
+        from reference_models import checkpoint, train
+
+        shipped = (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
+                   checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+    print(f"skvs micro program: one step's program as a GPU runs it, traced on {jax.default_backend()} "
+          f"(jax {jax.__version__})")
+    for t in targets:
+        print(f"  target {t}: " + ", ".join(f"{k} {v!r}" for k, v in TARGETS[t].items()))
+    print("  heavy: jaxpr equations of each kind, nested jaxprs included (a jaxpr does not depend on the backend)")
+    if not args.no_compile:
+        print(f"  kernels: XLA:CPU's optimised program, {program.KERNEL_RULE}")
+    head = "".join(f"{k:>8}" for k in program.KINDS) + f"{'total':>8}"
+    results: dict = {}
+    for size in sizes:
+        print(f"\nschedule, size {size}")
+        print(f"  {'policy / target':<26}{head}" + ("" if args.no_compile else f"{'kernels':>10}"))
+        for name in names:
+            for t in targets:
+                r = count_schedule(name, size, t, not args.no_compile)
+                results[f"schedule/{size}/{name}/{t}"] = r
+                extra = "" if r["kernels"] is None else f"{r['kernels']['total']:>10}"
+                print(_row(f"{name} / {t}", r["heavy"], extra))
+        if {"cpu", "gpu"} <= set(targets):
+            for name in names:
+                c, g = (sum(results[f"schedule/{size}/{name}/{t}"]["heavy"].values()) for t in ("cpu", "gpu"))
+                print(f"  {name}: gpu / cpu heavy primitives {g / c:.2f}x ({g} vs {c})")
+        if shipped is None:
+            continue
+        print(f"\nfused step outside the model, size {size} (narrow width)")
+        print(f"  {'policy / target':<26}{head}")
+        for name in names:
+            for t in targets:
+                r = count_step(shipped, name, size, t)
+                results[f"step/{size}/{name}/{t}"] = r
+                print(_row(f"{name} / {t} (Q {r['width']})", r["heavy"]))
+        print("  data-dependent while / cond by source (a host round trip per trip on XLA:GPU):")
+        for name in names:
+            for t in targets:
+                flow = results[f"step/{size}/{name}/{t}"]["flow"]
+                total = sum(sum(c.values()) for c in flow.values())
+                parts = ", ".join(f"{src} {'+'.join(f'{n} {k}' for k, n in c.items())}" for src, c in flow.items())
+                print(f"    {name} / {t}: {total}: {parts}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "targets": TARGETS,
+                       "counts": results}, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def main() -> int:  # the file runs on its own too: `python skvs_jax/commands/micro_program.py`
+    parser = argparse.ArgumentParser(prog="micro_program")
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
