@@ -1,6 +1,6 @@
 """`skvs gpu-check`: the project's one GPU script. Every GPU figure in docs/ comes from it.
 
-Sections (`--only a,b`), each with a time budget; the whole script stays under five minutes with compilation:
+Sections (`--only a,b`), each with a time budget; the whole script stays under eight minutes with compilation:
 
   kernels   the Pallas kernels against their references, then timed against jax's own Pallas paged attention,
             the XLA path and the device's copy bandwidth (`pallas_kernels.gpu_check`)
@@ -10,7 +10,7 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under f
             programs' own time), skvs / naive_spec; then the `while` and `cond` inside the dispatch program
             (`control_flow`: host round trips on XLA:GPU)
   program   the step program as a GPU runs it (`skvs micro program`): the scheduler's step (schedule + update, no
-            model) in-graph per step at the bench's geometry and at 256 slots, each policy with the GPU's choices
+            model) in-graph per step at the bench's geometry and at 256 slots, skvs with the GPU's choices
             (control_flow "select", prefix_sums "dense") and the CPU's ("skip", "scan") on the same device, so the
             choice is measured where it matters; schedule's heavy primitives per program; then the simulator
             (`skvs micro simulate`: one run's steps per second and a vmapped sweep of 64 lanes)
@@ -127,7 +127,7 @@ def _serving(smoke: bool, chosen) -> bool:
 def _program(smoke: bool) -> bool:
     from skvs_jax.commands import micro_program, micro_simulate
 
-    names = ["skvs"] if smoke else ["naive_spec", "skvs"]
+    names = ["skvs"]
     sizes = ["small"] if smoke else ["small", "256"]
     print("scheduler step (schedule + update, no model), in-graph, a full decode batch; targets: gpu = control_flow "
           "'select' + prefix_sums 'dense' (a GPU's defaults), cpu = 'skip' + 'scan'")

@@ -56,14 +56,17 @@ def _sched_config(name: str, size: str, target: str):
 
 
 def count_schedule(name: str, size: str, target: str, compile_it: bool) -> dict:
-    """{"heavy": {kind: n}, "kernels": {opcode: n, "total": n} or None} for `schedule` of one policy."""
+    """{"heavy": {kind: n}, "per_step": n, "kernels": {opcode: n, "total": n} or None} for `schedule` of one
+    policy; per_step: the heavy primitives outside the skips kept on purpose (`testing.program.KEPT_SKIPS`)."""
     from skvs_jax import scheduler as sc
     from skvs_jax.testing import program
 
     cfg = _sched_config(name, size, target)
     st = jax.eval_shape(lambda: sc.init(cfg))
     fn = jax.jit(lambda st, k: sc.schedule_unchecked(st, k, cfg=cfg))
-    out = {"heavy": program.heavy(jax.make_jaxpr(fn)(st, cfg.policy.knobs())), "kernels": None}
+    jaxpr = jax.make_jaxpr(fn)(st, cfg.policy.knobs())
+    out = {"heavy": program.heavy(jaxpr), "kernels": None,
+           "per_step": sum(program.heavy(jaxpr, skipped=program.KEPT_SKIPS).values())}
     if compile_it:
         out["kernels"] = program.kernels(fn.lower(st, cfg.policy.knobs()).compile().as_text())
     return out
@@ -175,19 +178,21 @@ def run(args: argparse.Namespace) -> int:
           f"(jax {jax.__version__})")
     for t in targets:
         print(f"  target {t}: " + ", ".join(f"{k} {v!r}" for k, v in TARGETS[t].items()))
-    print("  heavy: jaxpr equations of each kind, nested jaxprs included (a jaxpr does not depend on the backend)")
+    print("  heavy: jaxpr equations of each kind, nested jaxprs included (a jaxpr does not depend on the backend); "
+          "step: the heavy total outside the skips kept on purpose (eviction), what a step that evicts nothing "
+          "launches")
     if not args.no_compile:
         print(f"  kernels: XLA:CPU's optimised program, {program.KERNEL_RULE}")
     head = "".join(f"{k:>8}" for k in program.KINDS) + f"{'total':>8}"
     results: dict = {}
     for size in sizes:
         print(f"\nschedule, size {size}")
-        print(f"  {'policy / target':<26}{head}" + ("" if args.no_compile else f"{'kernels':>10}"))
+        print(f"  {'policy / target':<26}{head}{'step':>7}" + ("" if args.no_compile else f"{'kernels':>10}"))
         for name in names:
             for t in targets:
                 r = count_schedule(name, size, t, not args.no_compile)
                 results[f"schedule/{size}/{name}/{t}"] = r
-                extra = "" if r["kernels"] is None else f"{r['kernels']['total']:>10}"
+                extra = f"{r['per_step']:>7}" + ("" if r["kernels"] is None else f"{r['kernels']['total']:>10}")
                 print(_row(f"{name} / {t}", r["heavy"], extra))
         if {"cpu", "gpu"} <= set(targets):
             for name in names:

@@ -188,7 +188,7 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
     def run(kv):
         alloc, ids = allocator.evict_unchecked(kv.alloc, eviction_order(kv, cfg), num_blocks,
                                                max_evict=cfg.cache.usable_blocks)
-        prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix)
+        prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
         return KVState(alloc=unpin(alloc, removed.descendants), prefix=prefix)
 
     return vmap_flow.when(num_blocks > 0, run, kv)
@@ -345,7 +345,8 @@ def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVCon
 
     def remove_stale(operand):
         prefix, _ = operand
-        prefix, removed = pc.remove_unchecked(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix)
+        prefix, removed = pc.remove_unchecked(prefix, jnp.where(stale, ids, 0).reshape(-1), cfg=cfg.prefix,
+                                              loop=cfg.skip)
         return prefix, removed.descendants
 
     no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)

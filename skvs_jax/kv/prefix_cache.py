@@ -421,23 +421,33 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cf
 # ----------------------------------------------------------------------------------------------- remove
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "loop"))
+def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCacheConfig, loop: bool = True):
+    """loop: how the removal closes over descendants (the same set either way). True: a `while` that adds one
+    level per trip until nothing changes (1-2 trips in a step's removal; cheapest on a CPU). False: ceil(log2 M)
+    rounds of pointer doubling, no data-dependent loop (each trip of one waits for the host on a GPU), ~7 [C]
+    gathers more at M = 128 than a typical loop, which a CPU pays for (2x naive_spec's scheduler step at 256
+    slots, measured)."""
     n = cfg.num_blocks
     live = cache.block > 0
     requested = jnp.zeros((n,), bool).at[jnp.where(block_ids > 0, block_ids, n)].set(True, mode="drop")
     gone = live & requested[cache.block]  # [C] slots to clear
 
-    # Close over descendants: a child goes when an ancestor does. By pointer doubling over slots (as
-    # `subtree_max`): after round r a slot has seen its ancestors fewer than 2^r levels up, and a chain is at most
-    # M deep, so ceil(log2 M) rounds of two [C] gathers, with no data-dependent loop (each trip of one would wait
-    # for the host on a GPU).
-    c = gone.shape[0]
-    parent_slot = cache.slot_of_block[jnp.clip(cache.parent, 0, n - 1)]
-    up = jnp.where(live & (cache.parent != ROOT) & (parent_slot >= 0), parent_slot, c)  # c: none
-    for _ in range((cfg.max_blocks_per_seq - 1).bit_length()):
-        gone = gone | jnp.append(gone, False)[up]
-        up = jnp.append(up, c)[up]
+    if loop:  # a child goes when its parent does (depth <= M, so <= M trips)
+        def grow(state):
+            gone, _ = state
+            gone_block = jnp.zeros((n,), bool).at[jnp.where(gone, cache.block, n)].set(True, mode="drop")
+            more = gone | (live & gone_block[cache.parent] & (cache.parent != ROOT))
+            return more, jnp.any(more != gone)
+
+        gone, _ = jax.lax.while_loop(lambda st: st[1], grow, grow((gone, jnp.ones((), bool))))
+    else:  # as `subtree_max`: after round r a slot has seen its ancestors fewer than 2^r levels up
+        c = gone.shape[0]
+        parent_slot = cache.slot_of_block[jnp.clip(cache.parent, 0, n - 1)]
+        up = jnp.where(live & (cache.parent != ROOT) & (parent_slot >= 0), parent_slot, c)  # c: none
+        for _ in range((cfg.max_blocks_per_seq - 1).bit_length()):
+            gone = gone | jnp.append(gone, False)[up]
+            up = jnp.append(up, c)[up]
     descendants = jnp.where(gone & ~requested[cache.block], cache.block, NULL_BLOCK)
     slot_of_block = cache.slot_of_block.at[jnp.where(gone, cache.block, n)].set(-1, mode="drop")
     num_removed = jnp.sum(gone, dtype=i32)

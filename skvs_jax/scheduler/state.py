@@ -36,7 +36,7 @@ RANK_BY_COUNTING = 512  # up to this many slots, priority order counts instead o
 def default_control_flow() -> str:
     """`SchedulerConfig.control_flow`'s default for the default backend: "skip" on a CPU, where a loop of 0 trips
     costs nothing and the work it skips costs its full time; "select" elsewhere, where each `while` trip and
-    `cond` waits for the host (docs/design.md, "Control flow on a GPU")."""
+    `cond` waits for the host (docs/design.md, "Per-backend choices")."""
     return "skip" if jax.default_backend() == "cpu" else "select"
 
 

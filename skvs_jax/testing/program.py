@@ -9,6 +9,8 @@ both. Three counts make them visible without a GPU:
                         (cumsum/cumprod/cummax/cummin), `while` and `cond`, in the jaxpr and every jaxpr inside it.
                         A jaxpr does not depend on the backend, so these counts are the GPU's, given the GPU's
                         static choices (`SchedulerConfig.branch_free`).
+  heavy(jaxpr, skipped=KEPT_SKIPS)  the same, leaving out the bodies of the skips kept on purpose (eviction): what
+                        a step launches when it evicts nothing
   by_source(jaxpr)      the same, per source function (the innermost frame in skvs_jax, reference_models or
                         pallas_kernels; an equation jax adds inside a library call is charged to its caller).
   kernels(hlo_text)     the compiled program's kernel-like instructions: every instruction of the entry
@@ -36,6 +38,7 @@ _KIND = {"gather": "gather", "sort": "sort", "while": "while", "cond": "cond",
 _OURS = ("/skvs_jax/", "/reference_models/", "/pallas_kernels/")
 _PLUMBING = ("/skvs_jax/vmap_flow.py", "/skvs_jax/arrays.py")  # charged to their caller
 MODEL_SOURCES = ("reference_models/", "pallas_kernels/", "serve/model_runner.py")
+KEPT_SKIPS = ("kv/manager.py:evict",)  # the skips the GPU's program keeps in `schedule` (eviction: a sort over N)
 
 
 def _frame(eqn, parent: str) -> str:
@@ -48,26 +51,30 @@ def _frame(eqn, parent: str) -> str:
     return parent
 
 
-def _eqns(jaxpr, parent: str = "?") -> Iterator[tuple[str, str]]:
-    """(primitive kind, source) of every heavy equation in a (closed) jaxpr and the jaxprs inside it."""
+def _eqns(jaxpr, parent: str = "?", skipped: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+    """(primitive kind, source) of every heavy equation in a (closed) jaxpr and the jaxprs inside it, except
+    inside a `while` / `cond` whose source is in `skipped` (the equation itself is yielded)."""
     jp = getattr(jaxpr, "jaxpr", jaxpr)
     for eqn in jp.eqns:
         src = _frame(eqn, parent)
         kind = _KIND.get(eqn.primitive.name)
         if kind is not None:
             yield kind, src
+        if kind in ("while", "cond") and src in skipped:
+            continue
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", None)
                 if inner is not None:
-                    yield from _eqns(inner, src)
+                    yield from _eqns(inner, src, skipped)
 
 
-def heavy(jaxpr, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-    """{kind: count} over `KINDS` (all present, zeros included), skipping equations whose source starts with
-    one of `exclude` (e.g. `MODEL_SOURCES`)."""
+def heavy(jaxpr, *, exclude: tuple[str, ...] = (), skipped: tuple[str, ...] = ()) -> dict[str, int]:
+    """{kind: count} over `KINDS` (all present, zeros included), leaving out equations whose source starts with
+    one of `exclude` (e.g. `MODEL_SOURCES`) and those inside the skips of `skipped` (sources, e.g. `KEPT_SKIPS`:
+    work that runs only in the steps that need it, so a step usually launches the rest alone)."""
     counts = dict.fromkeys(KINDS, 0)
-    for kind, src in _eqns(jaxpr):
+    for kind, src in _eqns(jaxpr, skipped=skipped):
         if not src.startswith(exclude):
             counts[kind] += 1
     return counts
