@@ -47,6 +47,28 @@ def test_the_choices_default_from_the_backend_and_are_checked():
             dataclasses.replace(cfg, **{field: bad})
 
 
+def test_select_forms_mean_what_the_skips_mean_under_jit_and_vmap():
+    """`vmap_flow.cond(..., skip=False)` and `select_when` give `lax.cond`'s and `when`'s results, with no control
+    flow left in the program, unbatched and per lane under vmap."""
+    import jax.numpy as jnp
+
+    from skvs_jax import vmap_flow
+
+    def both(pred, x):
+        c = vmap_flow.cond(pred, lambda v: v * 2, lambda v: v - 1, x, skip=False)
+        w = vmap_flow.when_for(False)(pred, lambda v: v + 10, x)
+        return c, w
+
+    xs, preds = jnp.arange(6.0), jnp.asarray([True, False, True, True, False, False])
+    for fn in (jax.jit(jax.vmap(both)), jax.vmap(jax.jit(both))):
+        c, w = fn(preds, xs)
+        np.testing.assert_array_equal(c, np.where(preds, xs * 2, xs - 1))
+        np.testing.assert_array_equal(w, np.where(preds, xs + 10, xs))
+    assert program.heavy(jax.make_jaxpr(both)(True, 1.0))["cond"] == 0
+    assert program.heavy(jax.make_jaxpr(both)(True, 1.0))["while"] == 0
+    assert vmap_flow.when_for(True) is vmap_flow.when
+
+
 # Every phase the choices touch: preemption by recompute and by swap, priced draft blocks (a cond in skip mode),
 # the goodput controller, prefix hits (admission's lookup and shared idle blocks), on-fill indexing (stale
 # entries removed), lazy release without a pool, mandatory drafts.
