@@ -12,7 +12,9 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under e
   program   the step program as a GPU runs it (`skvs micro program`): the scheduler's step (schedule + update, no
             model) in-graph per step at the bench's geometry and at 256 slots, skvs with the GPU's choices
             (control_flow "select", prefix_sums "dense") and the CPU's ("skip", "scan") on the same device, so the
-            choice is measured where it matters; schedule's heavy primitives per program; then the simulator
+            choice is measured where it matters; schedule's heavy primitives per program; the engine's decode step
+            (fused) against its halves (schedule_only, model_only) with the step's data-dependent while/cond
+            count (host round trips, counted in the program: the floor a profile would show); then the simulator
             (`skvs micro simulate`: one run's steps per second and a vmapped sweep of 64 lanes)
 
 XLA's GPU command buffers can run `while` and `cond` on the device: `--command-buffers` sets
@@ -143,6 +145,20 @@ def _program(smoke: bool) -> bool:
                 print(f"{size:<7}{name:<12}{target:<8}{r['us_per_step']:>10.1f}{sum(heavy.values()):>8}"
                       f"{heavy['while'] + heavy['cond']:>12}")
             print(f"{size:<7}{name:<12}gpu / cpu target: {times[size, name, 'gpu'] / times[size, name, 'cpu']:.3f}x")
+    from reference_models import checkpoint, train
+
+    shipped = (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
+               checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+    print("\nthe engine's decode step (shipped model, 8 rows decoding, each call waited for): the fused step against "
+          "its halves run apart, schedule_only and model_only (forward, sampling, verification, update)")
+    print(f"{'policy':<12}{'target':<8}{'fused us':>10}{'schedule us':>13}{'model us':>10}{'round trips':>13}")
+    for name in names:
+        for target in ("gpu", "cpu"):
+            r = micro_program.time_engine_step(shipped, name, target, calls=2 if smoke else 10)
+            flow = micro_program.count_step(shipped, name, "small", target)["flow"]
+            trips = sum(sum(c.values()) for c in flow.values())
+            print(f"{name:<12}{target:<8}{r['fused_us']:>10.0f}{r['schedule_us']:>13.0f}{r['model_us']:>10.0f}"
+                  f"{trips:>13}")
     sim = argparse.Namespace(max_seqs=256, requests=128, points=64, steps=256, max_output_len=128,
                              max_prompt_len=256, rate=16.0, skip_vmap=False, cost_mode="auto")
     if smoke:

@@ -149,6 +149,49 @@ def time_step(name: str, size: str, target: str, steps: int = 10, calls: int = 5
             "all_ok": bool(np.all(np.asarray(ok)))}
 
 
+def time_engine_step(shipped, name: str, target: str, calls: int = 10) -> dict:
+    """The engine's decode step on the shipped model at the bench's geometry, eight rows decoding: the fused step
+    (`engine_step.fused_step`) against its two halves run apart, `schedule_only` and `model_only` (the forward,
+    sampling, verification and `update`), each call waited for; medians in microseconds over `calls` calls."""
+    import time
+
+    import numpy as np
+
+    from skvs_jax import policies
+    from skvs_jax import scheduler as sc
+    from skvs_jax.config import CacheConfig
+    from skvs_jax.serve import engine, engine_step
+
+    cache = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
+    e = engine.Engine(*shipped, policies.preset(name), cache, token_budget=128, prefill_chunk=32, step_cost="flat",
+                      steps_per_dispatch=1, **TARGETS[target])
+    rng = np.random.default_rng(0)
+    for i in range(8):
+        e.add_request(rng.integers(32, 120, 16).tolist(), engine.SamplingParams(max_tokens=100), request_id=i)
+    for _ in range(16):  # admit and prefill everyone
+        e.step()
+        if not bool(sc.prompt_work(e.state.sched)):
+            break
+    width = engine_step.narrow_width(e.cfg)
+    st, fused, sched, model = e.state, [], [], []
+    for i in range(calls + 1):  # the first call of each compiles
+        t0 = time.perf_counter()
+        st, _ = engine_step.fused_step(e.runner, e.params, st, e.knobs, cfg=e.cfg, width=width)
+        jax.block_until_ready(st)
+        t1 = time.perf_counter()
+        st, batch = engine_step.schedule_only(st, e.knobs, cfg=e.cfg)
+        jax.block_until_ready((st, batch))
+        t2 = time.perf_counter()
+        st, _ = engine_step.model_only(e.runner, e.params, st, batch, e.knobs, cfg=e.cfg, width=width)
+        jax.block_until_ready(st)
+        t3 = time.perf_counter()
+        if i:
+            fused.append(t1 - t0), sched.append(t2 - t1), model.append(t3 - t2)
+    e.state = st  # the engine's state was donated to the calls above
+    return {k: 1e6 * float(np.median(v)) for k, v in (("fused_us", fused), ("schedule_us", sched),
+                                                       ("model_us", model))}
+
+
 def _row(label: str, heavy: dict, extra: str = "") -> str:
     from skvs_jax.testing import program
 
