@@ -85,6 +85,18 @@ def test_the_gpu_program_matches_the_oracle(name, seed, steps, add_p):
     h.run(workload(cfg, seed, steps, add_p, 0.05))
 
 
+@pytest.mark.parametrize("name", ["skvs_article-priced-swap", "skvs-lazy-nopool-nobarrier-onfill"])
+@settings(max_examples=1, deadline=None)
+@given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60))
+def test_the_mixed_program_matches_the_oracle(name, seed, steps):
+    """control_flow "mixed": cheap skips selected, the passes over [B, M], [N] or [C] skipped (each site is one of
+    the two forms the other programs run; this checks them combined)."""
+    cfg = dataclasses.replace(CONFIGS[name], control_flow="mixed", prefix_sums="dense")
+    assert cfg.skip_costly and not cfg.skip
+    h = Harness(cfg, vocab=VOCAB, knobs=KNOBS.get(name))
+    h.run(workload(cfg, seed, steps, 0.8, 0.05))
+
+
 def test_a_vmapped_sweep_of_the_gpu_program_matches_its_lanes_own_runs():
     """Under vmap, selects replace the batched `vmap_flow` rules: each lane still runs as it would alone."""
     cache = CacheConfig(num_blocks=25, block_size=8, max_seqs=8, max_blocks_per_seq=16)
@@ -116,12 +128,14 @@ BOUNDS = {  # (policy, program): {kind: most}; "total" bounds the sum
     ("skvs", "cpu"): dict(total=240, gather=110, scatter=86, sort=4, cumsum=30, **{"while": 9, "cond": 5}),
     ("skvs", "gpu"): dict(total=175, gather=90, scatter=70, sort=2, cumsum=11, **{"while": 1, "cond": 0}),
     ("naive_spec", "gpu"): dict(total=165, gather=80, scatter=70, sort=2, cumsum=11, **{"while": 1, "cond": 0}),
+    ("skvs", "mixed"): dict(total=182, gather=90, scatter=72, sort=2, cumsum=11, **{"while": 7, "cond": 1}),
 }
 
 
 @pytest.mark.parametrize("name, target", list(BOUNDS))
 def test_schedule_holds_few_heavy_primitives(name, target):
-    choices = GPU if target == "gpu" else dict(control_flow="skip", prefix_sums="scan")
+    choices = {"gpu": GPU, "cpu": dict(control_flow="skip", prefix_sums="scan"),
+               "mixed": dict(control_flow="mixed", prefix_sums="dense")}[target]
     cfg = sc.SchedulerConfig(cache=SMALL, policy=policies.preset(name), max_running=8, token_budget=128,
                              prefill_chunk=32, **choices)
     jaxpr = jax.make_jaxpr(lambda st, k: sc.schedule_unchecked(st, k, cfg=cfg))(sc.init(cfg), cfg.policy.knobs())

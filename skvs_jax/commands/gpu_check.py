@@ -11,7 +11,8 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under e
             (`control_flow`: host round trips on XLA:GPU)
   program   the step program as a GPU runs it (`skvs micro program`): the scheduler's step (schedule + update, no
             model) in-graph per step at the bench's geometry and at 256 slots, skvs with the GPU's choices
-            (control_flow "select", prefix_sums "dense") and the CPU's ("skip", "scan") on the same device, so the
+            (control_flow "select", prefix_sums "dense"), "mixed" (select the cheap skips, keep the skips of the
+            passes over [B, M], [N] or [C]) and the CPU's ("skip", "scan") on the same device, so the
             choice is measured where it matters; schedule's heavy primitives per program; the engine's decode step
             (fused) against its halves (schedule_only, model_only) with the step's data-dependent while/cond
             count (host round trips, counted in the program: the floor a profile would show); then the simulator
@@ -132,19 +133,22 @@ def _program(smoke: bool) -> bool:
     names = ["skvs"]
     sizes = ["small"] if smoke else ["small", "256"]
     print("scheduler step (schedule + update, no model), in-graph, a full decode batch; targets: gpu = control_flow "
-          "'select' + prefix_sums 'dense' (a GPU's defaults), cpu = 'skip' + 'scan'")
+          "'select' + prefix_sums 'dense' (a GPU's defaults), mixed = 'mixed' + 'dense' (the passes over [B, M], [N] "
+          "or [C] keep their skips), cpu = 'skip' + 'scan'")
     print(f"{'size':<7}{'policy':<12}{'target':<8}{'us/step':>10}{'heavy':>8}{'while+cond':>12}")
     ok, times = True, {}
     for size in sizes:
         for name in names:
-            for target in ("gpu", "cpu"):
+            for target in ("gpu", "mixed", "cpu"):
                 r = micro_program.time_step(name, size, target, steps=2 if smoke else 10, calls=1 if smoke else 5)
                 heavy = micro_program.count_schedule(name, size, target, compile_it=False)["heavy"]
                 times[size, name, target] = r["us_per_step"]
                 ok &= r["all_ok"]
                 print(f"{size:<7}{name:<12}{target:<8}{r['us_per_step']:>10.1f}{sum(heavy.values()):>8}"
                       f"{heavy['while'] + heavy['cond']:>12}")
-            print(f"{size:<7}{name:<12}gpu / cpu target: {times[size, name, 'gpu'] / times[size, name, 'cpu']:.3f}x")
+            cpu = times[size, name, "cpu"]
+            print(f"{size:<7}{name:<12}gpu / cpu target: {times[size, name, 'gpu'] / cpu:.3f}x, mixed / cpu: "
+                  f"{times[size, name, 'mixed'] / cpu:.3f}x")
     from reference_models import checkpoint, train
 
     shipped = (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
@@ -153,7 +157,7 @@ def _program(smoke: bool) -> bool:
           "its halves run apart, schedule_only and model_only (forward, sampling, verification, update)")
     print(f"{'policy':<12}{'target':<8}{'fused us':>10}{'schedule us':>13}{'model us':>10}{'round trips':>13}")
     for name in names:
-        for target in ("gpu", "cpu"):
+        for target in ("gpu", "mixed", "cpu"):
             r = micro_program.time_engine_step(shipped, name, target, calls=2 if smoke else 10)
             flow = micro_program.count_step(shipped, name, "small", target)["flow"]
             trips = sum(sum(c.values()) for c in flow.values())

@@ -14,7 +14,8 @@ exactly. For each size, policy and target:
                not what a GPU runs), and its data-dependent `while` / `cond` by source: each is a host round trip
                per trip on XLA:GPU
 
-Targets: cpu = control_flow "skip" + prefix_sums "scan" (this CPU's defaults), gpu = "select" + "dense" (a GPU's).
+Targets: cpu = control_flow "skip" + prefix_sums "scan" (this CPU's defaults), gpu = "select" + "dense" (a GPU's),
+mixed = "mixed" + "dense" (a GPU's program that keeps the skips of the passes over [B, M], [N] or [C]).
 Sizes: small = `skvs bench`'s geometry (8 slots, 64 blocks of 8, M 16, token budget 128, chunk 32); 256 = `skvs
 micro scheduler`'s (256 slots, 65,536 blocks of 16, M 128, budget 2048, admission window 32). The step at 256
 slots is traced with 2,048 blocks of 16 and M 8 (the shipped model's positions; the counts do not depend on N).
@@ -27,15 +28,17 @@ import json
 
 import jax
 
-TARGETS = {"cpu": dict(control_flow="skip", prefix_sums="scan"), "gpu": dict(control_flow="select",
-                                                                             prefix_sums="dense")}
+TARGETS = {"cpu": dict(control_flow="skip", prefix_sums="scan"),
+           "gpu": dict(control_flow="select", prefix_sums="dense"),
+           "mixed": dict(control_flow="mixed", prefix_sums="dense")}
 SIZES = ("small", "256")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs", help="comma-separated presets")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {SIZES}")
-    parser.add_argument("--targets", default="cpu,gpu", help="comma-separated, of cpu,gpu (see the module doc)")
+    parser.add_argument("--targets", default="cpu,gpu,mixed", help="comma-separated, of cpu,gpu,mixed (see the module "
+                                                                   "doc)")
     parser.add_argument("--no-compile", action="store_true", help="skip the XLA:CPU kernel counts (compilation)")
     parser.add_argument("--no-step", action="store_true", help="skip the fused step (loads the shipped model)")
     parser.add_argument("--json", default=None, help="write every count here")
@@ -57,7 +60,8 @@ def _sched_config(name: str, size: str, target: str):
 
 def count_schedule(name: str, size: str, target: str, compile_it: bool) -> dict:
     """{"heavy": {kind: n}, "per_step": n, "kernels": {opcode: n, "total": n} or None} for `schedule` of one
-    policy; per_step: the heavy primitives outside the skips kept on purpose (`testing.program.KEPT_SKIPS`)."""
+    policy; per_step: the heavy primitives outside the bodies of its skips (every `while` / `cond` in `schedule`
+    is one), what a step that needs none of the rare work runs."""
     from skvs_jax import scheduler as sc
     from skvs_jax.testing import program
 
@@ -66,7 +70,7 @@ def count_schedule(name: str, size: str, target: str, compile_it: bool) -> dict:
     fn = jax.jit(lambda st, k: sc.schedule_unchecked(st, k, cfg=cfg))
     jaxpr = jax.make_jaxpr(fn)(st, cfg.policy.knobs())
     out = {"heavy": program.heavy(jaxpr), "kernels": None,
-           "per_step": sum(program.heavy(jaxpr, skipped=program.KEPT_SKIPS).values())}
+           "per_step": sum(program.heavy(jaxpr, skipped=tuple(program.by_source(jaxpr, ("while", "cond")))).values())}
     if compile_it:
         out["kernels"] = program.kernels(fn.lower(st, cfg.policy.knobs()).compile().as_text())
     return out
@@ -222,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
     for t in targets:
         print(f"  target {t}: " + ", ".join(f"{k} {v!r}" for k, v in TARGETS[t].items()))
     print("  heavy: jaxpr equations of each kind, nested jaxprs included (a jaxpr does not depend on the backend); "
-          "step: the heavy total outside the skips kept on purpose (eviction), what a step that evicts nothing "
-          "launches")
+          "step: the heavy total outside the bodies of the program's skips, what a step that needs none of the rare "
+          "work launches")
     if not args.no_compile:
         print(f"  kernels: XLA:CPU's optimised program, {program.KERNEL_RULE}")
     head = "".join(f"{k:>8}" for k in program.KINDS) + f"{'total':>8}"

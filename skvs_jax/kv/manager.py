@@ -46,6 +46,9 @@ class KVConfig:
         reference), "pallas" or "auto" (Pallas on a GPU); the engine passes its own `impl`.
       skip: rare work is skipped by control flow (True) or computed every call and selected (False: no host
         round trip on a GPU); `SchedulerConfig.control_flow`. Eviction and the index's insert skip either way.
+      skip_costly: the same for the rare passes over [B, M], [N] or [C] (frees, the full-table allocation and
+        commit passes, releasing copied blocks, the prefix lookup, removing stale entries): `skip` or, under
+        `control_flow="mixed"`, True while cheap work is selected.
     """
 
     cache: CacheConfig
@@ -54,6 +57,7 @@ class KVConfig:
     rows_indexed: int
     impl: str = "xla"
     skip: bool = True
+    skip_costly: bool = True
 
     @property
     def window(self) -> int:
@@ -121,7 +125,7 @@ def usage(kv: KVState, cfg: KVConfig) -> Usage:
 
 def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
     """The sequences in seq_mask bool[B] give back their blocks (cached ones stay, evictable)."""
-    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec, skip=cfg.skip)
+    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec, skip=cfg.skip_costly)
     return kv.replace(alloc=alloc)
 
 
@@ -139,7 +143,7 @@ def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.
         return hit.num_blocks, hit.block_ids
 
     none = (jnp.zeros((a,), i32), jnp.zeros((a, m), i32))
-    num_blocks, block_ids = vmap_flow.cond(jnp.any(lengths > 0), look, lambda _: none, None, skip=cfg.skip)
+    num_blocks, block_ids = vmap_flow.cond(jnp.any(lengths > 0), look, lambda _: none, None, skip=cfg.skip_costly)
     return jnp.where(lengths > 0, num_blocks, 0), block_ids
 
 
@@ -208,22 +212,24 @@ def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: j
     s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
     if speculative:
         alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                                  window=w, speculative=True, skip=cfg.skip, ahead=ahead)
+                                                  window=w, speculative=True, skip=cfg.skip_costly, ahead=ahead)
         return kv.replace(alloc=alloc), res
     have = alloc.seqs.num_allocated
     narrow = cdiv(have + num_tokens, s) - have // s <= w
     alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order,
                                                 cfg=cfg.cache, spec=cfg.spec, window=w, speculative=speculative,
-                                                skip=cfg.skip, ahead=ahead)
+                                                skip=cfg.skip_costly, ahead=ahead)
     wide = jnp.where(narrow, 0, num_tokens)
 
     def full(operand):
         return allocator.allocate_unchecked(operand[0], wide, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                            window=None, speculative=speculative, skip=cfg.skip, ahead=ahead)
+                                            window=None, speculative=speculative, skip=cfg.skip_costly,
+                                            ahead=ahead)
 
     zeros = jnp.zeros_like(wide)
     nothing = AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=zeros, cow_dst=zeros)
-    alloc, second = vmap_flow.when_for(cfg.skip)(jnp.any(wide > 0), full, (alloc, nothing), identity_when_false=True)
+    alloc, second = vmap_flow.when_for(cfg.skip_costly)(jnp.any(wide > 0), full, (alloc, nothing),
+                                                        identity_when_false=True)
     return kv.replace(alloc=alloc), AllocResult(
         ok=first.ok & second.ok,
         cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
@@ -247,7 +253,8 @@ def commit(kv: KVState, num_accepted: jax.Array, cfg: KVConfig) -> KVState:
         return allocator.commit_unchecked(alloc, jnp.where(fits, 0, num_accepted), cfg=cfg.cache, spec=cfg.spec,
                                           window=None, impl=cfg.impl)[0]
 
-    return kv.replace(alloc=vmap_flow.when_for(cfg.skip)(jnp.any(~fits), full, alloc, identity_when_false=True))
+    return kv.replace(alloc=vmap_flow.when_for(cfg.skip_costly)(jnp.any(~fits), full, alloc,
+                                                                identity_when_false=True))
 
 
 def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array, skip: bool = True) -> KVState:
@@ -350,9 +357,11 @@ def settle_on_fill(kv: KVState, ids: jax.Array, valid_len: jax.Array, cfg: KVCon
         return prefix, removed.descendants
 
     no_descendants = jnp.zeros((cfg.prefix.capacity,), i32)
-    prefix, descendants = vmap_flow.when_for(cfg.skip)(jnp.any(stale), remove_stale, (kv.prefix, no_descendants))
+    prefix, descendants = vmap_flow.when_for(cfg.skip_costly)(jnp.any(stale), remove_stale,
+                                                              (kv.prefix, no_descendants))
     alloc = pin(kv.alloc, jnp.where(stale, 0, ids).reshape(-1), cfg.skip)
-    alloc = vmap_flow.when_for(cfg.skip)(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants), alloc)
+    alloc = vmap_flow.when_for(cfg.skip_costly)(jnp.any(descendants > 0), lambda alloc: unpin(alloc, descendants),
+                                                alloc)
     return KVState(alloc=alloc, prefix=prefix)
 
 

@@ -28,7 +28,7 @@ STATUS_NAMES = ("EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED")
 
 # ---------------------------------------------------------------------------------------------- config
 
-CONTROL_FLOWS = ("skip", "select")
+CONTROL_FLOWS = ("skip", "select", "mixed")
 PREFIX_SUMS = ("scan", "dense")
 RANK_BY_COUNTING = 512  # up to this many slots, priority order counts instead of sorting (and may go dense)
 
@@ -73,11 +73,14 @@ class SchedulerConfig:
         so their reach is looked up here, and adaptive draft length compares the expected accepted length with a
         bucket's reach, not its node count.
       control_flow: how the step skips rare work (`vmap_flow`): "skip" (a `cond` or a loop of 0 or 1 trips: the
-        work runs only when needed) or "select" (the work runs every step and its result is selected: no
-        control flow, so no host round trip on XLA:GPU). "" (the default) resolves at construction from the
-        backend, `default_control_flow()`: "skip" on a CPU, "select" on a GPU or TPU. Set it to trace a GPU's
-        program on a CPU (`skvs micro program`). Work that costs more than a round trip keeps its skip either
-        way (eviction, the prefix index's insert). Decisions are the same in both (tests/test_control_flow.py).
+        work runs only when needed), "select" (the work runs every step and its result is selected: no
+        control flow, so no host round trip on XLA:GPU) or "mixed" (select where the work is a few kernels, skip
+        the passes over [B, M], [N] or [C]: frees, full-table allocation and commit passes, releases of copied
+        blocks, the prefix lookup, removing stale index entries; `skip_costly`). "" (the default) resolves at
+        construction from the backend, `default_control_flow()`: "skip" on a CPU, "select" on a GPU or TPU. Set
+        it to trace a GPU's program on a CPU (`skvs micro program`). Work that costs more than a round trip keeps
+        its skip in all three (eviction, the prefix index's insert). Decisions are the same in all three
+        (tests/test_control_flow.py).
       prefix_sums: how prefix sums over rows in priority order are taken (`arrays.prefix_sum`): "scan" (a
         gather, a cumulative sum and a gather back; sorts where an order is needed) or "dense" (masked [B, B] row
         sums and rank counting: no gather, scan or sort, one kernel each on a GPU, B^2 work a CPU pays for). ""
@@ -139,6 +142,11 @@ class SchedulerConfig:
         return self.control_flow == "skip"
 
     @property
+    def skip_costly(self) -> bool:
+        """Whether the costly rare passes are skipped by control flow: under "skip" and "mixed"."""
+        return self.control_flow != "select"
+
+    @property
     def dense(self) -> bool:
         """Whether prefix sums in priority order are dense (`prefix_sums` == "dense" and B <= 512)."""
         return self.prefix_sums == "dense" and self.cache.max_seqs <= RANK_BY_COUNTING
@@ -174,7 +182,8 @@ class SchedulerConfig:
     def kv(self) -> manager.KVConfig:
         """What the KV manager needs: the geometry, the policy's allocator switches, the index, R."""
         return manager.KVConfig(cache=self.cache, spec=self.policy.spec_config(), prefix=self.prefix,
-                                rows_indexed=self.rows_indexed, impl=self.impl, skip=self.skip)
+                                rows_indexed=self.rows_indexed, impl=self.impl, skip=self.skip,
+                                skip_costly=self.skip_costly)
 
 
 # ----------------------------------------------------------------------------------------------- state
