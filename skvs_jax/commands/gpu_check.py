@@ -60,35 +60,24 @@ def _kernels(smoke: bool) -> bool:
 
 
 def control_flow(jaxpr) -> dict[str, int]:
-    """`while` and `cond` equations in a (closed) jaxpr and every jaxpr inside it: on XLA:GPU each evaluates its
-    predicate or branch index on the host, once per trip, unless the program runs in a command buffer."""
-    counts = {"while": 0, "cond": 0}
+    """`while` and `cond` equations in a (closed) jaxpr and every jaxpr inside it (`testing.program.heavy`): on
+    XLA:GPU each evaluates its predicate or branch index on the host, once per trip, unless the program runs in a
+    command buffer."""
+    from skvs_jax.testing import program
 
-    def walk(jp):
-        for eqn in jp.eqns:
-            if eqn.primitive.name in counts:
-                counts[eqn.primitive.name] += 1
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None:
-                        walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
-
-    walk(jaxpr.jaxpr)
-    return counts
+    counts = program.heavy(jaxpr)
+    return {"while": counts["while"], "cond": counts["cond"]}
 
 
 def _round_trips(name: str, smoke: bool) -> str:
     """The dispatch program's control flow at its narrow and prompt widths, for one policy (traced, not run)."""
-    from reference_models import checkpoint, train
+    from reference_models import checkpoint
     from skvs_jax import policies
     from skvs_jax.config import CacheConfig
     from skvs_jax.serve import dispatch, engine, engine_step
 
-    model = checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama")
-    heads = checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa")
     cache = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
-    e = engine.Engine(model, heads, policies.preset(name), cache, token_budget=128, prefill_chunk=32,
+    e = engine.Engine(*checkpoint.load_shipped(), policies.preset(name), cache, token_budget=128, prefill_chunk=32,
                       step_cost="flat", steps_per_dispatch="auto", impl="auto")
     parts = []
     for width in sorted({engine_step.narrow_width(e.cfg), e.picker.prompt_width}):
@@ -149,10 +138,9 @@ def _program(smoke: bool) -> bool:
             cpu = times[size, name, "cpu"]
             print(f"{size:<7}{name:<12}gpu / cpu target: {times[size, name, 'gpu'] / cpu:.3f}x, mixed / cpu: "
                   f"{times[size, name, 'mixed'] / cpu:.3f}x")
-    from reference_models import checkpoint, train
+    from reference_models import checkpoint
 
-    shipped = (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-               checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+    shipped = checkpoint.load_shipped()
     print("\nthe engine's decode step (shipped model, 8 rows decoding, each call waited for): the fused step against "
           "its halves run apart, schedule_only and model_only (forward, sampling, verification, update)")
     print(f"{'policy':<12}{'target':<8}{'fused us':>10}{'schedule us':>13}{'model us':>10}{'round trips':>13}")

@@ -99,12 +99,11 @@ def _serve(model, heads, policy, cache, trace, steps) -> tuple[float, object]:
 
 
 def measure(policy_names, steps_values, rounds: int, requests: int) -> dict:
-    from reference_models import checkpoint, train
+    from reference_models import checkpoint
     from skvs_jax import policies, workloads
     from skvs_jax.config import CacheConfig
 
-    model = checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama")
-    heads = checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa")
+    model, heads = checkpoint.load_shipped()
     cache = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
     trace = workloads.tiny_model_trace("system_prompts", requests, seed=0, rate=None, max_output_len=32)
     configs = [(p, s) for p in policy_names for s in steps_values]

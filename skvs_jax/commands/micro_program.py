@@ -107,18 +107,14 @@ def time_step(name: str, size: str, target: str, steps: int = 10, calls: int = 5
     import numpy as np
 
     from skvs_jax import scheduler as sc
+    from skvs_jax.commands.micro_common import decode_requests, step_draws
 
     cfg = _sched_config(name, size, target)
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     knobs = cfg.policy.knobs()
-    rng = np.random.default_rng(seed)
-    mean = 40 if size == "small" else 512
-    lens = np.clip(rng.integers(mean // 2, 3 * mean // 2, b), 2, cfg.max_len // 2).astype(np.int32)
-    prompts = rng.integers(0, 256, (b, int(lens.max()))).astype(np.int32)
-    prompts[rng.random(b) < 0.5, : mean // 4] = rng.integers(0, 256, mean // 4)  # half share a system prompt
-    st = sc.init(cfg)
-    max_new = jnp.full((b,), cfg.max_len - int(lens.max()), jnp.int32)
-    st, _ = sc.add(st, jnp.asarray(prompts), jnp.asarray(lens), max_new, cfg=cfg)
+    prompts, lens, max_new = decode_requests(np.random.default_rng(seed), b, 40 if size == "small" else 512,
+                                             cfg.max_len)
+    st, _ = sc.add(sc.init(cfg), jnp.asarray(prompts), jnp.asarray(lens), jnp.asarray(max_new), cfg=cfg)
 
     def one(st, xs):
         acc, nxt, drafts = xs
@@ -129,10 +125,7 @@ def time_step(name: str, size: str, target: str, steps: int = 10, calls: int = 5
     scan = jax.jit(lambda st, xs: jax.lax.scan(one, st, xs), donate_argnums=0)
 
     def draws(t):
-        r = np.random.default_rng((seed, t))
-        acc = np.sum(np.cumprod(r.random((steps, b, max(k, 1))) < 0.7, axis=2), axis=2).astype(np.int32)
-        return (jnp.asarray(acc), jnp.asarray(r.integers(0, 256, (steps, b)).astype(np.int32)),
-                jnp.asarray(r.integers(0, 256, (steps, b, max(k, 1))).astype(np.int32)))
+        return tuple(jnp.asarray(x) for x in step_draws(seed, t, b, k, 0.7, lead=(steps,)))
 
     t, times = 0, []
     for _ in range(64):  # prefill (the first call compiles), until every row decodes
@@ -217,10 +210,9 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"skvs micro program: {flag}: unknown or empty {bad}; choose from {list(allowed)}")
     shipped = None
     if not args.no_step:
-        from reference_models import checkpoint, train
+        from reference_models import checkpoint
 
-        shipped = (checkpoint.load_llama(train.WEIGHTS_DIR / "tiny_llama"),
-                   checkpoint.load_medusa(train.WEIGHTS_DIR / "tiny_llama_medusa"))
+        shipped = checkpoint.load_shipped()
     print(f"skvs micro program: one step's program as a GPU runs it, traced on {jax.default_backend()} "
           f"(jax {jax.__version__})")
     for t in targets:

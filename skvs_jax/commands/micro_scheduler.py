@@ -24,7 +24,13 @@ import numpy as np
 
 from skvs_jax import policies, testing
 from skvs_jax import scheduler as sc
-from skvs_jax.commands.micro_common import add_pool_arguments, check_minimums, median_us
+from skvs_jax.commands.micro_common import (
+    add_pool_arguments,
+    check_minimums,
+    decode_requests,
+    median_us,
+    step_draws,
+)
 from skvs_jax.config import CacheConfig
 from skvs_jax.testing.oracle_scheduler import OracleScheduler
 
@@ -59,12 +65,7 @@ def run(args: argparse.Namespace) -> int:
     max_len = cfg.max_len
 
     # Requests: half share a system prompt of a quarter of the mean prompt; all decode for longer than the run.
-    lens = np.clip(rng.integers(args.prompt_len // 2, 3 * args.prompt_len // 2, b), 2, max_len // 2).astype(np.int32)
-    prompts = rng.integers(0, 256, (b, int(lens.max()))).astype(np.int32)
-    system = rng.integers(0, 256, args.prompt_len // 4)
-    shared = rng.random(b) < 0.5
-    prompts[shared, : system.size] = system
-    max_new = np.full(b, max_len - int(lens.max()), np.int32)
+    prompts, lens, max_new = decode_requests(rng, b, args.prompt_len, max_len)
 
     st = sc.init(cfg)
     oracle = OracleScheduler(cfg)
@@ -72,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     oracle.add([list(p[:n]) for p, n in zip(prompts, lens)], max_new)
 
     def draw(t: int):
-        r = np.random.default_rng((args.seed, t))
-        acc = np.sum(np.cumprod(r.random((b, max(k, 1))) < args.accept_prob, axis=1), axis=1).astype(np.int32)
-        return acc, r.integers(0, 256, b).astype(np.int32), r.integers(0, 256, (b, max(k, 1))).astype(np.int32)
+        return step_draws(args.seed, t, b, k, args.accept_prob)
 
     def jax_step(st, xs):
         acc, nxt, drafts = xs

@@ -8,9 +8,10 @@ both. Three counts make them visible without a GPU:
   heavy(jaxpr)          the jaxpr's gathers, scatters (scatter-add/min/max included), sorts, cumulative ops
                         (cumsum/cumprod/cummax/cummin), `while` and `cond`, in the jaxpr and every jaxpr inside it.
                         A jaxpr does not depend on the backend, so these counts are the GPU's, given the GPU's
-                        static choices (`SchedulerConfig.branch_free`).
-  heavy(jaxpr, skipped=KEPT_SKIPS)  the same, leaving out the bodies of the skips kept on purpose (eviction): what
-                        a step launches when it evicts nothing
+                        static choices (`SchedulerConfig.control_flow`, `SchedulerConfig.prefix_sums`).
+  heavy(jaxpr, skipped=sources)  the same, leaving out the bodies of the `while` / `cond` of those sources (e.g.
+                        every skip of the program, `tuple(by_source(jaxpr, ("while", "cond")))`): what a step
+                        that needs none of the skipped work launches
   by_source(jaxpr)      the same, per source function (the innermost frame in skvs_jax, reference_models or
                         pallas_kernels; an equation jax adds inside a library call is charged to its caller).
   kernels(hlo_text)     the compiled program's kernel-like instructions: every instruction of the entry
@@ -21,7 +22,7 @@ both. Three counts make them visible without a GPU:
                         backend, so tests bound the jaxpr counts and only report these.
 
     jaxpr = jax.make_jaxpr(lambda st, k: scheduler.schedule_unchecked(st, k, cfg=cfg))(state, knobs)
-    heavy(jaxpr)     # {'gather': 105, 'scatter': 69, 'sort': 4, 'cumsum': 31, 'while': 9, 'cond': 5}
+    heavy(jaxpr)     # skvs, 8 slots, CPU program: {'gather': 105, 'scatter': 83, 'sort': 3, 'cumsum': 29, ...}
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ _KIND = {"gather": "gather", "sort": "sort", "while": "while", "cond": "cond",
 _OURS = ("/skvs_jax/", "/reference_models/", "/pallas_kernels/")
 _PLUMBING = ("/skvs_jax/vmap_flow.py", "/skvs_jax/arrays.py")  # charged to their caller
 MODEL_SOURCES = ("reference_models/", "pallas_kernels/", "serve/model_runner.py")
-KEPT_SKIPS = ("kv/manager.py:evict",)  # the skips the GPU's program keeps in `schedule` (eviction: a sort over N)
 
 
 def _frame(eqn, parent: str) -> str:
@@ -71,8 +71,8 @@ def _eqns(jaxpr, parent: str = "?", skipped: tuple[str, ...] = ()) -> Iterator[t
 
 def heavy(jaxpr, *, exclude: tuple[str, ...] = (), skipped: tuple[str, ...] = ()) -> dict[str, int]:
     """{kind: count} over `KINDS` (all present, zeros included), leaving out equations whose source starts with
-    one of `exclude` (e.g. `MODEL_SOURCES`) and those inside the skips of `skipped` (sources, e.g. `KEPT_SKIPS`:
-    work that runs only in the steps that need it, so a step usually launches the rest alone)."""
+    one of `exclude` (e.g. `MODEL_SOURCES`) and those inside the `while` / `cond` of the sources in `skipped`
+    (skips: work that runs only in the steps that need it, so a common step launches the rest alone)."""
     counts = dict.fromkeys(KINDS, 0)
     for kind, src in _eqns(jaxpr, skipped=skipped):
         if not src.startswith(exclude):
