@@ -101,6 +101,11 @@ class Policy:
         article's rule (the smallest bucket reaching 1.5x the request's mean accepted count), or "goodput": per
         step, the drafts that maximise the whole step's expected accepted tokens per second, from per-depth acceptance
         estimates and a step-cost table (`scheduler.draft_control`, docs/speculation.md "Draft control").
+      tail_guard: under the goodput controller, None (off) or a slack in 1/1024ths: a row that speculation has
+        slowed (behind, `scheduler.draft_control`) bounds the step's time by what it hopes to gain from it, times
+        1 + tail_guard / 1024, so drafting slows it by at most that share a step (0: not at all). Off, such a row
+        is only selected by an optimistic estimate. A row that cannot gain vetoes the batch's drafts while it is
+        behind, unless the slack covers them (docs/design.md "Draft control's tail": what it costs, measured).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
@@ -141,6 +146,7 @@ class Policy:
     kv_precision: str = "float32"
     verify_budget: int | None = None
     draft_control: str = "histogram"
+    tail_guard: int | None = None
     victim: str = "lowest_priority"
     draft_memory: str = "opportunistic"
     spec_hit_trim: bool = False
@@ -166,6 +172,9 @@ class Policy:
             raise ValueError(f"kv_precision must be one of {KV_PRECISIONS}, got {self.kv_precision!r}")
         if self.victim not in VICTIM_RULE_NAMES:
             raise ValueError(f"victim must be one of {VICTIM_RULE_NAMES}, got {self.victim!r}")
+        tg = self.tail_guard
+        if tg is not None and (isinstance(tg, bool) or not isinstance(tg, int) or not 0 <= tg <= 1024):
+            raise ValueError(f"tail_guard must be None or an int in [0, 1024] (1/1024ths of a step), got {tg!r}")
         vb = self.verify_budget
         if vb is not None and (isinstance(vb, bool) or not isinstance(vb, int) or not 1 <= vb <= NO_VERIFY_CAP):
             raise ValueError(f"verify_budget must be None or an int in [1, {NO_VERIFY_CAP}], got {vb!r}")
@@ -283,10 +292,12 @@ def skvs(draft_len: int = 4) -> Policy:
     reserved while a row prefills (`spec_in_prefill`, which the article drops as waste: it spares preemptions
     where memory binds). It does not scrub rejected drafts' K/V (`scrub_rejected`): attention never reads past a
     sequence's length, so the scrub buys hygiene, not correctness, at a cost in throughput;
-    `skvs:scrub_rejected=true` turns it back on. The measurements behind each choice: docs/speculation.md, "Draft
-    control"."""
+    `skvs:scrub_rejected=true` turns it back on. Its controller's tail guard is on with no slack (`tail_guard=0`:
+    drafts do not slow a row that has fallen behind drafting-off and can gain; docs/design.md "Draft control's
+    tail"). The measurements behind each choice: docs/speculation.md, "Draft control"."""
     return skvs_article(draft_len).replace(name="skvs", draft_control="goodput", draft_memory="priced",
-                                           prefix_barrier=False, scrub_rejected=False, spec_in_prefill=True)
+                                           prefix_barrier=False, scrub_rejected=False, spec_in_prefill=True,
+                                           tail_guard=0)
 
 
 PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}
@@ -331,8 +342,8 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("draft_memory", "draft_control", "adaptive_draft_len", "release", "spec_pool", "prefix_barrier", "insert",
-              "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
+_ABLATABLE = ("draft_memory", "draft_control", "tail_guard", "adaptive_draft_len", "release", "spec_pool",
+              "prefix_barrier", "insert", "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 
 def ablations(base: Policy | None = None) -> dict[str, Policy]:

@@ -11,6 +11,8 @@ Kinds (`make(kind, ...)` dispatches by name):
                   the prefix-cache workload.
   multi_turn      conversations; turn t's prompt is turn t-1's prompt + a previous answer + new user text, so
                   later turns extend earlier ones exactly, token for token.
+  phased          ShareGPT requests whose arrival rate steps over time (low → high → low by default): the
+                  workload a draft controller must follow; `phase_of(trace)` says which phase each request is in.
 
 Arrivals are Poisson at `rate` requests per second (exponential gaps, first arrival after one gap); `rate=None`
 or `inf` puts every arrival at t = 0 (the offline setting, as vLLM's benchmark_serving with its default
@@ -335,15 +337,83 @@ def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_
     return Trace(tuple(requests), seed, "multi_turn", params)
 
 
+# OUR CHOICE: the default phases of `phased`, (share of the requests, multiple of `rate`): a quiet phase, a burst at
+# 12x the rate, and a quiet phase again. At rate 4 and 448 requests this is 96 requests at 4 req/s, 256 at 48 and
+# 96 at 4: on Llama-3.1-8B / A100 with 64 slots the burst fills every slot and queues, and the quiet phases do not.
+DEFAULT_PHASES = ((96, 1.0), (256, 12.0), (96, 1.0))
+
+
+def _check_phases(phases: object) -> list[list]:
+    """phases as [[weight int >= 0, rate multiple float > 0], ...], at least one weight > 0."""
+    try:
+        pairs = [tuple(p) for p in phases]  # type: ignore[union-attr]
+    except TypeError:
+        raise TypeError(f"phases must be a sequence of (requests, rate multiple) pairs, got {phases!r}") from None
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise ValueError(f"phases must be a non-empty sequence of (requests, rate multiple) pairs, got {phases!r}")
+    out = [[checks.at_least("phases' request counts", n, 0),
+            _check_float("phases' rate multiples", m, 0.0, strict=True)] for n, m in pairs]
+    if sum(n for n, _ in out) < 1:
+        raise ValueError(f"phases must hold at least one request, got {phases!r}")
+    return out
+
+
+def _split(num_requests: int, weights: list[int]) -> list[int]:
+    """num_requests split in proportion to weights by largest remainder (exact when they sum to num_requests)."""
+    total = sum(weights)
+    quota = [num_requests * w / total for w in weights]
+    counts = [int(math.floor(q)) for q in quota]
+    for i in sorted(range(len(weights)), key=lambda i: (counts[i] - quota[i], i))[: num_requests - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def phased(num_requests: int, *, seed: int, rate: float | None = 4.0, phases=DEFAULT_PHASES,
+           scale: float = DEFAULT_SCALE, max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
+           max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
+    """ShareGPT requests (`sharegpt`'s lengths and text, the same for the same seed) whose arrival rate changes in
+    phases. phases: (requests, rate multiple) pairs in order; `num_requests` is split over them in proportion to
+    their request counts (exactly those counts when they sum to it), and phase p's requests arrive as a Poisson
+    process at `rate` * its multiple, starting where the previous phase's last arrival left off. Rates are
+    multiples of one `rate` so that scaling arrival times (a sweep's `arrival_scale`) scales every phase alike;
+    rate None or inf puts every arrival at t = 0. `phase_of(trace)` gives each request's phase."""
+    num_requests = checks.at_least("num_requests", num_requests, 1)
+    seed = checks.at_least("seed", seed, 0)
+    rate = _check_rate(rate)
+    pairs = _check_phases(phases)
+    counts = _split(num_requests, [n for n, _ in pairs])
+    base = sharegpt(num_requests, seed=seed, rate=None, scale=scale, max_prompt_len=max_prompt_len,
+                    max_output_len=max_output_len)
+    params = {"num_requests": num_requests, "rate": rate, "phases": [[c, m] for c, (_, m) in zip(counts, pairs)],
+              "scale": base.params["scale"], "max_prompt_len": base.params["max_prompt_len"],
+              "max_output_len": base.params["max_output_len"]}
+    if rate is None:
+        times = np.zeros(num_requests)
+    else:  # the arrival stream sharegpt leaves unused at rate None: unit gaps, each divided by its phase's rate
+        multiple = np.repeat([m for _, m in pairs], counts)
+        times = np.cumsum(_streams(seed, 3)[0].exponential(1.0, size=num_requests) / (rate * multiple))
+    requests = [dataclasses.replace(r, arrival_time=t) for r, t in zip(base.requests, times.tolist())]
+    return Trace(tuple(requests), seed, "phased", params)
+
+
+def phase_of(trace: Trace) -> np.ndarray:
+    """int64[len(trace)] each request's phase (by request id; 0 for every request of a trace without phases)."""
+    counts = [c for c, _ in trace.params.get("phases", [[len(trace), 1.0]])]
+    by_id = np.repeat(np.arange(len(counts)), counts)
+    return by_id[[r.request_id for r in trace.requests]]
+
+
 GENERATORS: dict[str, Callable[..., Trace]] = {
     "sharegpt": sharegpt,
     "system_prompts": system_prompts,
     "multi_turn": multi_turn,
+    "phased": phased,
 }
 
 
 def make(kind: str, num_requests: int, *, seed: int, **kwargs: Any) -> Trace:
-    """The trace of the named kind ("sharegpt", "system_prompts", "multi_turn"); kwargs go to its generator."""
+    """The trace of the named kind ("sharegpt", "system_prompts", "multi_turn", "phased"); kwargs go to its
+    generator."""
     if kind not in GENERATORS:
         raise ValueError(f"kind must be one of {sorted(GENERATORS)}, got {kind!r}")
     return GENERATORS[kind](num_requests, seed=seed, **kwargs)

@@ -869,3 +869,27 @@ def test_the_commands_cache_compilations_where_told_and_never_in_home(hf_checkpo
     assert startup.resolve(None, {"XDG_CACHE_HOME": "/c"}) == "/c/skvs_jax/xla"
     with pytest.raises(ValueError, match="--compile-cache must be a directory or 'off'"):
         startup.resolve(" ", {})
+
+
+def test_simulate_hindsight_picks_the_best_fixed_k_per_group_and_seed():
+    from skvs_jax.commands import simulate
+
+    def lane(seed, *p99):
+        return {"seed": seed, "phase": [{"tpot_p50": x / 2, "tpot_p99": x, "drafts_per_step": 0.0, "requests": 4.0}
+                                        for x in p99]}
+
+    lanes = {"vllm_default": [lane(0, 2.0, 3.0), lane(1, 2.0, 3.0)],
+             "naive_spec:1": [lane(0, 1.0, 4.0), lane(1, 3.0, 4.0)],
+             "skvs": [lane(0, 1.5, 3.0), lane(1, 1.5, 3.3)]}
+    names = list(lanes)
+    fixed = simulate.fixed_names(names, 4)
+    assert fixed == {0: "vllm_default", 1: "naive_spec:1"}
+    rows = simulate.hindsight(lanes, names, "phase", fixed)
+    assert rows[0]["tpot_p99"]["best_k"] == [1, 0] and rows[1]["tpot_p99"]["best_k"] == [0, 0]
+    assert rows[0]["tpot_p99"]["skvs"]["over_best"] == [1.5, 0.75]
+    assert rows[1]["tpot_p99"]["skvs"]["over_no_spec"] == pytest.approx([1.0, 1.1])
+    table = simulate.group_table(lanes, names, "phase", ["a", "b"], fixed)
+    assert "| a |" in table and "1.50x" in table.replace("0.75-1.50x", "1.50x")
+    assert simulate.parse_phases("96x1,256x12") == [[96, 1.0], [256, 12.0]]
+    with pytest.raises(ValueError, match="phases"):
+        simulate.parse_phases("96@1")

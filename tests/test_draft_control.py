@@ -11,6 +11,7 @@ from hypothesis import strategies as hs
 
 from skvs_jax import policies
 from skvs_jax import scheduler as sc
+from skvs_jax.config import CacheConfig
 from skvs_jax.scheduler import draft_control as dc
 from skvs_jax.sim import cost_model as cm
 
@@ -253,3 +254,98 @@ def test_a_margin_asks_the_preemption_to_win_by_that_share(tk, tp, time_k, time_
         assert pays(m1) == (pre > keep * (1 + m1 / 1024))
     lo, hi = sorted((m1, m2))
     assert pays(lo) or not pays(hi)
+
+
+# ------------------------------------------------------------------------------------ the tail: probes and lag
+
+_TAIL_B, _TAIL_K, _TAIL_STEPS = 4, 4, 48
+_TAIL_CFG = sc.SchedulerConfig(
+    cache=CacheConfig(num_blocks=4 * 48 + 1, block_size=8, max_seqs=_TAIL_B, max_blocks_per_seq=48),
+    policy=policies.skvs(_TAIL_K), max_running=_TAIL_B, token_budget=64)
+# Drafts pay for a row that accepts well (a step's fixed part dominates) but lengthen the step: an undrafted row
+# riding with drafting ones is slowed, which is what the lag and the probes are for.
+_TAIL_COST = _cost(2000, 40, 200)
+
+
+def _serve_tail(outcomes: list[list[int]], steps: int = _TAIL_STEPS, max_new=(100,) * _TAIL_B, cost=_TAIL_COST
+                ) -> tuple[list, list]:
+    """Serve _TAIL_B requests of max_new[b] tokens for `steps` steps under `cost`; row b's i-th verification
+    accepts min(outcomes[b][i mod len], drafts) drafts. Returns (per step (drafts int[B], decoded bool[B]) as
+    scheduled, the rows' final lag)."""
+    cfg, knobs = _TAIL_CFG, _TAIL_CFG.policy.knobs()
+    st = sc.init(cfg)
+    prompts = jnp.ones((_TAIL_B, 4), jnp.int32)
+    st, _ = sc.add_unchecked(st, prompts, jnp.full((_TAIL_B,), 4, jnp.int32), jnp.asarray(max_new, jnp.int32),
+                             jnp.zeros((_TAIL_B,), jnp.int32), jnp.arange(_TAIL_B, dtype=jnp.int32), cfg=cfg)
+    seen, tried = [], [0] * _TAIL_B
+    for _ in range(steps):
+        st, batch = sc.schedule_unchecked(st, knobs, cost, cfg=cfg)
+        drafts = np.asarray(batch.num_drafts)
+        decoded = np.asarray(batch.samples) & (np.asarray(batch.start) >= 4)
+        acc = np.zeros(_TAIL_B, np.int32)
+        for b in range(_TAIL_B):
+            if drafts[b] > 0:
+                acc[b] = min(outcomes[b][tried[b] % len(outcomes[b])], drafts[b])
+                tried[b] += 1
+        st, _ = sc.update_unchecked(st, batch, jnp.asarray(acc), jnp.ones((_TAIL_B,), jnp.int32),
+                                    jnp.ones((_TAIL_B, _TAIL_K), jnp.int32),
+                                    jnp.zeros((_TAIL_B,), bool), knobs, cfg=cfg)
+        seen.append((drafts, decoded))
+    return seen, np.asarray(st.seqs.lag).tolist()
+
+
+def _longest_wait(seen, b: int) -> int:
+    """Row b's longest run of steps it decoded undrafted while some other row drafted."""
+    run = longest = 0
+    for drafts, decoded in seen:
+        if decoded[b] and drafts[b] > 0:
+            run = 0
+        elif decoded[b] and drafts.any():
+            run += 1
+            longest = max(longest, run)
+    return longest
+
+
+@settings(max_examples=12, deadline=None)
+@given(first=hs.lists(hs.lists(hs.integers(0, _TAIL_K), min_size=1, max_size=6), min_size=_TAIL_B,
+                      max_size=_TAIL_B))
+def test_no_row_waits_more_than_probe_after_drafting_steps_for_a_draft(first):
+    """A population of identical acceptance (every row accepts 3 of 4 after its first outcomes, which hypothesis
+    chooses: a row may start with any run of rejections). Bound: a decoding row with room for drafts waits at
+    most PROBE_AFTER consecutive drafting steps undrafted (its probe clears every threshold but "none")."""
+    seen, _ = _serve_tail([f + [3] * 32 for f in first])
+    assert sum(d.sum() for d, _ in seen) > 0  # the population drafts
+    assert max(_longest_wait(seen, b) for b in range(_TAIL_B)) <= dc.PROBE_AFTER
+
+
+def test_a_row_that_never_accepts_is_drafted_rarely_and_the_others_often():
+    """Row 0 rejects every draft; rows 1..3 accept 3 of 4, and decode beside it throughout. A draft costs a tenth
+    of a step, so once row 0's estimate has fallen below that (its first ~30 tries: the population's prior weighs
+    4), it is drafted only by its probes, about once every PROBE_AFTER + 1 drafting steps; the others in most."""
+    seen, lag = _serve_tail([[0], [3], [3], [3]], steps=96, max_new=(90, 360, 360, 360), cost=_cost(1000, 300, 100))
+    mine = [(d, dec) for d, dec in seen if dec[0]]
+    late = mine[len(mine) // 2:]
+    drafted_late = sum(int(d[0] > 0) for d, _ in late)
+    assert drafted_late <= len(late) // (dc.PROBE_AFTER + 1) + 1, (drafted_late, len(late))
+    others = [(sum(int(dec[b] and d[b] > 0) for d, dec in seen), sum(int(dec[b]) for _, dec in seen))
+              for b in range(1, _TAIL_B)]
+    assert all(n >= total * 3 // 4 for n, total in others), others
+    assert all(lag[b] < 0 for b in range(1, _TAIL_B)), lag  # the rows that gain are ahead of drafting off
+
+
+def test_a_behind_row_bounds_the_step_by_what_it_hopes_to_gain():
+    """Two rows: row 0 is behind and its (optimistic) estimate is low, row 1's high. Unconstrained, the controller
+    drafts row 1 deep; with row 0 behind, only choices whose time row 0's hoped gain covers are allowed."""
+    surv = _surv([[dc.ONE // 8] * 3, [dc.ONE * 9 // 10] * 3])
+    cost = _cost(1000, 200, 0)
+    free = _decide(surv, [3, 3], 2, cost)
+    assert free[1] == 3
+    behind = np.asarray(dc.goodput_drafts(
+        jnp.asarray(surv, jnp.int32), jnp.asarray([3, 3], jnp.int32), jnp.asarray(2, jnp.int32),
+        jnp.asarray(2, jnp.int32), jnp.asarray(100, jnp.int32), jnp.asarray(2, jnp.int32), cost,
+        behind=jnp.asarray([True, False]), bound_surv=jnp.asarray(surv, jnp.int32)))
+    t0 = int(dc.step_time_us(cost, jnp.asarray(2), 2, 100, jnp.asarray(0)))
+    t = int(dc.step_time_us(cost, jnp.asarray(2 + int(behind.sum())), 2, 100, jnp.asarray(int(behind.sum()))))
+    hope = sum(int(surv[0][d]) for d in range(behind[0]))
+    assert t * dc.ONE <= t0 * (dc.ONE + hope), (behind, t, t0, hope)
+    assert behind.sum() < free.sum()

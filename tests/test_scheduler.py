@@ -62,8 +62,9 @@ CONFIGS = {
     "skvs_article": _cfg(policies.skvs_article(4)),
     "skvs-goodput-drafts-preempt": _cfg(SKVS.replace(drafts_preempt=True, max_spec_ratio=1.0)),
     # skvs prices draft blocks (drafts preempt only when the step's expected tokens per second say it pays);
-    # the controller with opportunistic drafts; the histogram rule with priced blocks, and swap victims.
-    "skvs-opportunistic": _cfg(SKVS.replace(draft_memory="opportunistic")),
+    # the controller with opportunistic drafts and its tail guard (behind rows bound the step's time); the
+    # histogram rule with priced blocks, and swap victims.
+    "skvs-opportunistic": _cfg(SKVS.replace(draft_memory="opportunistic", tail_guard=64)),
     "skvs_article-priced-swap": _cfg(ARTICLE.replace(draft_memory="priced", preemption="swap"), swap_blocks=12),
     # vLLM's EAGLE/MTP prefix-cache path: every hit loses the blocks the drafts reach.
     "naive_spec_vllm": _cfg(policies.naive_spec_vllm(4)),

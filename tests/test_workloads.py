@@ -212,3 +212,22 @@ def test_request_and_trace_invariants():
         Request(0, 0.0, (1,), 2.5)
     with pytest.raises(ValueError, match="sorted"):
         Trace((Request(0, 1.0, (1,), 1), Request(1, 0.5, (1,), 1)), 0, "sharegpt", {})
+
+
+def test_phased_arrivals_step_by_phase_and_phase_of_names_them():
+    trace = workloads.phased(448, seed=2, rate=4.0)
+    phase = workloads.phase_of(trace)
+    assert np.bincount(phase).tolist() == [96, 256, 96]
+    times = np.array([r.arrival_time for r in trace.requests])
+    rates = [(np.sum(phase == p) - 1) / np.ptp(times[phase == p]) for p in range(3)]
+    assert 3.0 < rates[0] < 5.3 and 36 < rates[1] < 64 and 3.0 < rates[2] < 5.3, rates
+    # Lengths and text are sharegpt's for the same seed; a trace split over other counts keeps their proportion.
+    plain = workloads.sharegpt(448, seed=2)
+    assert [(r.prompt, r.max_new_tokens) for r in trace.requests] == [(r.prompt, r.max_new_tokens)
+                                                                      for r in plain.requests]
+    assert trace.params["phases"] == [[96, 1.0], [256, 12.0], [96, 1.0]]
+    assert workloads.phased(44, seed=2, rate=4.0).params["phases"] == [[10, 1.0], [25, 12.0], [9, 1.0]]
+    with pytest.raises(ValueError, match="phases"):
+        workloads.phased(10, seed=0, phases=[[0, 1.0]])
+    with pytest.raises(ValueError, match="rate multiples"):
+        workloads.phased(10, seed=0, phases=[[5, 0.0]])

@@ -8,6 +8,11 @@ Output: the table of `skvs bench` (rows = the metrics of docs/design.md, columns
 baselines), in simulated time, averaged over seeds; with `--sweep`, a table per load of throughput, TPOT and mean
 batch with each speculating policy's speedup over vllm_default, and where naive speculation stops paying. JSON
 (every lane's metrics, the configuration) and a plot of metric vs load go to `--out`.
+
+Breakdowns: a phased workload (`--phases`, `workloads.phased`) gets a table of TPOT P50/P99 per phase, and an
+acceptance of several classes (`--acceptance A/B`: request i draws from class i mod classes) one per class.
+`--oracle` adds the fixed draft lengths K = 0 (vllm_default) .. --draft-len (`naive_spec:K`) and reports, per phase
+or class and per seed, the best of them in hindsight beside each adaptive policy (`hindsight`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the link swapped KV crosses to host memory, priced per swapped block (specs.HOST_LINKS: "
                              "effective bandwidths from the PCIe / GH200 specifications); default: the device's "
                              "(a100-80gb: pcie-gen4-x16, h100-sxm and h200: pcie-gen5-x16)")
-    parser.add_argument("--workload", default="sharegpt", choices=sorted(workloads.GENERATORS))
+    parser.add_argument("--workload", default=None, choices=sorted(workloads.GENERATORS),
+                        help="default: sharegpt, or phased with --phases")
+    parser.add_argument("--phases", default=None,
+                        help="a phased workload's phases, COUNTxMULTIPLE,...: COUNT requests (in proportion to "
+                             "--requests) arriving at MULTIPLE x --rate (workloads.phased; default with --workload "
+                             "phased: 96x1,256x12,96x1)")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also run every fixed draft length (vllm_default, naive_spec:1..K) and report the best "
+                             "of them per phase or class in hindsight beside each other policy")
     parser.add_argument("--policies", default="vllm_default,naive_spec,skvs",
                         help="comma-separated presets, each with optional overrides of its fields "
                              "(policies.parse_policy): skvs:preemption=swap,victim=most_progress; NAME:K (or "
@@ -59,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--acceptance", default="medusa-1",
                         help=f"chain acceptance model: a preset ({', '.join(sorted(acceptance_model.PRESETS))}) "
-                             "or comma-separated conditional probabilities, one per draft position")
+                             "or comma-separated conditional probabilities, one per draft position; several "
+                             "separated by / are classes (request i draws from class i mod classes)")
     parser.add_argument("--verify-budget", default="none",
                         help="skvs's compute-aware drafting (Policy.verify_budget): none, knee (the cost model's "
                              "compute knee, tokens per step) or a number of tokens")
@@ -87,8 +101,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def acceptance(spec: str, k: int) -> np.ndarray:
+    """float[K] the chain acceptance model `spec` names (a preset or comma-separated probabilities)."""
     values = spec if spec in acceptance_model.PRESETS else [float(x) for x in spec.split(",") if x.strip()]
     return acceptance_model.alphas(values, k)
+
+
+def acceptance_classes(spec: str, k: int) -> np.ndarray:
+    """float[classes, K] one chain acceptance model per /-separated part of `spec` (`acceptance`)."""
+    return np.stack([acceptance(part, k) for part in spec.split("/")])
+
+
+def parse_phases(spec: str) -> list[list]:
+    """--phases COUNTxMULTIPLE,... as `workloads.phased`'s phases."""
+    try:
+        pairs = [part.split("x") for part in spec.split(",") if part.strip()]
+        return [[int(n), float(m)] for n, m in pairs]
+    except ValueError:
+        raise ValueError(f"--phases must be COUNTxMULTIPLE,... (e.g. 96x1,256x12,96x1), got {spec!r}") from None
+
+
+def workload_kwargs(args) -> dict:
+    """The workload's arguments besides count, seed and rate."""
+    kw = dict(max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, scale=args.scale)
+    if args.workload == "phased" and args.phases is not None:
+        kw["phases"] = parse_phases(args.phases)
+    return kw
+
+
+def class_of(alphas: np.ndarray, requests: int) -> np.ndarray:
+    """int[requests] each request id's acceptance class (id mod classes)."""
+    return np.arange(requests) % np.asarray(alphas).reshape(-1, np.shape(alphas)[-1]).shape[0]
 
 
 # Workloads whose later requests follow earlier ones by a think time: scaling arrival times would shrink the think
@@ -115,17 +157,31 @@ def geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
 
 
 def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float]) -> simulate.SimTrace:
-    """One trace per (rate, seed), rate-major, stacked."""
+    """One trace per (rate, seed), rate-major, stacked. alphas: float[K], or float[classes, K] (request i draws
+    from class i mod classes)."""
     sims = []
+    alphas = np.asarray(alphas)
+    per_request = alphas if alphas.ndim == 1 else alphas[class_of(alphas, args.requests)]
     for rate in rates:
-        kw = dict(rate=None if math.isinf(rate) else rate, max_prompt_len=args.max_prompt_len,
-                  max_output_len=args.max_output_len, scale=args.scale)
+        kw = dict(rate=None if math.isinf(rate) else rate) | workload_kwargs(args)
         for seed in range(args.seeds):
-            trace = workloads.make(args.workload, args.requests, seed=seed, **kw)
+            trace = workloads.make(args.workload or "sharegpt", args.requests, seed=seed, **kw)
             # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
-            sims.append(simulate.make_trace(trace, cfg, alphas=alphas, seed=seed,
+            sims.append(simulate.make_trace(trace, cfg, alphas=per_request, seed=seed,
                                             vocab_size=cost_model.MODELS[args.model].vocab_size))
     return sweep.stack(sims)
+
+
+def _breakdowns(args, alphas: np.ndarray, trace_rates: list[float]) -> dict[str, list[np.ndarray]]:
+    """Per trace (rate-major, as `_traces`), each request id's phase and acceptance class, where there are several."""
+    out = {}
+    if args.workload == "phased":
+        kw = workload_kwargs(args)
+        out["phase"] = [workloads.phase_of(workloads.make("phased", args.requests, seed=seed, rate=None, **kw))
+                        for _ in trace_rates for seed in range(args.seeds)]
+    if np.asarray(alphas).ndim == 2 and np.asarray(alphas).shape[0] > 1:
+        out["class"] = [class_of(alphas, args.requests)] * (len(trace_rates) * args.seeds)
+    return out
 
 
 def _parse_rates(args) -> list[float]:
@@ -177,7 +233,7 @@ def _cost(args) -> cost_model.CostModel:
 def _lanes(args, cfg, rates: list[float], draft_len: int | None = None):
     """(traces, lanes, where): where[i] = (rate, seed) of lane i. A sweep over a Poisson workload scales one
     trace per seed (the same requests at every rate); a think-time workload gets a trace per rate and seed."""
-    per_rate = args.sweep and args.workload in _THINK_TIME_WORKLOADS
+    per_rate = args.sweep and (args.workload or "sharegpt") in _THINK_TIME_WORKLOADS
     trace_rates = rates if per_rate else [args.rate]
     scales = [1.0] if per_rate or not args.sweep else [args.rate / r for r in rates]
     knobs = cfg.policy.knobs()
@@ -203,12 +259,21 @@ def verify_budget_of(value: str, cost: cost_model.CostModel) -> int | None:
 
 
 def _mean(ms: list[dict]) -> dict[str, float]:
-    keys = ms[0].keys()
+    keys = [k for k, v in ms[0].items() if not isinstance(v, list)]  # breakdowns (lists of groups) stay per lane
     return {k: float(np.nanmean([m[k] for m in ms])) if any(np.isfinite(m[k]) for m in ms) else math.nan
             for k in keys}
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.phases is not None:
+        if args.workload not in (None, "phased"):
+            raise SystemExit(f"skvs simulate: --phases sets a phased workload, not --workload {args.workload}")
+        args.workload = "phased"
+    if args.oracle:  # every fixed draft length beside the policies asked for, each on the same draws
+        have = policies.split_policies(args.policies)
+        extra = [n for n in ["vllm_default"] + [f"naive_spec:{k}" for k in range(1, args.draft_len + 1)]
+                 if n not in have]
+        args.policies = ",".join(have + extra)
     if not policies.split_policies(args.policies):
         raise SystemExit(f"skvs simulate: --policies names no policy; choose from {sorted(policies.PRESETS)}")
     if args.host_blocks is not None and args.host_blocks < 0:
@@ -226,16 +291,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"skvs simulate: --rate must be > 0 (inf: every request at t = 0), got {args.rate}")
     if args.sweep and math.isinf(args.rate):
         raise SystemExit("skvs simulate: --sweep scales arrival times, so it needs a finite --rate")
+    if args.workload == "phased":
+        try:
+            workloads.make("phased", args.requests, seed=0, rate=None, **workload_kwargs(args))
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"skvs simulate: {err}") from None
     system_len = workloads.system_prompts.__kwdefaults__["system_prompt_len"]
     if args.workload == "system_prompts" and args.max_prompt_len <= system_len:
         raise SystemExit(f"skvs simulate: --workload system_prompts shares {system_len}-token system prompts, so "
                          f"--max-prompt-len must be > {system_len}, got {args.max_prompt_len}")
     rates = _parse_rates(args)
     try:
-        alphas = acceptance(args.acceptance, args.draft_len)
+        alphas = acceptance_classes(args.acceptance, args.draft_len)
         cost = _cost(args)
     except ValueError as err:
         raise SystemExit(f"skvs simulate: {err}") from None
+    if alphas.shape[0] == 1:
+        alphas = alphas[0]
     cache = geometry(args, cost, args.draft_len)
     verify_budget = verify_budget_of(args.verify_budget, cost)
     specs = _specs(args, verify_budget)
@@ -255,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
                                  swap_blocks=host_blocks if policy.preemption == "swap" else 0)
         trace_rates, lanes, where = _lanes(args, cfg, rates, knob_k)
         traces = _traces(args, cfg, alphas, trace_rates)
+        breakdowns = _breakdowns(args, alphas, trace_rates)
         t0 = time.perf_counter()
         states, logs = sweep.run(traces, lanes, cfg=cfg, cost=cost, max_steps=args.max_steps, chunk=args.chunk,
                                  mesh=mesh, strategy=args.strategy)
@@ -264,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         if np.any(done < args.requests):
             print(f"warning: {name}: {int(np.sum(done < args.requests))} of {len(done)} lanes did not finish in "
                   f"{args.max_steps} steps (raise --max-steps); their metrics cover what ran")
-        ms = sweep.summaries(logs, traces, lanes, cfg)
+        ms = sweep.summaries(logs, traces, lanes, cfg, breakdowns)
         ct = states.counters  # attribution: what the drafts cost in memory, per lane
         for i, ((rate, seed), m) in enumerate(zip(where, ms, strict=True)):
             m["rate"], m["seed"] = rate, seed
@@ -278,11 +351,13 @@ def run(args: argparse.Namespace) -> int:
 
     by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
     spec = cost.model
-    print(f"skvs simulate: {args.requests} requests ({args.workload}, seeds 0..{args.seeds - 1}, scale {args.scale}), "
+    print(f"skvs simulate: {args.requests} requests ({args.workload or 'sharegpt'}, seeds 0..{args.seeds - 1}, "
+          f"scale {args.scale}), "
           f"{spec.name} on {args.tp} x {args.device} (cost: {cost.label}; swaps over {cost.host_link}), "
           f"acceptance {args.acceptance} "
           f"(K={args.draft_len}, "
-          f"{acceptance_model.tokens_per_step(alphas):.2f} tokens per full verification), KV budget "
+          f"{' / '.join(f'{acceptance_model.tokens_per_step(a):.2f}' for a in np.atleast_2d(alphas))} tokens per "
+          f"full verification), KV budget "
           f"{cache.usable_blocks} blocks x {cache.block_size} tokens, {args.max_seqs} slots, token budget "
           f"{args.token_budget}, skvs verify budget {verify_budget or 'none'}; {steps_run} simulated steps in "
           f"{time.perf_counter() - t_start:.0f} s wall on "
@@ -294,6 +369,23 @@ def run(args: argparse.Namespace) -> int:
         print(_sweep_table(by_rate, names))
         for line in _verdicts(by_rate, names):
             print(line)
+    groups = {}
+    for group in ("phase", "class"):
+        if group in per_policy[names[0]][0]:
+            for r in rates:
+                lanes_at = {n: [m for m in per_policy[n] if m["rate"] == r] for n in names}
+                labels = _group_labels(args, group, r, alphas)
+                print(group_table(lanes_at, names, group, labels, fixed_names(names, args.draft_len)))
+                groups.setdefault(group, {})[str(r)] = hindsight(lanes_at, names, group,
+                                                                 fixed_names(names, args.draft_len))
+    fixed = fixed_names(names, args.draft_len)
+    for r in rates if fixed else []:
+        for n in [n for n in names if n not in fixed.values()]:
+            best = [max(per_policy[f][i]["throughput"] for f in fixed.values())
+                    for i, m in enumerate(per_policy[n]) if m["rate"] == r]
+            mine = [m["throughput"] for m in per_policy[n] if m["rate"] == r]
+            print(f"{n} throughput / the best fixed K's at {r:g} req/s, per seed: "
+                  + ", ".join(f"{a / b:.3f}x" for a, b in zip(mine, best)))
     doc = {"schema_version": SCHEMA_VERSION, "command": "skvs simulate", "config": vars(args) | {
         "kv_blocks": cache.usable_blocks, "max_blocks_per_seq": cache.max_blocks_per_seq,
         "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}, "host_blocks": host_blocks,
@@ -301,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         "policy_fields": {n: dataclasses.asdict(specs[n].policy) | {"draft_len_knob": specs[n].draft_len_knob}
                           for n in names}},
         "lanes": {n: per_policy[n] for n in names},
-        "by_rate": {str(r): by_rate[r] for r in rates}}
+        "by_rate": {str(r): by_rate[r] for r in rates}, "hindsight": groups}
     # Strict JSON: an undefined metric (NaN, e.g. TPOT when no request made two tokens) is written as null.
     (out_dir / "simulate.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, default=float, allow_nan=False))
     if not args.no_plot:
@@ -374,3 +466,93 @@ def _plot(by_rate, names, path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------ breakdowns and the hindsight oracle
+
+
+def fixed_names(names: list[str], k: int) -> dict[int, str]:
+    """The fixed draft lengths among the policies: K -> name (0: vllm_default, K >= 1: naive_spec:K; naive_spec
+    itself is K = --draft-len)."""
+    out = {0: "vllm_default"} if "vllm_default" in names else {}
+    for j in range(1, k + 1):
+        for name in (f"naive_spec:{j}",) + (("naive_spec",) if j == k else ()):
+            if name in names:
+                out.setdefault(j, name)
+    return out
+
+
+def hindsight(lanes: dict[str, list[dict]], names: list[str], group: str, fixed: dict[int, str]) -> list[dict]:
+    """Per group (phase or class), per seed: the best fixed draft length in hindsight for TPOT P50 and for P99
+    (the smallest value over `fixed`, and its K), and every other policy's ratio to it and to vllm_default (no
+    speculation). lanes: name -> its lanes at one rate, one per seed, in the same seed order."""
+    seeds = [m["seed"] for m in lanes[names[0]]]
+    out = []
+    for g in range(len(lanes[names[0]][0][group])):
+        row: dict = {"requests": lanes[names[0]][0][group][g].get("requests", 0.0), "seeds": seeds}
+        for key in ("tpot_p50", "tpot_p99"):
+            per_k = {k: [lanes[n][i][group][g].get(key, math.nan) for i in range(len(seeds))] for k, n in fixed.items()}
+            best_k = [min(per_k, key=lambda k: (np.nan_to_num(per_k[k][i], nan=math.inf), k)) if per_k else None
+                      for i in range(len(seeds))]
+            best = [per_k[k][i] if k is not None else math.nan for i, k in enumerate(best_k)]
+            row[key] = {"best": best, "best_k": best_k}
+            for n in names:
+                mine = [lanes[n][i][group][g].get(key, math.nan) for i in range(len(seeds))]
+                none = [lanes["vllm_default"][i][group][g].get(key, math.nan) if "vllm_default" in lanes else math.nan
+                        for i in range(len(seeds))]
+                row[key][n] = {"value": mine, "over_best": [a / b for a, b in zip(mine, best)],
+                               "over_no_spec": [a / b for a, b in zip(mine, none)]}
+        out.append(row)
+    return out
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
+def _group_labels(args, group: str, rate: float, alphas: np.ndarray) -> list[str]:
+    if group == "class":
+        return [f"class {c} ({acceptance_model.tokens_per_step(a):.2f} tok/verif.)" for c, a in enumerate(alphas)]
+    phases = workloads.make("phased", args.requests, seed=0, rate=None, **workload_kwargs(args)).params["phases"]
+    return [f"phase {p}: {n} @ {rate * m:g} req/s" for p, (n, m) in enumerate(phases)]
+
+
+def _span(values: list[float], fmt: str = "{:.2f}") -> str:
+    v = [x for x in values if math.isfinite(x)]
+    if not v:
+        return "n/a"
+    lo, hi = min(v), max(v)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def group_table(lanes: dict[str, list[dict]], names: list[str], group: str, labels: list[str],
+                fixed: dict[int, str]) -> str:
+    """Markdown: per phase or class, each policy's TPOT P50 / P99 (ms, mean over seeds) and drafts per decode step;
+    with fixed draft lengths, the best of them in hindsight (per seed) and each adaptive policy's ratio to it and
+    to no speculation (the range over seeds)."""
+    rows = hindsight(lanes, names, group, fixed)
+    adaptive = [n for n in names if n not in fixed.values()]
+    head = [group] + [f"{n} P50 / P99 ms (drafts/step)" for n in names]
+    if fixed:
+        head += ["best fixed K: P50 / P99 ms (K)"]
+        head += [f"{n} / best: P50, P99" for n in adaptive]
+        head += [f"{n} / no spec.: P99" for n in adaptive if "vllm_default" in names]
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for g, row in enumerate(rows):
+        cells = [labels[g] if g < len(labels) else str(g)]
+        for n in names:
+            ms = [m[group][g] for m in lanes[n]]
+            mean = {key: _nanmean([m.get(key, math.nan) for m in ms]) for key in ("tpot_p50", "tpot_p99",
+                                                                                 "drafts_per_step")}
+            cells.append(f"{mean['tpot_p50'] * 1e3:.1f} / {mean['tpot_p99'] * 1e3:.1f} "
+                         f"({mean['drafts_per_step']:.2f})")
+        if fixed:
+            p50, p99 = row["tpot_p50"], row["tpot_p99"]
+            cells.append(f"{np.nanmean(p50['best']) * 1e3:.1f} / {np.nanmean(p99['best']) * 1e3:.1f} "
+                         f"({','.join(map(str, p50['best_k']))} / {','.join(map(str, p99['best_k']))})")
+            cells += [f"{_span(p50[n]['over_best'])}x, {_span(p99[n]['over_best'])}x" for n in adaptive]
+            if "vllm_default" in names:
+                cells += [f"{_span(p99[n]['over_no_spec'])}x" for n in adaptive]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -23,6 +23,36 @@ set by its widest row) adds a second axis, a cap on every row's drafts at each c
 drafts each in the 3-wide program" competes with "four for the best rows in the 5-wide one". Sums are over
 integers and the one division is float32, so the jitted controller and the plain-Python oracle agree bit for bit.
 
+The tail: no row locked out, no row slowed. A greedy controller traps a row whose first drafts were rejected: its
+estimate falls below the step's threshold, so it is never drafted again and its estimate never recovers, while it
+rides in steps that the other rows' drafts made longer. Three per-row quantities, kept by `update`
+(`record_lag`), close the trap:
+
+    lag[b]       microseconds the row has lost to speculation: each decode step adds T - T0 * (1 + accepted),
+                 T the step's priced time and T0 its time without drafts (`priced_step`), so lag > 0 means its
+                 tokens took longer than drafting off would have taken them (a local counterfactual: same batch);
+    elapsed[b]   microseconds of its decode steps;
+    undrafted[b] consecutive decode steps it went undrafted while other rows drafted.
+
+* Probe. A decoding row with undrafted[b] >= PROBE_AFTER is drafted at least to depth 1 by every choice but
+  "none", whatever the threshold, so a priced-out row is re-measured and its estimate moves again.
+* Behind. A row with lag[b] > elapsed[b] / LAG_SLACK whose estimated first-draft acceptance is at least
+  1 / PROTECT_WITHIN of the population's is drafted at least to depth 1 at every threshold but "none", and
+  deeper by its hope (`optimistic_estimates`: OPTIMISM_W extra passes per depth, a bonus that shrinks as its
+  tries grow) instead of its estimate, so a row three rejections priced out is drafted as its peers are.
+* Guard (`Policy.tail_guard`, a slack g in 1/1024ths; None: off). A choice is allowed only if, for every behind
+  row with a draft cap, T * ONE * 1024 <= T0 * (ONE + its hoped gain) * (1024 + g): the step lengthens no more
+  than each behind row hopes to gain from it. "none" always qualifies. A row measured far below the population
+  is not behind: it cannot gain from the batch's drafts, and protecting it would stop them for every other row;
+  and a behind row that held the batch back for PROBE_AFTER steps is probed (its streak counts the steps it was
+  behind) and holds nothing back that step, so no row's veto outlasts its own measurement (docs/design.md
+  "Draft control's tail" measures what the guard costs).
+
+Bound: a decoding row with a draft cap >= 1 is drafted at the latest in the first drafting step after
+PROBE_AFTER consecutive undrafted drafting steps, so no row waits longer than PROBE_AFTER such steps for a draft
+(`tests/test_draft_control.py` holds it). A row of truly low acceptance is drafted about once per PROBE_AFTER + 1
+drafting steps once its estimate has fallen below what a draft costs.
+
 Trees. A draft tree's n slots reach depth reach_of[n] <= n (`SchedulerConfig.reach_of`): depths are what the
 estimates count (`update` records the depth a row's slots reached, not its slot count) and what the threshold
 selects; a row drafting to depth r takes the fewest slots that reach it (`slots_for`) and is priced for those.
@@ -45,6 +75,11 @@ REQ_PRIOR_W = 4  # a request's estimate weighs the population's rate as this man
 POP_PRIOR_W = 4  # the population's rate weighs its prior as this many verifications
 POP_PRIOR = 3 * ONE // 4  # the population's prior conditional acceptance (optimistic: see the module docstring)
 POP_HALVE_AT = 2**17  # population totals at a depth halve once its tried count reaches this (int32-safe, recency)
+OPTIMISM_W = 4  # the behind rows' bound counts this many extra passes at every depth (an optimistic estimate)
+PROBE_AFTER = 8  # a decoding row undrafted for this many consecutive drafting steps is drafted (one depth) next
+LAG_SLACK = 64  # a row is behind when the time it lost to speculation exceeds 1 / LAG_SLACK of its decode time
+LAG_CAP = 2**29  # |lag| and elapsed saturate here (microseconds; int32-safe sums of a step's time)
+PROTECT_WITHIN = 2  # a behind row is protected while its hoped gain is >= 1 / this of the population's
 
 
 def thresholds() -> jax.Array:
@@ -58,6 +93,16 @@ def acceptance_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tr
     """int32[B, K] conditional acceptance per request and depth, in fixed point (see the module docstring)."""
     pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
     return (draft_passed * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W)
+
+
+def optimistic_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array,
+                         pop_passed: jax.Array) -> jax.Array:
+    """int32[B, K] `acceptance_estimates` with OPTIMISM_W more verifications that all passed: what a behind row's
+    bound on the step's time counts on (module docstring). The bonus shrinks as the row's tries grow, so a row
+    priced out after a few rejections does not veto drafting, while one measured low over many tries does."""
+    pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
+    return ((draft_passed + OPTIMISM_W) * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W
+                                                                                 + OPTIMISM_W)
 
 
 def survival(alpha: jax.Array) -> jax.Array:
@@ -96,10 +141,35 @@ def slots_for(reach_of: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(next((n for n, r in enumerate(reach_of) if r >= depth), k + 1) for depth in range(k + 1))
 
 
+def population_survival(pop_tried: jax.Array, pop_passed: jax.Array) -> jax.Array:
+    """int32[K] the survival of a row with no counts of its own: the population's estimates multiplied down."""
+    b = jnp.zeros((1, pop_tried.shape[0]), i32)
+    return survival(acceptance_estimates(b, b, pop_tried, pop_passed))[0]
+
+
+def priority_rows(lag: jax.Array, elapsed: jax.Array, undrafted: jax.Array, decoding: jax.Array,
+                  surv: jax.Array, pop: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(behind bool[B], probe bool[B]) of decoding rows (bool[B]). probe: undrafted int32[B] >= PROBE_AFTER.
+    behind: not a probe, `lagging` (lag, elapsed int32[B]), and the row's estimated first-draft acceptance
+    (surv int32[B, K] at depth 0) at least 1 / PROTECT_WITHIN of the population's (pop int32[K],
+    `population_survival`): a row measured far below the rows the batch drafts for is not protected, and a row
+    that held the batch back PROBE_AFTER steps without a draft is probed instead (module docstring)."""
+    hopeful = PROTECT_WITHIN * surv[:, 0] >= pop[0]
+    probe = decoding & (undrafted >= PROBE_AFTER)
+    return decoding & lagging(lag, elapsed) & hopeful & ~probe, probe
+
+
+def lagging(lag: jax.Array, elapsed: jax.Array) -> jax.Array:
+    """bool[B] the rows that lost more than 1 / LAG_SLACK of their decode time to speculation."""
+    return lag > elapsed // LAG_SLACK
+
+
 def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows: jax.Array, ctx: jax.Array,
                    sampling: jax.Array, cost: StepCost, query: jax.Array | None = None,
                    wide: jax.Array | None = None, reach_of: tuple[int, ...] | None = None,
-                   caps: jax.Array | None = None) -> jax.Array:
+                   caps: jax.Array | None = None, priority: jax.Array | None = None,
+                   behind: jax.Array | None = None, bound_surv: jax.Array | None = None,
+                   guard: int | None = 0) -> jax.Array:
     """int32[B] draft slots per row: the (threshold of `thresholds()`, cap) that maximises the step's expected
     accepted tokens per second. A row drafts to depth r = the number of depths d with surv[b, d] >= the threshold
     among those its slots can reach (d < reach_of[min(cap[b], the cap)]), in the fewest slots reaching r
@@ -108,35 +178,58 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     surv int32[B, K] (per depth of the tree's reach: the chance the accepted path gets past depth d); cap int32[B]
     the row's most draft slots (0 for a row that does not decode); base_tokens int32[] the step's tokens without
     drafts; rows int32[] running rows; ctx int32[] context they read; sampling int32[] rows that emit a token
-    this step whatever is drafted. The cap is searched only when `cost` has a width table, over caps int32[caps]
-    (sorted; default 0..K; the engine's compiled draft widths, `SchedState.draft_widths`: a cap between two of
-    them runs in the wider program anyway); then query int32[B] (each row's tokens besides drafts) and wide
-    bool[] (the step has prompt work, so it runs at the widest width whatever is drafted) give the step's
-    widest row. The first maximum wins, over thresholds from "none" down and, within one, caps in order (ties:
-    fewer drafts). Survival falls with depth, so every choice takes a prefix of a row's depths."""
+    this step whatever is drafted. A second axis caps every row's drafts: over 0..K, or with a width table in
+    `cost` over caps int32[caps] (sorted; the engine's compiled draft widths, `SchedState.draft_widths`: a cap
+    between two of them runs in the wider program anyway); with a table, query int32[B] (each row's tokens
+    besides drafts) and wide bool[] (the step has prompt work, so it runs at the widest width whatever is
+    drafted) give the step's widest row. The first maximum wins, over thresholds from "none" down and, within
+    one, caps in order (ties: fewer drafts). Survival falls with depth, so every choice takes a prefix of a
+    row's depths.
+
+    priority bool[B]: rows drafted at least to depth 1 by every choice but "none"; behind bool[B]: rows whose
+    expected gain bounds the step's time (a choice is allowed when T * ONE <= T0 * (ONE + the row's expected
+    accepted drafts * ONE) for each behind row with cap > 0, T0 the time with no drafts), that gain counted with
+    bound_surv int32[B, K] (default surv; the controller passes `optimistic_estimates`' survival); a behind row
+    is selected by the larger of its survival and that one. guard: the bound's slack in 1/1024ths (T * ONE *
+    1024 <= T0 * (ONE + gain) * (1024 + guard)); None (`Policy.tail_guard` off) keeps the selection and drops
+    the bound. Module docstring."""
     b, k = surv.shape
     reach_of = tuple(range(k + 1)) if reach_of is None else tuple(reach_of)
     reach, slots = jnp.asarray(reach_of, i32), jnp.asarray(slots_for(reach_of), i32)
     thr = thresholds()
-    if cost.width_us is None:
-        caps = jnp.full((1,), k, i32)
-    elif caps is None:
+    if cost.width_us is None or caps is None:  # a cap shared by every row: "one draft each" is a choice too
         caps = jnp.arange(k + 1, dtype=i32)
     depth = jnp.arange(k, dtype=i32)
     reachable = reach[jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])]  # [B, caps] depths the slots reach
-    take = ((depth[None, :, None, None] < reachable[:, None, None, :])
-            & (surv[:, :, None, None] >= thr[None, None, :, None]))  # [B, K, LEVELS + 1, caps]
+    bs = surv if bound_surv is None else bound_surv
+    key = surv if behind is None else jnp.where(behind[:, None], jnp.maximum(surv, bs), surv)
+    clears = key[:, :, None, None] >= thr[None, None, :, None]
+    if priority is not None:  # a priority row's first depth clears every threshold but "none"'s
+        clears = clears | (priority[:, None, None, None] & (depth[None, :, None, None] == 0)
+                           & (thr[None, None, :, None] <= ONE))
+    take = (depth[None, :, None, None] < reachable[:, None, None, :]) & clears  # [B, K, LEVELS + 1, caps]
     per_row = slots[jnp.sum(take, axis=1, dtype=i32)]  # [B, LEVELS + 1, caps] draft slots reaching the chosen depth
     n = jnp.sum(per_row, axis=0, dtype=i32)  # [LEVELS + 1, caps] drafts per choice
-    gain = jnp.sum(jnp.where(take, surv[:, :, None, None], 0), axis=(0, 1), dtype=i32)  # expected accepted * ONE
-    widest = None
+    row_gain_ = jnp.sum(jnp.where(take, surv[:, :, None, None], 0), axis=1, dtype=i32)  # [B, LEVELS + 1, caps]
+    gain = jnp.sum(row_gain_, axis=0, dtype=i32)  # expected accepted * ONE
+    widest = widest0 = None
     if cost.width_us is not None:
         q = jnp.zeros((b,), i32) if query is None else query
         widest = jnp.max(jnp.where((q > 0)[:, None, None], q[:, None, None] + per_row, 0), axis=0)
+        widest0 = jnp.max(jnp.where(q > 0, q, 0))
         if wide is not None:
             widest = jnp.where(wide, cost.width_us.shape[0] - 1, widest)
+            widest0 = jnp.where(wide, cost.width_us.shape[0] - 1, widest0)
     time = jnp.maximum(step_time_us(cost, base_tokens + n, rows, ctx, n, widest), 1)
     rate = (sampling * ONE + gain).astype(jnp.float32) / time.astype(jnp.float32)
+    if behind is not None and guard is not None:  # the step lengthens no more than each behind row hopes to gain
+        f32 = jnp.float32
+        time0 = jnp.maximum(step_time_us(cost, base_tokens, rows, ctx, jnp.zeros((), i32), widest0), 1)
+        bound = behind & (cap > 0)
+        hope = jnp.sum(jnp.where(take, bs[:, :, None, None], 0), axis=1, dtype=i32)  # [B, LEVELS + 1, caps]
+        pays = (time.astype(f32)[None] * f32(ONE * 1024)
+                <= time0.astype(f32) * (ONE + hope).astype(f32) * f32(1024 + guard))
+        rate = jnp.where(jnp.all(pays | ~bound[:, None, None], axis=0), rate, -1.0)
     best = jnp.argmax(rate.reshape(-1))
     return per_row.reshape(b, -1)[:, best]
 
@@ -156,6 +249,31 @@ def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: ja
     halve = pop_t >= POP_HALVE_AT
     return (draft_tried + tried.astype(i32), draft_passed + passed.astype(i32),
             jnp.where(halve, pop_t // 2, pop_t), jnp.where(halve, pop_p // 2, pop_p))
+
+
+def priced_step(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Array, drafts: jax.Array,
+                widest: jax.Array, widest0: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(T, T0) int32[]: `step_time_us` of a step computing `tokens` of which `drafts` draft slots, and of the
+    same step without its drafts (widest / widest0: its widest row with and without them; see `step_time_us`)."""
+    time = step_time_us(cost, tokens, rows, ctx, drafts, widest if cost.width_us is not None else None)
+    time0 = step_time_us(cost, tokens - drafts, rows, ctx, jnp.zeros((), i32),
+                         widest0 if cost.width_us is not None else None)
+    return jnp.maximum(time, 1), jnp.maximum(time0, 1)
+
+
+def record_lag(lag: jax.Array, elapsed: jax.Array, undrafted: jax.Array, decoded: jax.Array, drafts: jax.Array,
+               accepted: jax.Array, priced: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(lag, elapsed, undrafted) int32[B] after a step that priced[0] microseconds (priced[1] without its drafts;
+    `priced_step`): each decoded row (bool[B]: sampled a token after its first) adds T - T0 * (1 + accepted) to
+    its lag and T to its elapsed time (both saturating at LAG_CAP); its undrafted streak restarts at a draft
+    (drafts int32[B] > 0) and grows by one in a step where other rows drafted or it was `lagging` (as the step
+    was scheduled: a behind row that holds the batch's drafts back is probed after PROBE_AFTER such steps)."""
+    t, t0 = priced[0], priced[1]
+    waits = decoded & (jnp.any(drafts > 0) | lagging(lag, elapsed))  # its streak grows: others drafted, or behind
+    undrafted = jnp.where(decoded & (drafts > 0), 0, jnp.where(waits, undrafted + 1, undrafted))
+    lag = jnp.where(decoded, jnp.clip(lag + t - t0 * (1 + accepted), -LAG_CAP, LAG_CAP), lag)
+    elapsed = jnp.where(decoded, jnp.minimum(elapsed + t, LAG_CAP), elapsed)
+    return lag, elapsed, undrafted
 
 
 # ------------------------------------------------------------------------------- memory: pricing draft blocks

@@ -2,6 +2,7 @@
 
     release_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt (→ price_draft_preemption)
     → grant_opportunistic_drafts → count_draft_blocks → swap_in → admit → evict_and_allocate → make_batch
+    → price_step
 
 Each phase is a pure function of the state and what the phases before it decided; jit traces through them into
 one program. Rows are served in priority order (`priority_order`); every prefix sum over rows is taken in that
@@ -256,19 +257,20 @@ def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: S
     else:
         surv = jnp.zeros(seqs.draft_tried.shape, i32)
     if pol.goodput_control:
-        decode = goodput_plan(st, surv, decode, chunk, cfg, step_cost)
+        decode = goodput_plan(st, surv, decode, chunk, decoding, cfg, step_cost)
     reserve = k_max if (pol.speculation and pol.spec_in_prefill) else jnp.zeros((), i32)
     reserved = jnp.where(running & (remaining > 1), jnp.clip(reserve, 0, cfg.max_len - committed - chunk), 0)
     return DraftPlan(decode=decode, reserved=reserved, reserve=reserve, k_max=k_max, spec_ratio=spec_ratio,
                      surv=surv)
 
 
-def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Array, cfg: SchedulerConfig,
-                 step_cost: StepCost | None) -> jax.Array:
+def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Array, decoding: jax.Array,
+                 cfg: SchedulerConfig, step_cost: StepCost | None) -> jax.Array:
     """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) over survivals surv int32[B, K]
     below cap int32[B], for a step whose other work is the running rows' chunks int32[B] (admissions come later and
     are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
-    whatever is drafted."""
+    whatever is drafted; the decoding rows bool[B] that are behind or due a probe
+    (`draft_control.priority_rows`) get priority and bound the step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
     base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
@@ -276,9 +278,14 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     ctx = jnp.sum(jnp.where(running, committed, 0), dtype=i32)
     sampling = jnp.sum(running & (chunk > 0) & (committed + chunk == seqs.num_tokens), dtype=i32)
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
+    bound_surv = draft_control.survival(draft_control.optimistic_estimates(seqs.draft_tried, seqs.draft_passed,
+                                                                           st.pop_tried, st.pop_passed))
+    behind, probe = draft_control.priority_rows(seqs.lag, seqs.elapsed, seqs.undrafted, decoding, surv,
+                                                draft_control.population_survival(st.pop_tried, st.pop_passed))
     return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost,
                                         query=jnp.where(running, chunk, 0), wide=prompt_work(st),
-                                        reach_of=cfg.reach_of, caps=st.draft_widths)
+                                        reach_of=cfg.reach_of, caps=st.draft_widths, priority=probe | behind,
+                                        behind=behind, bound_surv=bound_surv, guard=cfg.policy.tail_guard)
 
 
 def prompt_work(st: SchedState) -> jax.Array:
@@ -674,6 +681,27 @@ def make_batch(st: SchedState, grant: Grant, preemption: Preemption, restored: S
     )
 
 
+def price_step(st: SchedState, batch: Batch, cfg: SchedulerConfig, step_cost: StepCost | None) -> SchedState:
+    """7. Under goodput control, the scheduled step's time with and without its drafts (`draft_control.
+    priced_step`: its tokens, rows, context read, and its widest row, the widest width when a row computes a
+    prompt chunk) for `update` to charge each decoding row's lag."""
+    if not cfg.policy.goodput_control:
+        return st
+    cost = flat_step_cost(cfg) if step_cost is None else step_cost
+    on = batch.scheduled
+    rows = jnp.sum(on, dtype=i32)
+    ctx = jnp.sum(jnp.where(on, batch.start, 0), dtype=i32)
+    drafts = jnp.sum(batch.num_drafts, dtype=i32)
+    widest = widest0 = jnp.zeros((), i32)
+    if cost.width_us is not None:
+        prompt = jnp.any(on & (batch.num_query > 1))
+        last = cost.width_us.shape[0] - 1
+        widest = jnp.where(prompt, last, jnp.max(jnp.where(on, batch.num_query + batch.num_drafts, 0)))
+        widest0 = jnp.where(prompt, last, jnp.max(jnp.where(on, batch.num_query, 0)))
+    t, t0 = draft_control.priced_step(cost, batch.num_tokens, rows, ctx, drafts, widest, widest0)
+    return st.replace(priced=jnp.stack([t, t0]))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None = None, *, cfg: SchedulerConfig
                        ) -> tuple[SchedState, Batch]:
@@ -690,7 +718,8 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     st, room, restored = swap_in(st, room, preemption, order, cfg)
     st, grant, room, admission = admit(st, grant, room, plan, preemption, order, cfg)
     st, res, alloc_ok = evict_and_allocate(st, grant, room, restored, order, cfg)
-    return st, make_batch(st, grant, preemption, restored, admission, res, alloc_ok, cfg)
+    batch = make_batch(st, grant, preemption, restored, admission, res, alloc_ok, cfg)
+    return price_step(st, batch, cfg, step_cost), batch
 
 
 def live(status: jax.Array) -> jax.Array:

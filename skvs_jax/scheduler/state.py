@@ -207,6 +207,9 @@ class SeqTable:
     accept_hist: jax.Array  # int32[B, K+1] verification steps by number of accepted drafts (adaptive draft len)
     draft_tried: jax.Array  # int32[B, K] verifications that reached draft d (d < min(accepted + 1, offered))
     draft_passed: jax.Array  # int32[B, K] of those, verifications that accepted draft d (d < accepted)
+    lag: jax.Array  # int32[B] microseconds the row's decoding lost to speculation (`draft_control.record_lag`)
+    elapsed: jax.Array  # int32[B] microseconds of its decode steps, as priced (saturating)
+    undrafted: jax.Array  # int32[B] consecutive decode steps it went undrafted while other rows drafted
     index_pending: jax.Array  # bool[B] filled a block that `update` has not offered to the prefix index yet
     cache_salt: jax.Array  # int32[B] the request's cache salt (0 = none): it shares blocks only with its own salt
 
@@ -248,6 +251,8 @@ class SchedState:
     swap_used: jax.Array  # int32[] host-tier blocks held by SWAPPED sequences
     pop_tried: jax.Array  # int32[K] the population's draft_tried totals (halved together past POP_HALVE_AT)
     pop_passed: jax.Array  # int32[K] the population's draft_passed totals
+    priced: jax.Array  # int32[2] the last scheduled step's time and its time without drafts, as the goodput
+    #                    controller prices them (`draft_control.priced_step`; zeros under other policies)
     draft_widths: jax.Array  # int32[widths] the draft widths compiled (sorted, padded with the largest; `buckets`)
 
 
@@ -377,7 +382,8 @@ def init(cfg: SchedulerConfig) -> SchedState:
         status=jnp.zeros((b,), jnp.int8), tokens=jnp.zeros((b, max_len), i32), num_tokens=zb, prompt_len=zb,
         max_new_tokens=zb, priority=zb, arrival=zb, request_id=jnp.full((b,), -1, i32), swapped_len=zb,
         num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
-        draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), index_pending=jnp.zeros((b,), bool),
+        draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), lag=zb, elapsed=zb, undrafted=zb,
+        index_pending=jnp.zeros((b,), bool),
         cache_salt=jnp.zeros((b,), i32),
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
@@ -385,4 +391,5 @@ def init(cfg: SchedulerConfig) -> SchedState:
     widths = widths + widths[-1:] * (cfg.policy.width_slots - len(widths))
     return SchedState(kv=manager.init(cfg.kv), seqs=seqs, counters=counters, step=zero, next_arrival=zero,
                       swap_used=zero, pop_tried=jnp.zeros((k,), i32), pop_passed=jnp.zeros((k,), i32),
+                      priced=jnp.zeros((2,), i32),
                       draft_widths=jnp.asarray(widths, i32))

@@ -106,8 +106,8 @@ def valid_on_fill(committed: jax.Array, accepted: jax.Array, view_tokens: jax.Ar
 def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, finished: jax.Array,
            pending: jax.Array, cfg: SchedulerConfig) -> SchedState:
     """The request's acceptance histogram and per-depth counts (and the population's; the depths a row's drafts
-    reached, `SchedulerConfig.reach_of` of its draft slots), the rows still waiting to be indexed, the step's
-    counters."""
+    reached, `SchedulerConfig.reach_of` of its draft slots), under goodput control each decoding row's lag
+    (`draft_control.record_lag`), the rows still waiting to be indexed, the step's counters."""
     b = st.seqs.status.shape[0]
     verified = batch.samples & (batch.num_drafts > 0)
     hist = st.seqs.accept_hist.at[jnp.where(verified, jnp.arange(b, dtype=i32), b), accepted].add(1, mode="drop")
@@ -124,6 +124,11 @@ def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, fi
         output_tokens=ct.output_tokens + jnp.sum(new, dtype=i32),
     )
     seqs = st.seqs.replace(accept_hist=hist, draft_tried=tried, draft_passed=passed, index_pending=pending)
+    if cfg.policy.goodput_control:  # a row decoded when it sampled a token after its first one
+        decoded = batch.samples & (batch.start >= st.seqs.prompt_len)
+        lag, elapsed, undrafted = draft_control.record_lag(seqs.lag, seqs.elapsed, seqs.undrafted, decoded,
+                                                           batch.num_drafts, accepted, st.priced)
+        seqs = seqs.replace(lag=lag, elapsed=elapsed, undrafted=undrafted)
     return st.replace(seqs=seqs, counters=counters, step=st.step + 1, pop_tried=pop_tried, pop_passed=pop_passed)
 
 

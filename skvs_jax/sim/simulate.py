@@ -111,7 +111,8 @@ def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[in
     """A `workloads.Trace` as `SimTrace` arrays. outputs: request id -> output tokens (default synthetic); accept_runs:
     request id -> int array over sequence lengths; or alphas: a chain acceptance model (`chain_acceptance`, drawn
     with `jax.random.key(seed)`; the draws depend on the trace, K and seed only, so policies with the same K meet
-    the same ones). Neither: no draft is ever accepted."""
+    the same ones): float[K], or float[requests, K] per request id (classes of requests that accept differently).
+    Neither: no draft is ever accepted."""
     reqs = sorted(trace.requests, key=lambda r: (r.arrival_time, r.request_id))
     k, big_l = cfg.policy.draft_len, cfg.max_len
     w = big_l + k + 1
@@ -119,6 +120,9 @@ def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[in
     if alphas is not None:
         if accept_runs is not None:
             raise ValueError("pass accept_runs or alphas, not both")
+        alphas = np.asarray(alphas, np.float32)
+        if alphas.ndim == 2:  # per request id, to the trace's arrival order
+            alphas = alphas[[r.request_id for r in reqs]]
         drawn = np.asarray(chain_acceptance(alphas, (r_n, w), jax.random.key(seed)))
         accept_runs = {r.request_id: drawn[i] for i, r in enumerate(reqs)}
     prompts = np.zeros((r_n, big_l), np.int32)
@@ -151,10 +155,12 @@ def synthetic_outputs(request: workloads.Request, vocab_size: int) -> list[int]:
 
 def chain_acceptance(alphas, shape: tuple[int, int], key: jax.Array) -> jax.Array:
     """int32[shape] accepted runs of a chain acceptance model: draft i is accepted with probability alphas[i] given
-    drafts < i were (conditional per-position acceptance), independently at every (request, length)."""
+    drafts < i were (conditional per-position acceptance), independently at every (request, length). alphas
+    float[K], or float[shape[0], K] per request (the uniform draws are the same either way: equal rows give equal
+    runs)."""
     alphas = jnp.asarray(alphas, f32)
-    u = jax.random.uniform(key, (*shape, alphas.shape[0]), f32)
-    return count_leading(u < alphas[None, None, :])
+    u = jax.random.uniform(key, (*shape, alphas.shape[-1]), f32)
+    return count_leading(u < (alphas[None, None, :] if alphas.ndim == 1 else alphas[:, None, :]))
 
 
 def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *, block_size: int = 16,
@@ -474,23 +480,14 @@ def padding(log: SimLog, widths) -> int:
     return int(np.sum(rows * sc.buckets.snap_up(bound, widths) - drafted))
 
 
-def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
-    """The metrics (docs/design.md) of a simulated run (`metrics.summarize`), times in simulated seconds; the scheduler
-    time metrics are left out (the simulated clock has no host time). A request that did not finish within the
-    run (cut by max_steps) counts as aborted: out of throughput and latency, in hit rate and preemptions; its
-    finish time is the end of the run, or its arrival if it had not arrived by then."""
+def request_records(log: SimLog, trace: SimTrace) -> list[metrics.RequestRecord]:
+    """Every request of a run as a `metrics.RequestRecord`, in the trace's order, times in simulated seconds. A
+    request that did not finish within the run (cut by max_steps) counts as aborted; its finish time is the end
+    of the run, or its arrival if it had not arrived by then."""
     log = jax.device_get(log)
-    act = np.asarray(log.active)
-    steps = metrics.StepRecord(
-        start_time=log.start_time[act], duration=log.duration[act], blocks_used=log.blocks_used[act],
-        blocks_total=np.full(int(act.sum()), int(log.kv_blocks)), spec_waste_blocks=log.spec_blocks[act],
-        oom=log.oom[act], num_preempted=log.preempted[act], num_drafted=log.drafted[act],
-        num_accepted=log.accepted[act], num_verifications=log.verifications[act],
-        num_output_tokens=log.output_tokens[act])
-    arrival, plen = np.asarray(trace.arrival), np.asarray(trace.prompt_len)
+    arrival, plen = np.asarray(trace.arrival).astype(np.float64), np.asarray(trace.prompt_len)
     end = float(np.nanmax(log.start_time + log.duration, initial=0.0))
-    arrival = arrival.astype(np.float64)
-    records = [metrics.RequestRecord(
+    return [metrics.RequestRecord(
         request_id=int(trace.request_id[i]), arrival_time=arrival[i],
         first_token_time=arrival[i] + float(log.ttft[i]),
         finish_time=arrival[i] + float(log.e2e[i]) if np.isfinite(log.e2e[i]) else max(end, arrival[i]),
@@ -500,7 +497,48 @@ def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str
         num_accepted=int(log.req_accepted[i]), aborted=not np.isfinite(log.e2e[i]),
         num_first_cached_prompt_tokens=int(log.first_cached_tokens[i]),
     ) for i in range(len(arrival))]
-    out = metrics.summarize(records, steps)
+
+
+def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str, float]:
+    """The metrics (docs/design.md) of a simulated run (`metrics.summarize` over `request_records`), times in
+    simulated seconds; the scheduler time metrics are left out (the simulated clock has no host time). A request
+    cut by max_steps counts as aborted: out of throughput and latency, in hit rate and preemptions."""
+    log = jax.device_get(log)
+    act = np.asarray(log.active)
+    steps = metrics.StepRecord(
+        start_time=log.start_time[act], duration=log.duration[act], blocks_used=log.blocks_used[act],
+        blocks_total=np.full(int(act.sum()), int(log.kv_blocks)), spec_waste_blocks=log.spec_blocks[act],
+        oom=log.oom[act], num_preempted=log.preempted[act], num_drafted=log.drafted[act],
+        num_accepted=log.accepted[act], num_verifications=log.verifications[act],
+        num_output_tokens=log.output_tokens[act])
+    out = metrics.summarize(request_records(log, trace), steps)
     for key in ("scheduler_time_per_step", "scheduler_time_share"):  # the simulator has no host scheduler time
         out.pop(key, None)
+    return out
+
+
+GROUP_METRICS = ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput")
+
+
+def summarize_groups(log: SimLog, trace: SimTrace, group_of: np.ndarray) -> list[dict[str, float]]:
+    """Per group of requests (a workload's phases, `workloads.phase_of`; acceptance classes), the request metrics
+    of `GROUP_METRICS` over its requests alone (`metrics.summarize`; throughput over the group's own span, first
+    arrival to last finish), with `requests` and `drafts_per_step` (draft tokens verified per decode step of its
+    requests: drafted / (output tokens - accepted drafts)).
+    group_of: int[ids] the group of each request id (`SimTrace.request_id` indexes it). One dict per group
+    0..max(group_of), in order; a group with no request in the trace has only requests = 0."""
+    records = request_records(log, trace)
+    group_of = np.asarray(group_of)
+    out = []
+    for g in range(int(group_of.max()) + 1 if group_of.size else 0):
+        mine = [r for r in records if group_of[r.request_id] == g]
+        if not mine:
+            out.append({"requests": 0.0})
+            continue
+        m = metrics.summarize(mine, None)
+        out.append({k: m[k] for k in GROUP_METRICS} | {
+            "requests": float(len(mine)),
+            # a decode step emits 1 + its accepted drafts, so a request took about output - accepted of them
+            "drafts_per_step": metrics.safe_ratio(sum(r.num_drafted for r in mine),
+                                                  sum(r.num_output_tokens - r.num_accepted for r in mine))})
     return out

@@ -42,7 +42,7 @@ from skvs_jax import scheduler as sc
 from skvs_jax.policies import NO_VERIFY_CAP, Knobs
 from skvs_jax.sim import simulate
 from skvs_jax.sim.cost_model import CostModel
-from skvs_jax.sim.simulate import SimLog, SimTrace, summarize
+from skvs_jax.sim.simulate import SimLog, SimTrace, summarize, summarize_groups
 
 DP = distributed.DP  # the mesh axis lanes are sharded over
 
@@ -212,17 +212,23 @@ def lane(tree, i: int):
     return jax.tree.map(lambda x: x[i], tree)
 
 
-def summaries(logs: SimLog, traces: SimTrace, lanes: Lane, cfg: sc.SchedulerConfig) -> list[dict[str, float]]:
+def summaries(logs: SimLog, traces: SimTrace, lanes: Lane, cfg: sc.SchedulerConfig,
+              breakdowns: dict[str, Sequence[np.ndarray]] | None = None) -> list[dict]:
     """`simulate.summarize` of every lane (host side), its trace's arrival times scaled as simulated, plus
-    `mean_batch`: sequences per step, averaged over the lane's steps."""
+    `mean_batch`: sequences per step, averaged over the lane's steps. breakdowns: name -> per trace (the lanes'
+    `trace` index), the group of each request id (`simulate.summarize_groups`); each lane's dict then holds, under
+    that name, the list of its groups' metrics."""
     logs, traces, lanes = jax.device_get((logs, traces, lanes))
     out = []
     for i in range(len(lanes.kv_blocks)):
-        trace = lane(traces, int(lanes.trace[i]))
+        t = int(lanes.trace[i])
+        trace = lane(traces, t)
         trace = trace.replace(arrival=trace.arrival * lanes.arrival_scale[i])
         log = lane(logs, i)
         m = summarize(log, trace, cfg)
         m["mean_batch"] = float(np.mean(log.num_seqs[log.active])) if log.active.any() else float("nan")
+        for name, group_of in (breakdowns or {}).items():
+            m[name] = summarize_groups(log, trace, group_of[t])
         out.append(m)
     return out
 

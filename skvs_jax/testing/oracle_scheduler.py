@@ -169,6 +169,8 @@ class OracleScheduler:
         k = self.pol.draft_len
         self.draft_tried, self.draft_passed = [[0] * k for _ in range(b)], [[0] * k for _ in range(b)]
         self.pop_tried, self.pop_passed = [0] * k, [0] * k
+        self.lag, self.elapsed, self.undrafted = [0] * b, [0] * b, [0] * b
+        self.priced = [0, 0]
         buckets = self.pol.draft_buckets or (k,)
         self.draft_widths = list(buckets) + [buckets[-1]] * (self.pol.width_slots - len(buckets))
         self.pending = [False] * b
@@ -232,6 +234,7 @@ class OracleScheduler:
             self.swapped_len[b] = self.num_preemptions[b] = self.num_cached[b] = 0
             self.hist[b] = [0] * (self.pol.draft_len + 1)
             self.draft_tried[b], self.draft_passed[b] = [0] * self.pol.draft_len, [0] * self.pol.draft_len
+            self.lag[b] = self.elapsed[b] = self.undrafted[b] = 0
             self.pending[b] = False
             self.cache_salt[b] = 0 if cache_salt is None else int(cache_salt[r])
             slots.append(b)
@@ -262,7 +265,9 @@ class OracleScheduler:
         back = self.swap_in(start, pre, demand)  # 5a
         adm = self.admit(start, drafts, grant, demand, knobs, oom=pre.oom)  # 5b
         alloc = self.evict_and_allocate(start, grant, back, demand)  # 6
-        return self.make_batch(start, grant, pre, back, adm, alloc)
+        batch = self.make_batch(start, grant, pre, back, adm, alloc)
+        self.price_step(batch, step_cost)  # 7
+        return batch
 
     # ------------------------------------------------------------------------------------ schedule phases
 
@@ -304,13 +309,15 @@ class OracleScheduler:
                 wanted[b] = min(wanted[b], k_cap)
         surv = self._survival() if pol.goodput_control or pol.priced_drafts else [[0] * pol.draft_len for _ in slots]
         if pol.goodput_control:
-            chosen = self.goodput_plan(start, surv, [wanted[b] if decoding[b] else 0 for b in slots], step_cost)
+            chosen = self.goodput_plan(start, surv, [wanted[b] if decoding[b] else 0 for b in slots], decoding,
+                                       step_cost)
             wanted = [chosen[b] if decoding[b] else wanted[b] for b in slots]
         return DraftPlan(max_draft_len=k_max, reserve=reserve, wanted=wanted, decoding=decoding, surv=surv)
 
-    def _survival(self) -> list[list[int]]:
+    def _survival(self, optimism: int = 0) -> list[list[int]]:
         """Per row and draft depth, the chance the draft is accepted: per-depth estimates with the population's
-        prior, multiplied down the depths, in fixed point."""
+        prior, multiplied down the depths, in fixed point; with `optimism` extra passes per depth (a behind
+        row's bound: dc.OPTIMISM_W)."""
         k, one = self.pol.draft_len, dc.ONE
         pop = [(p * one + dc.POP_PRIOR_W * dc.POP_PRIOR) // (t + dc.POP_PRIOR_W)
                for t, p in zip(self.pop_tried, self.pop_passed)]
@@ -318,8 +325,8 @@ class OracleScheduler:
         for b in range(self.cfg.cache.max_seqs):
             s_b, row = one, []
             for d in range(k):
-                alpha = (self.draft_passed[b][d] * one + dc.REQ_PRIOR_W * pop[d]) // (self.draft_tried[b][d]
-                                                                                     + dc.REQ_PRIOR_W)
+                alpha = ((self.draft_passed[b][d] + optimism) * one + dc.REQ_PRIOR_W * pop[d]) // (
+                    self.draft_tried[b][d] + dc.REQ_PRIOR_W + optimism)
                 s_b = s_b * alpha // one
                 row.append(s_b)
             surv.append(row)
@@ -355,11 +362,14 @@ class OracleScheduler:
         return any(s == WAITING for s in self.status) or any(
             start.running[b] and start.remaining[b] > 1 for b in range(self.cfg.cache.max_seqs))
 
-    def goodput_plan(self, start: StepStart, surv: list, cap: list, step_cost) -> list[int]:
+    def goodput_plan(self, start: StepStart, surv: list, cap: list, decoding: list, step_cost) -> list[int]:
         """1'. The goodput controller (`scheduler.draft_control`), one (row, depth) and one threshold at a time:
         the threshold of the grid that maximises (sampling rows * ONE + sum of the selected survivals) / step
         time, first maximum. A row drafts to the depths its slots reach whose survival clears the threshold, in
-        the fewest slots reaching them (a chain: one slot a depth)."""
+        the fewest slots reaching them (a chain: one slot a depth). A decoding row that is behind (its lag over
+        1 / LAG_SLACK of its decode time) or due a probe (undrafted PROBE_AFTER drafting steps in a row) drafts
+        at least its first depth under every threshold but "none"; a choice is allowed only if, for each behind
+        row with a cap, the step's time * ONE <= its time without drafts * (ONE + that row's expected gain)."""
         slots, k, one = range(self.cfg.cache.max_seqs), self.pol.draft_len, dc.ONE
         running = start.running
         base = min(sum(start.chunk), self.cfg.token_budget)
@@ -371,17 +381,35 @@ class OracleScheduler:
         width_us = terms[4]
         wide = self._prompt_work(start)
         thresholds = [one + 1] + [one * j // dc.LEVELS for j in range(dc.LEVELS, 0, -1)]
-        caps = self.draft_widths if width_us is not None else [k]  # a padded engine: cap rows at a program's width
+        # A cap shared by every row; a padded engine caps rows at a program's width.
+        caps = self.draft_widths if width_us is not None else list(range(k + 1))
 
         reach = self.cfg.reach_of  # per slot count, the depth it reaches (a chain: the count)
 
+        hope = self._survival(dc.OPTIMISM_W)
+        pop, s_pop = [], one  # the population's survival: its estimates multiplied down
+        for t, p in zip(self.pop_tried, self.pop_passed):
+            s_pop = s_pop * ((p * one + dc.POP_PRIOR_W * dc.POP_PRIOR) // (t + dc.POP_PRIOR_W)) // one
+            pop.append(s_pop)
+        probe = [decoding[b] and self.undrafted[b] >= dc.PROBE_AFTER for b in slots]
+        behind = [decoding[b] and self.lag[b] > self.elapsed[b] // dc.LAG_SLACK and not probe[b]
+                  and dc.PROTECT_WITHIN * surv[b][0] >= pop[0] for b in slots]
+        forced = [behind[b] or probe[b] for b in slots]
+        key = [[max(surv[b][d], hope[b][d]) if behind[b] else surv[b][d] for d in range(k)] for b in slots]
+
         def depths(thr, c):  # per row, the depths drafted: those its slots reach whose survival clears thr
-            return [sum(1 for d in range(reach[min(cap[b], k, c)]) if surv[b][d] >= thr) for b in slots]
+            return [sum(1 for d in range(reach[min(cap[b], k, c)])
+                        if key[b][d] >= thr or (d == 0 and forced[b] and thr <= one)) for b in slots]
 
         def fewest_slots(r):
             return min(n for n in range(k + 1) if reach[n] >= r)
 
         best, best_rate = [fewest_slots(r) for r in depths(thresholds[0], k)], None
+        widest0 = 0
+        if width_us is not None:
+            widest0 = len(width_us) - 1 if wide else max(
+                [start.chunk[b] for b in slots if running[b] and start.chunk[b] > 0], default=0)
+        t0 = max(self._step_time(terms, base, rows, ctx, 0, widest0), 1)
         for thr in thresholds:
             for c in caps:
                 deep = depths(thr, c)
@@ -392,8 +420,14 @@ class OracleScheduler:
                 if width_us is not None:
                     widest = len(width_us) - 1 if wide else max(
                         [start.chunk[b] + chosen[b] for b in slots if running[b] and start.chunk[b] > 0], default=0)
-                t = self._step_time(terms, base + n, rows, ctx, n, widest)
-                rate = np.float32(sampling * one + gain) / np.float32(max(t, 1))
+                t = max(self._step_time(terms, base + n, rows, ctx, n, widest), 1)
+                rate = np.float32(sampling * one + gain) / np.float32(t)
+                for b in slots:
+                    if self.pol.tail_guard is not None and behind[b] and cap[b] > 0:
+                        row_gain = sum(hope[b][d] for d in range(deep[b]))
+                        if not (np.float32(t) * np.float32(one * 1024) <= np.float32(t0) * np.float32(one + row_gain)
+                                * np.float32(1024 + self.pol.tail_guard)):
+                            rate = np.float32(-1.0)
                 if best_rate is None or rate > best_rate:
                     best, best_rate = chosen, rate
         return best
@@ -711,6 +745,27 @@ class OracleScheduler:
             alloc_ok=alloc.ok,
         )
 
+    def price_step(self, batch: OracleBatch, step_cost) -> None:
+        """7. Under goodput control, the step's time with and without its drafts, for `update`'s lag."""
+        if not self.pol.goodput_control:
+            return
+        terms = self._cost_terms(step_cost, self.cfg.token_budget)
+        slots = range(self.cfg.cache.max_seqs)
+        on = batch.scheduled
+        rows = sum(on)
+        ctx = sum(batch.start[b] for b in slots if on[b])
+        drafts = sum(batch.num_drafts)
+        widest = widest0 = 0
+        if terms[4] is not None:
+            if any(on[b] and batch.num_query[b] > 1 for b in slots):
+                widest = widest0 = len(terms[4]) - 1
+            else:
+                widest = max([batch.num_query[b] + batch.num_drafts[b] for b in slots if on[b]], default=0)
+                widest0 = max([batch.num_query[b] for b in slots if on[b]], default=0)
+        t = self._step_time(terms, batch.num_tokens, rows, ctx, drafts, widest)
+        t0 = self._step_time(terms, batch.num_tokens - drafts, rows, ctx, 0, widest0)
+        self.priced = [max(t, 1), max(t0, 1)]
+
     # ----------------------------------------------------------------------------------- allocator helpers
 
     def _window(self) -> int:
@@ -858,6 +913,15 @@ class OracleScheduler:
                 for d in range(acc[b]):
                     self.draft_passed[b][d] += 1
                     self.pop_passed[d] += 1
+        if self.pol.goodput_control:  # lag and probes: a row decoded when it sampled a token after its first
+            t, t0 = self.priced
+            drafting = any(x > 0 for x in batch.num_drafts)
+            for b in range(self.cfg.cache.max_seqs):
+                if batch.samples[b] and batch.start[b] >= self.prompt_len[b]:
+                    waits = drafting or self.lag[b] > self.elapsed[b] // dc.LAG_SLACK
+                    self.undrafted[b] = 0 if batch.num_drafts[b] > 0 else self.undrafted[b] + waits
+                    self.lag[b] = min(max(self.lag[b] + t - t0 * (1 + acc[b]), -dc.LAG_CAP), dc.LAG_CAP)
+                    self.elapsed[b] = min(self.elapsed[b] + t, dc.LAG_CAP)
         for d in range(self.pol.draft_len):
             if self.pop_tried[d] >= dc.POP_HALVE_AT:
                 self.pop_tried[d] //= 2

@@ -190,6 +190,7 @@ class Harness:
         for name, want in (("swapped_len", o.swapped_len), ("num_preemptions", o.num_preemptions),
                            ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending),
                            ("draft_tried", o.draft_tried), ("draft_passed", o.draft_passed),
+                           ("lag", o.lag), ("elapsed", o.elapsed), ("undrafted", o.undrafted),
                            ("cache_salt", o.cache_salt)):
             got = np.asarray(getattr(st.seqs, name))
             np.testing.assert_array_equal(got[live], np.asarray(want)[live], err_msg=name)
@@ -198,6 +199,7 @@ class Harness:
         assert int(st.swap_used) == o.swap_used, "swap_used"
         assert np.asarray(st.pop_tried).tolist() == o.pop_tried, "pop_tried"
         assert np.asarray(st.pop_passed).tolist() == o.pop_passed, "pop_passed"
+        assert np.asarray(st.priced).tolist() == o.priced, "priced"
         assert int(st.step) == o.step and int(st.next_arrival) == o.next_arrival
         assert np.asarray(st.draft_widths).tolist() == o.draft_widths, "draft_widths"
 
