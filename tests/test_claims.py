@@ -32,7 +32,7 @@ def test_the_report_has_a_row_per_claim_and_each_verdict_follows_from_its_inputs
     assert len(ids) == len(set(ids))
     for want in ("s6_throughput", "s6_latency_p50", "s6_latency_p99", "s6_hit_rate", "s6_memory", "s6_waste",
                  "s6_oom", "s3_scenario2", "s6_decomposition", "s6_bound", "s3_ghost", "s7_chunked_prefill",
-                 "s7_buckets", "s1_starved", "engines_hit_trim", "s7_fp8", "s4_invalidation"):
+                 "s7_buckets", "s1_starved", "engines_hit_trim", "tail_phased", "s7_fp8", "s4_invalidation"):
         assert want in ids
     for r in doc["claims"]:
         assert set(r) >= {"id", "section", "claim", "article", "ours", "verdict", "conditions", "command", "cases"}
@@ -112,3 +112,23 @@ def test_the_bound_counts_generations_and_the_widest_recent_batch():
     assert b[0] == 1 * 2 * 9 and b[3] == 5 * 9 and b[-1] == 0
     assert scn.spec_bound(scn.policy("naive_spec", 4), 2, seqs)[1] == 2 * 5  # ceil(4 / 2) blocks, no pool
     assert not scn.spec_bound(scn.policy("vllm_default", 4), 16, seqs).any()
+
+
+def test_the_phased_row_compares_skvs_with_the_best_fixed_k_per_phase_and_seed():
+    """Synthetic lanes: the best fixed K differs by phase and seed; the row's cases take the worst seed."""
+    def lanes(p99, p50=None, thr=100.0):
+        return {"lanes": [{"throughput": thr, "phase": [{"tpot_p99": v, "tpot_p50": (p50 or v) / 2} for v in seed]}
+                          for seed in p99]}
+
+    pols = {name: lanes([[2.0, 3.0], [2.0, 3.0]]) for name in scn.FIXED_K}
+    pols["naive_spec:1"] = lanes([[1.0, 4.0], [3.0, 4.0]])
+    pols["skvs"] = lanes([[1.0, 3.0], [1.5, 3.3]], thr=101.0)
+    row, = claims.claim_tail_phased({"phased": {"policies": pols}}, None, "x {}")
+    inputs = {c["condition"]: c["inputs"][0] for c in row["cases"]}
+    assert inputs["phase 0: P99 / best fixed K"] == 1.0  # seed 0: 1.0 / 1.0; seed 1: 1.5 / 2.0
+    assert inputs["phase 1: P99 / best fixed K"] == pytest.approx(1.1)
+    assert inputs["phase 1: P99 / no speculation"] == pytest.approx(1.1)
+    assert row["verdict"] == claims.verdict_of(row) and row["verdict"].startswith("holds only when")
+    assert "throughput / best fixed K 1.010-1.010x" in row["ours"]
+    missing, = claims.claim_tail_phased({}, None, "x {}")
+    assert missing["ours"] == "not run" and not missing["cases"]

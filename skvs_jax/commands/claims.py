@@ -470,6 +470,50 @@ def claim_engines_hit_trim(res: dict, precision: dict | None, sim: str) -> list[
     return rows
 
 
+def _phase_ratios(res: dict, pol: str, key: str, fixed: tuple[str, ...]) -> list[list[float]] | None:
+    """Per phase, per seed: the phased scenario's `pol` over the best (smallest) of `fixed` at `key`; None if any
+    policy was not run."""
+    try:
+        pols = res["phased"]["policies"]
+        lanes = {p: pols[p]["lanes"] for p in (pol, *fixed)}
+    except KeyError:
+        return None
+    phases = len(lanes[pol][0].get("phase", []))
+    return [[lanes[pol][i]["phase"][g][key] / min(lanes[f][i]["phase"][g][key] for f in fixed)
+             for i in range(len(lanes[pol]))] for g in range(phases)]
+
+
+def claim_tail_phased(res: dict, precision: dict | None, sim: str) -> list[dict]:
+    """The claim row of `tail_phased`: skvs's draft control against the best fixed draft length per phase in
+    hindsight and against no speculation (docs/design.md, "Draft control's tail")."""
+    fixed = tuple(p for p in scn.FIXED_K)
+    p99 = _phase_ratios(res, "skvs", "tpot_p99", fixed)
+    if p99 is None:
+        return [_row("tail_phased", "5 (adaptive length); our goal", "draft control keeps the tail under load that "
+                     "steps: in every phase skvs's TPOT P99 <= 1.02x the best fixed K's and <= no speculation's, "
+                     "its P50 <= the best fixed K's", "–", "not run", [], "phased scenario", sim.format("phased"))]
+    p50 = _phase_ratios(res, "skvs", "tpot_p50", fixed)
+    none = _phase_ratios(res, "skvs", "tpot_p99", ("vllm_default",))
+    cases, parts = [], []
+    for g, (a, b, c) in enumerate(zip(p99, p50, none, strict=True)):
+        cases += [{"condition": f"phase {g}: P99 / best fixed K", "rule": "at_most", "inputs": [max(a), 1.02]},
+                  {"condition": f"phase {g}: P99 / no speculation", "rule": "at_most", "inputs": [max(c), 1.0]},
+                  {"condition": f"phase {g}: P50 / best fixed K", "rule": "at_most", "inputs": [max(b), 1.0]}]
+        parts.append(f"phase {g}: P99 / best fixed K {min(a):.2f}-{max(a):.2f}x, / no speculation "
+                     f"{min(c):.2f}-{max(c):.2f}x; P50 / best {min(b):.2f}-{max(b):.2f}x")
+    thr = _lanes(res, "phased", "skvs", "throughput")
+    best = np.max([_lanes(res, "phased", f, "throughput") for f in fixed], axis=0)
+    parts.append(f"throughput / best fixed K {np.min(thr / best):.3f}-{np.max(thr / best):.3f}x")
+    return [_row("tail_phased", "5 (adaptive length); our goal",
+                 "draft control keeps the tail under load that steps: in every phase skvs's TPOT P99 <= 1.02x the "
+                 "best fixed K's and <= no speculation's, its P50 <= the best fixed K's",
+                 "– (the article adapts K to acceptance, not to load; this row is the project's goal)",
+                 "; ".join(parts), cases,
+                 "phased scenario; best fixed K = the best of vllm_default (K = 0) and naive_spec with the draft-"
+                 "length knob at 1..4, per phase and seed, in hindsight; ratios over the seeds",
+                 sim.format("phased"))]
+
+
 def claim_s7_fp8(res: dict, precision: dict | None, sim: str) -> list[dict]:
     """The claim row(s) of `s7_fp8` (see `CLAIMS`)."""
     rows = []
@@ -518,7 +562,8 @@ def claim_s4_invalidation(res: dict, precision: dict | None, sim: str) -> list[d
 # command line "... (scenario {})") to its rows.
 CLAIMS = (claim_s6_throughput, claim_s6_latency, claim_s6_hit_rate, claim_s6_memory, claim_s6_waste, claim_s6_oom,
           claim_s3_scenario2, claim_s6_decomposition, claim_s6_bound, claim_s3_ghost, claim_s7_chunked_prefill,
-          claim_s7_buckets, claim_s1_starved, claim_engines_hit_trim, claim_s7_fp8, claim_s4_invalidation)
+          claim_s7_buckets, claim_s1_starved, claim_engines_hit_trim, claim_tail_phased, claim_s7_fp8,
+          claim_s4_invalidation)
 
 
 def evaluate(res: dict, precision: dict | None, cmd: str) -> list[dict]:

@@ -11,7 +11,9 @@ memory utilisation is nearest `target_utilisation` is the one every policy then 
 (its vllm_default column) found by a sweep, which `run` reports.
 
 `SCENARIOS` (full sizes) and `quick(scenario)` (fewer, shorter requests, for `skvs claims --quick`) are what
-`skvs claims` runs (docs/claims.md). Policy names are presets (`policies.PRESETS`) or the variants of `VARIANTS`.
+`skvs claims` runs (docs/claims.md). Policy names are presets (`policies.PRESETS`) or the variants of `VARIANTS`;
+"NAME:K" is NAME with the draft-length knob at K, on the same acceptance draws (a fixed draft length). A phased
+workload's lanes carry per-phase metrics (`sim.simulate.summarize_groups`, under "phase").
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from skvs_jax import policies, workloads
@@ -28,7 +31,8 @@ from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
 
-CORE = ("vllm_default", "naive_spec", "skvs_article", "skvs")  # every scenario runs these
+CORE = ("vllm_default", "naive_spec", "skvs_article", "skvs")  # every scenario runs these but phased
+FIXED_K = ("vllm_default", "naive_spec:1", "naive_spec:2", "naive_spec:3", "naive_spec:4")  # K = 0..4 on the same draws
 
 # Variants: (preset, changes). The three "skvs_article-<group>" turn one group of the article's switches back to
 # naive_spec's values, for the +21% decomposition (memory copies / prefix hits / padding).
@@ -44,8 +48,20 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 }
 
 
+def knob_of(name: str) -> tuple[str, int | None]:
+    """("NAME", K) for a policy name "NAME:K" (NAME with the draft-length knob at K); (name, None) otherwise."""
+    base, sep, k = name.rpartition(":")
+    return (base, int(k)) if sep and k.isdigit() else (name, None)
+
+
 def policy(name: str, k: int) -> policies.Policy:
-    """A preset or a `VARIANTS` entry with draft length K, named `name`."""
+    """A preset or a `VARIANTS` entry with draft length K, named `name` ("NAME:K": NAME's, the knob is set by
+    `_run_policy`)."""
+    base, knob = knob_of(name)
+    if knob is not None:
+        if not 0 <= knob <= k:
+            raise ValueError(f"{name}: the draft-length knob must lie in [0, {k}]")
+        return policy(base, k).replace(name=name)
     if name in policies.PRESETS:
         return policies.preset(name, k)
     if name not in VARIANTS:
@@ -125,13 +141,16 @@ def quick(s: Scenario, requests: int, max_output_len: int | None = None, kv_swee
                                kv_sweep=s.kv_sweep if kv_sweep is None else kv_sweep, **changes)
 
 
+def _workloads(s: Scenario) -> list[workloads.Trace]:
+    kw = dict(s.workload_kw) | {"max_prompt_len": s.max_prompt_len, "max_output_len": s.max_output_len}
+    return [workloads.make(s.workload, s.requests, seed=seed, rate=s.rate, **kw) for seed in range(s.seeds)]
+
+
 def _traces(s: Scenario, cfg: sc.SchedulerConfig) -> simulate.SimTrace:
     alphas = acceptance_model.alphas(s.acceptance, s.draft_len)
     vocab = cost_model.MODELS[s.model].vocab_size
-    kw = dict(s.workload_kw) | {"max_prompt_len": s.max_prompt_len, "max_output_len": s.max_output_len}
-    return sweep.stack([simulate.make_trace(workloads.make(s.workload, s.requests, seed=seed, rate=s.rate, **kw),
-                                            cfg, alphas=alphas, seed=seed, vocab_size=vocab)
-                        for seed in range(s.seeds)])
+    return sweep.stack([simulate.make_trace(t, cfg, alphas=alphas, seed=seed, vocab_size=vocab)
+                        for seed, t in enumerate(_workloads(s))])
 
 
 def spec_bound(pol: policies.Policy, block_size: int, num_seqs: np.ndarray) -> np.ndarray:
@@ -184,14 +203,18 @@ def _run_policy(s: Scenario, name: str, kv_list: list[int], chunk: int) -> tuple
     pol = policy(name, s.draft_len)
     cfg = s.sched_config(pol)
     traces = _traces(s, cfg)
-    lanes, labels = sweep.grid(pol.knobs(), cfg=cfg, kv_blocks=kv_list, traces=list(range(s.seeds)))
+    knobs, knob = pol.knobs(), knob_of(name)[1]
+    if knob is not None:
+        knobs = knobs.replace(draft_len=jnp.asarray(knob, jnp.int32))
+    lanes, labels = sweep.grid(knobs, cfg=cfg, kv_blocks=kv_list, traces=list(range(s.seeds)))
     t0 = time.perf_counter()
     states, logs = sweep.run(traces, lanes, cfg=cfg, cost=s.cost(), max_steps=s.max_steps, chunk=chunk,
                              strategy="map")
     jax.block_until_ready(logs)
     wall = time.perf_counter() - t0
     done = sweep.finished(states)
-    ms = sweep.summaries(logs, traces, lanes, cfg)
+    groups = {"phase": [workloads.phase_of(t) for t in _workloads(s)]} if s.workload == "phased" else None
+    ms = sweep.summaries(logs, traces, lanes, cfg, groups)
     host = jax.device_get(logs)
     out = []
     for i, (lab, m) in enumerate(zip(labels, ms, strict=True)):
@@ -293,6 +316,15 @@ SCENARIOS: dict[str, Scenario] = {
         name="starved_h200", title="Llama-3-70B on 2 x H200 (the same model with 141 GB a device)",
         model="llama-3-70b", device="h200", tp=2, workload="system_prompts", workload_kw=_SHARED_PROMPTS,
         requests=128, rate=8.0, max_prompt_len=1536, max_output_len=512, max_seqs=128, policies=_ALL),
+    # Load that steps, low -> high -> low (96 requests at 4 req/s, 256 at 48, 96 at 4; ShareGPT at full length):
+    # skvs's draft control against every fixed draft length, the best of which per phase is the hindsight oracle
+    # (docs/design.md, "Draft control's tail").
+    "phased": Scenario(
+        name="phased", title="load that steps: 96 requests at 4 req/s, 256 at 48, 96 at 4 (Llama-3.1-8B, 1 x A100)",
+        model="llama-3.1-8b", device="a100-80gb", tp=1, workload="phased",
+        workload_kw=(("phases", ((96, 1.0), (256, 12.0), (96, 1.0))), ("scale", 1.0)), requests=448, rate=4.0,
+        max_prompt_len=1024, max_output_len=1024, max_seqs=64, kv_blocks=8192,
+        policies=FIXED_K + ("skvs",)),
 }
 
 
@@ -307,4 +339,5 @@ def quick_scenarios() -> dict[str, Scenario]:
         "long_prompts": quick(lp, 32, 256, policies=CORE + ("naive_spec-no_spec_in_prefill",)),
         "starved_h100": quick(SCENARIOS["starved_h100"], 64, 256, rate=4.0, policies=CORE),
         "starved_h200": quick(SCENARIOS["starved_h200"], 64, 256, rate=4.0, policies=("vllm_default", "skvs")),
+        "phased": quick(SCENARIOS["phased"], 112, 256, seeds=2),
     }
