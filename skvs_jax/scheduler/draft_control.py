@@ -98,8 +98,8 @@ def acceptance_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tr
 def optimistic_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array,
                          pop_passed: jax.Array) -> jax.Array:
     """int32[B, K] `acceptance_estimates` with OPTIMISM_W more verifications that all passed: what a behind row's
-    bound on the step's time counts on (module docstring). The bonus shrinks as the row's tries grow, so a row
-    priced out after a few rejections does not veto drafting, while one measured low over many tries does."""
+    bound on the step's time counts on, and what selects its deeper drafts (module docstring). The bonus shrinks
+    as the row's tries grow: a row priced out by a few rejections still hopes for its peers' acceptance."""
     pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
     return ((draft_passed + OPTIMISM_W) * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W
                                                                                  + OPTIMISM_W)

@@ -269,8 +269,8 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) over survivals surv int32[B, K]
     below cap int32[B], for a step whose other work is the running rows' chunks int32[B] (admissions come later and
     are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
-    whatever is drafted; the decoding rows bool[B] that are behind or due a probe
-    (`draft_control.priority_rows`) get priority and bound the step's time."""
+    whatever is drafted. Of the decoding rows bool[B], those due a probe or behind (`draft_control.priority_rows`)
+    are drafted first, and under `Policy.tail_guard` the behind ones bound the step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
     base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
