@@ -175,12 +175,12 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float
 def _breakdowns(args, alphas: np.ndarray, trace_rates: list[float]) -> dict[str, list[np.ndarray]]:
     """Per trace (rate-major, as `_traces`), each request id's phase and acceptance class, where there are several."""
     out = {}
-    if args.workload == "phased":
-        kw = workload_kwargs(args)
-        out["phase"] = [workloads.phase_of(workloads.make("phased", args.requests, seed=seed, rate=None, **kw))
-                        for _ in trace_rates for seed in range(args.seeds)]
+    lanes = len(trace_rates) * args.seeds
+    if args.workload == "phased":  # the split over phases depends on the counts only: one array for every trace
+        phase = workloads.phase_of(workloads.make("phased", args.requests, seed=0, rate=None, **workload_kwargs(args)))
+        out["phase"] = [phase] * lanes
     if np.asarray(alphas).ndim == 2 and np.asarray(alphas).shape[0] > 1:
-        out["class"] = [class_of(alphas, args.requests)] * (len(trace_rates) * args.seeds)
+        out["class"] = [class_of(alphas, args.requests)] * lanes
     return out
 
 

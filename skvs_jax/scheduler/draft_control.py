@@ -100,9 +100,7 @@ def optimistic_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tr
     """int32[B, K] `acceptance_estimates` with OPTIMISM_W more verifications that all passed: what a behind row's
     bound on the step's time counts on, and what selects its deeper drafts (module docstring). The bonus shrinks
     as the row's tries grow: a row priced out by a few rejections still hopes for its peers' acceptance."""
-    pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
-    return ((draft_passed + OPTIMISM_W) * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W
-                                                                                 + OPTIMISM_W)
+    return acceptance_estimates(draft_tried + OPTIMISM_W, draft_passed + OPTIMISM_W, pop_tried, pop_passed)
 
 
 def survival(alpha: jax.Array) -> jax.Array:
