@@ -36,36 +36,59 @@ WEIGHTS_DIR = pathlib.Path(__file__).parent / "weights"  # the shipped weights (
 _IGNORED_HF_KEYS = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints carry
 
 
+_STACKED = "layers."  # a Llama's decoder layers are one stacked module: each parameter leads with the layer axis L
+
+
 def _params(module: nnx.Module) -> dict[str, nnx.Param]:
-    """Dotted parameter path (e.g. 'layers.0.mlp.up_proj.weight') -> the module's Param variable."""
+    """Dotted parameter path -> the module's Param variable. A Llama's stacked layers appear once, as
+    'layers.mlp.up_proj.weight' [L, ...] (see `_per_layer` for the names checkpoints use)."""
     return {".".join(map(str, p)): v for p, v in nnx.iter_graph(module) if isinstance(v, nnx.Param)}
 
 
+def _per_layer(name: str, var: nnx.Param) -> list[str]:
+    """The checkpoint names of one parameter: 'layers.0.mlp.up_proj.weight', 'layers.1...' for a stacked one
+    (HF's per-layer names), else the name itself."""
+    if not name.startswith(_STACKED):
+        return [name]
+    rest = name.removeprefix(_STACKED)
+    return [f"{_STACKED}{i}.{rest}" for i in range(var.shape[0])]
+
+
 def param_dict(module: nnx.Module) -> dict[str, jax.Array]:
-    """Dotted parameter path -> array."""
-    return {name: var[...] for name, var in _params(module).items()}
+    """Checkpoint name (HF's, per layer: 'layers.0.mlp.up_proj.weight') -> array."""
+    out = {}
+    for name, var in _params(module).items():
+        names = _per_layer(name, var)
+        value = var[...]
+        out |= {names[0]: value} if names == [name] else {n: value[i] for i, n in enumerate(names)}
+    return out
 
 
 def assign_params(module: nnx.Module, tensors: dict[str, np.ndarray | jax.Array], source: str) -> None:
-    """Replace every parameter of `module` (in place) by `tensors[path]`, cast to the parameter's dtype.
+    """Replace every parameter of `module` (in place) by `tensors[name]` (checkpoint names, per layer), cast to the
+    parameter's dtype; a stacked parameter takes its L per-layer tensors, stacked.
 
     Raises ValueError naming the tensor on an unknown name, a missing name or a shape mismatch; nothing is
     modified then.
     """
     params = _params(module)
-    unknown = sorted(set(tensors) - set(params))
+    names = {name: _per_layer(name, var) for name, var in params.items()}
+    expected = {n: (name, var) for name, var in params.items() for n in names[name]}
+    unknown = sorted(set(tensors) - set(expected))
     if unknown:
-        raise ValueError(f"{source}: unknown tensor(s) {unknown[:5]} (expected names like {sorted(params)[:3]})")
-    missing = sorted(set(params) - set(tensors))
+        raise ValueError(f"{source}: unknown tensor(s) {unknown[:5]} (expected names like {sorted(expected)[:3]})")
+    missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"{source}: missing tensor(s) {missing[:5]}")
+    for n, (name, var) in expected.items():
+        want = tuple(var.shape) if names[name] == [name] else tuple(var.shape[1:])
+        if tuple(tensors[n].shape) != want:
+            raise ValueError(f"{source}: tensor {n!r} has shape {tuple(tensors[n].shape)}, expected {want}")
     for name, var in params.items():
-        if tuple(tensors[name].shape) != tuple(var.shape):
-            raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensors[name].shape)}, expected {tuple(var.shape)}"
-            )
-    for name, var in params.items():
-        var.set_value(jnp.asarray(tensors[name]).astype(var.dtype))
+        if names[name] == [name]:
+            var.set_value(jnp.asarray(tensors[name]).astype(var.dtype))
+        else:
+            var.set_value(jnp.stack([jnp.asarray(tensors[n]).astype(var.dtype) for n in names[name]]))
 
 
 @contextlib.contextmanager

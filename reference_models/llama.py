@@ -242,16 +242,17 @@ def apply_rope(x: Array, cos: Array, sin: Array) -> Array:
 class Linear(nnx.Module):
     """Bias-free linear layer; weight [out, in] as in PyTorch / HF."""
 
-    def __init__(self, in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs):
-        self.weight = nnx.Param(std * jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32))
+    def __init__(self, in_features: int, out_features: int, *, std: float, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        w = std * jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32)
+        self.weight = nnx.Param(w.astype(dtype))
 
     def __call__(self, x: Array) -> Array:  # [..., in] -> [..., out]
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32))
+    def __init__(self, dim: int, eps: float, dtype: Any = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:  # [..., Dm]
@@ -261,12 +262,12 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         d, hd = config.hidden_size, config.head_dim
-        self.q_proj = Linear(d, config.num_heads * hd, std=std, rngs=rngs)
-        self.k_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs)
-        self.v_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs)
-        self.o_proj = Linear(config.num_heads * hd, d, std=std, rngs=rngs)
+        self.q_proj = Linear(d, config.num_heads * hd, std=std, rngs=rngs, dtype=dtype)
+        self.k_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs, dtype=dtype)
+        self.v_proj = Linear(d, config.num_kv_heads * hd, std=std, rngs=rngs, dtype=dtype)
+        self.o_proj = Linear(config.num_heads * hd, d, std=std, rngs=rngs, dtype=dtype)
         self.shape = (config.num_heads, config.num_kv_heads, hd)
 
     def project(self, x: Array, cos: Array, sin: Array) -> tuple[Array, Array, Array]:
@@ -280,32 +281,35 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = Linear(d, f, std=std, rngs=rngs)
-        self.up_proj = Linear(d, f, std=std, rngs=rngs)
-        self.down_proj = Linear(f, d, std=std, rngs=rngs)
+        self.gate_proj = Linear(d, f, std=std, rngs=rngs, dtype=dtype)
+        self.up_proj = Linear(d, f, std=std, rngs=rngs, dtype=dtype)
+        self.down_proj = Linear(f, d, std=std, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: Array) -> Array:  # SwiGLU: [..., Dm] -> [..., Dm]
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-AttendFn = Callable[[int, Array, Array, Array], Array]
-"""attend(layer, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D]) -> [B, T, Hq, D]."""
+AttendFn = Callable[[Array, Array, Array, Array, Any], tuple[Array, Any]]
+"""attend(layer, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], kv) -> ([B, T, Hq, D], kv): the layer index
+(an int32 scalar, traced under the scan) and the KV state the trunk carries through its layers (None: dense)."""
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, std=std, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, std=std, rngs=rngs)
+    def __init__(self, config: LlamaConfig, *, std: float, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, std=std, rngs=rngs, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, std=std, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x: Array, cos: Array, sin: Array, attend: Callable[[Array, Array, Array], Array]) -> Array:
+    def __call__(self, x: Array, cos: Array, sin: Array,
+                 attend: Callable[[Array, Array, Array, Any], tuple[Array, Any]], kv: Any) -> tuple[Array, Any]:
         b, t, _ = x.shape
         q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        x = x + self.self_attn.o_proj(attend(q, k, v).reshape(b, t, -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out, kv = attend(q, k, v, kv)
+        x = x + self.self_attn.o_proj(out.reshape(b, t, -1))
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
 def dense_attention(q: Array, k: Array, v: Array, mask: Array) -> Array:
@@ -342,25 +346,26 @@ def kv_dtype(dtype: Any) -> jnp.dtype:
     return resolved
 
 
-def _zeros_per_layer(num_layers: int, shape: tuple[int, ...], dtype: Any) -> tuple[Array, ...]:
-    """num_layers separate zero arrays (one buffer each, so that every leaf of a donated cache owns its own)."""
-    return tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
-
-
 @flax.struct.dataclass
 class KVCache:
-    """Paged KV cache, one page pool per layer. Block 0 is the null block (never written by a real token).
+    """Paged KV cache: every layer's pages in one array per K / V, block-major. Block 0 is the null block (never
+    written by a real token).
 
-    Invariants: every array leads with the block axis N (so copying, swapping or scrubbing a block means indexing
-    that axis of every leaf); `k_scales` / `v_scales` are present exactly when the pages are int8 or
-    float8_e4m3fn, and then K/V of the token at slot (block, offset), head h dequantise as
-    `k[block, offset, h].astype(f32) * k_scales[block, offset, h]` (what `paged_attention` does).
+    Layout: k, v [N, L, S, Hkv, D]: block n's pages for all L layers lie together, so copying, swapping or
+    scrubbing a block is indexing axis 0 of every leaf (the invariant `kv_pages`, `kv.tiers` and copy-on-write
+    rely on), and the layers run as one `lax.scan` carrying the whole cache. A layer's pool is a strided view:
+    `pages.reshape(N * L, S, Hkv, D)` holds block n of layer l at row n * L + l (`layer_pages`, `layer_tables`),
+    which is how the kernels read and write it (no copy: the reshape merges leading axes).
+
+    `k_scales` / `v_scales` [N, L, S, Hkv] are present exactly when the pages are int8 or float8_e4m3fn, and then
+    K/V of the token at slot (block, offset), layer l, head h dequantise as
+    `k[block, l, offset, h].astype(f32) * k_scales[block, l, offset, h]` (what `paged_attention` does).
     """
 
-    k: tuple[Array, ...]  # L x [N, S, Hkv, D] float32 | bfloat16 | int8 | float8_e4m3fn
-    v: tuple[Array, ...]  # L x [N, S, Hkv, D] same dtype as k
-    k_scales: tuple[Array, ...] | None = None  # L x [N, S, Hkv] float32 for int8 / fp8 pages, else None
-    v_scales: tuple[Array, ...] | None = None  # L x [N, S, Hkv] float32 for int8 / fp8 pages, else None
+    k: Array  # [N, L, S, Hkv, D] float32 | bfloat16 | int8 | float8_e4m3fn
+    v: Array  # [N, L, S, Hkv, D] same dtype as k
+    k_scales: Array | None = None  # [N, L, S, Hkv] float32 for int8 / fp8 pages, else None
+    v_scales: Array | None = None  # [N, L, S, Hkv] float32 for int8 / fp8 pages, else None
 
     @classmethod
     def zeros(cls, config: LlamaConfig, num_blocks: int, block_size: int, dtype: Any = jnp.float32) -> KVCache:
@@ -372,21 +377,24 @@ class KVCache:
         zeros, never NaN or garbage.
         """
         dtype = kv_dtype(dtype)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        k, v = _zeros_per_layer(config.num_layers, shape, dtype), _zeros_per_layer(config.num_layers, shape, dtype)
+        shape = (num_blocks, config.num_layers, block_size, config.num_kv_heads, config.head_dim)
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)  # separate buffers: each leaf can be donated
         if dtype.name not in _QUANTISED:
             return cls(k=k, v=v)
-        return cls(k=k, v=v, k_scales=_zeros_per_layer(config.num_layers, shape[:3], jnp.float32),
-                   v_scales=_zeros_per_layer(config.num_layers, shape[:3], jnp.float32))
+        return cls(k=k, v=v, k_scales=jnp.zeros(shape[:4], jnp.float32), v_scales=jnp.zeros(shape[:4], jnp.float32))
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[1]
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
     @property
     def dtype(self) -> jnp.dtype:
         """The page dtype."""
-        return jnp.dtype(self.k[0].dtype)
+        return jnp.dtype(self.k.dtype)
 
     @property
     def quantised(self) -> bool:
@@ -394,18 +402,20 @@ class KVCache:
         return self.k_scales is not None
 
     def layer(self, i: int) -> tuple[Array, Array, Array | None, Array | None]:
-        """Layer i as (k_pages, v_pages [N, S, Hkv, D], k_scales, v_scales [N, S, Hkv] float32 or None)."""
-        if self.quantised:
-            return self.k[i], self.v[i], self.k_scales[i], self.v_scales[i]
-        return self.k[i], self.v[i], None, None
+        """Layer i as (k_pages, v_pages [N, S, Hkv, D], k_scales, v_scales [N, S, Hkv] float32 or None): a copy,
+        for inspection and tests (the model reads layers through `layer_pages` instead)."""
+        take = lambda x: None if x is None else x[:, i]  # noqa: E731
+        return take(self.k), take(self.v), take(self.k_scales), take(self.v_scales)
 
-    @classmethod
-    def from_layers(cls, layers: list[tuple[Array, Array, Array | None, Array | None]]) -> KVCache:
-        """The inverse of `layer`: one (k_pages, v_pages, k_scales, v_scales) tuple per layer."""
-        k, v, k_scales, v_scales = (tuple(field) for field in zip(*layers))
-        if k_scales[0] is None:
-            return cls(k=k, v=v)
-        return cls(k=k, v=v, k_scales=k_scales, v_scales=v_scales)
+
+def layer_pages(x: Array | None) -> Array | None:
+    """[N, L, S, ...] -> [N * L, S, ...]: every layer's pool in one page axis (row n * L + l); None stays None."""
+    return None if x is None else x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
+def layer_tables(block_tables: Array, layer: Array | int, num_layers: int) -> Array:
+    """Block ids [B, M] -> rows of `layer_pages` for one layer (the null block 0 maps to layer `layer`'s null page)."""
+    return block_tables * num_layers + layer
 
 
 def slot_mapping(
@@ -442,37 +452,64 @@ def check_token_ids(tokens: Any, vocab_size: int) -> None:
 
 
 class Llama(nnx.Module):
-    """Llama decoder with an LM head (tied to the embedding when `config.tie_word_embeddings`)."""
+    """Llama decoder with an LM head (tied to the embedding when `config.tie_word_embeddings`).
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, std: float = 0.02):
+    The L decoder layers are one stacked module (every parameter leads with L, created by `nnx.vmap`) run by a
+    `lax.scan`, so the compiled program holds one layer whatever the depth (docs/models.md, "Stacked layers").
+    `scan=False` on the forward methods runs the same stacked weights layer by layer in Python (the unrolled
+    program, kept to check the scan against). Checkpoints keep HF's per-layer names (`checkpoint` stacks them).
+    `dtype` is the parameters' dtype (float32 or bfloat16); activations follow it, logits come out in float32.
+    """
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, std: float = 0.02, dtype: Any = jnp.float32):
         self.config = config
         d = config.hidden_size
-        self.embed_tokens = nnx.Embed(config.vocab_size, d, embedding_init=nnx.initializers.normal(std), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, std=std, rngs=rngs) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(d, config.vocab_size, std=std, rngs=rngs)
+        self.embed_tokens = nnx.Embed(config.vocab_size, d, embedding_init=nnx.initializers.normal(std), rngs=rngs,
+                                      param_dtype=dtype)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, std=std, rngs=rngs, dtype=dtype)
+
+        self.layers = stacked(rngs)
+        self.norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(d, config.vocab_size, std=std, rngs=rngs,
+                                                                      dtype=dtype)
 
     def lm_head_weight(self) -> Array:
         """[V, Dm]: the output projection (the embedding when tied)."""
         return self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.weight[...]
 
     def logits(self, hidden: Array) -> Array:
-        """hidden [..., Dm] (after the final norm) -> logits [..., V]."""
-        return jnp.einsum("...d,vd->...v", hidden, self.lm_head_weight())
+        """hidden [..., Dm] (after the final norm) -> logits [..., V] float32."""
+        return jnp.einsum("...d,vd->...v", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
 
-    def _trunk(self, tokens: Array, positions: Array, attend: AttendFn) -> tuple[Array, Array]:
+    def _trunk(self, tokens: Array, positions: Array, attend: AttendFn, kv: Any,
+               scan: bool) -> tuple[Array, Array, Any]:
         check_token_ids(tokens, self.config.vocab_size)
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, kv = carry
+            i, state = xs
+            return nnx.merge(graphdef, state)(x, cos, sin, lambda q, k, v, kv: attend(i, q, k, v, kv), kv), None
+
+        index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        if scan:
+            (x, kv), _ = jax.lax.scan(body, (x, kv), (index, stacked))
+        else:
+            for i in range(self.config.num_layers):
+                (x, kv), _ = body((x, kv), (index[i], jax.tree.map(lambda w, i=i: w[i], stacked)))
         hidden = self.norm(x)
-        return self.logits(hidden), hidden
+        return self.logits(hidden), hidden, kv
 
     def forward_dense(
-        self, tokens: Array, positions: Array | None = None, mask: Array | None = None
+        self, tokens: Array, positions: Array | None = None, mask: Array | None = None, *, scan: bool = True
     ) -> tuple[Array, Array]:
-        """The reference: tokens [B, T] -> (logits [B, T, V], hidden [B, T, Dm] after the final norm).
+        """The reference: tokens [B, T] -> (logits [B, T, V] float32, hidden [B, T, Dm] after the final norm).
 
         positions [B, T] int32 default to 0..T-1; mask [B, T, T] bool (query, key) defaults to causal.
         """
@@ -481,7 +518,9 @@ class Llama(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if mask is None:
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
-        return self._trunk(tokens, positions, lambda _, q, k, v: dense_attention(q, k, v, mask))
+        logits, hidden, _ = self._trunk(tokens, positions, lambda _, q, k, v, kv: (dense_attention(q, k, v, mask), kv),
+                                        None, scan)
+        return logits, hidden
 
     def forward_paged(
         self,
@@ -494,6 +533,7 @@ class Llama(nnx.Module):
         tree_mask: Array | None = None,
         *,
         impl: str = "auto",
+        scan: bool = True,
     ) -> tuple[Array, Array, KVCache]:
         """Paged prefill (a prompt chunk) or multi-query decode / verification.
 
@@ -504,27 +544,31 @@ class Llama(nnx.Module):
         kernels' implementation ("auto", "pallas", "xla", "reference"). The cache may hold any of `KV_DTYPES`:
         bfloat16 pages store the rounded K/V; int8 / float8_e4m3fn pages are written through the kernels' quantised
         path (per token and KV head, new scales kept in the returned cache) and dequantised when attended.
-        Returns (logits [B, Q, V], hidden [B, Q, Dm], new cache of the same dtype and structure).
+        Each layer writes and reads its pool through `layer_pages` / `layer_tables`: the kernels see one page
+        axis of N * L rows, and the scan carries the cache, so the writes stay in place.
+        Returns (logits [B, Q, V] float32, hidden [B, Q, Dm], new cache of the same dtype and structure).
         """
         b, q_len = tokens.shape
         qlens = jnp.full((b,), q_len, jnp.int32) if query_lens is None else query_lens
-        slots = slot_mapping(block_tables, context_lens, qlens, q_len, cache.block_size)
-        layers = [cache.layer(i) for i in range(len(cache.k))]  # replaced layer by layer as the trunk runs
+        n, num_layers, s = cache.k.shape[:3]
 
-        def attend(i: int, q: Array, k: Array, v: Array) -> Array:
+        def attend(i: Array, q: Array, k: Array, v: Array, kv: KVCache) -> tuple[Array, KVCache]:
             hkv, hd = k.shape[2], k.shape[3]
-            k_pages, v_pages, k_scales, v_scales = layers[i]
+            tables = layer_tables(block_tables, i, num_layers)
+            slots = slot_mapping(tables, context_lens, qlens, q_len, s)
+            pools = [layer_pages(x) for x in (kv.k, kv.v, kv.k_scales, kv.v_scales)]
             # Quantised pages: write_kv quantises the new rows per token and KV head and returns the new scales.
             written = tuple(write_kv(
-                k_pages, v_pages, k.reshape(b * q_len, hkv, hd), v.reshape(b * q_len, hkv, hd), slots,
-                k_scales=k_scales, v_scales=v_scales, impl=impl,
+                pools[0], pools[1], k.reshape(b * q_len, hkv, hd), v.reshape(b * q_len, hkv, hd), slots,
+                k_scales=pools[2], v_scales=pools[3], impl=impl,
             ))
-            layers[i] = written if cache.quantised else written + (None, None)
-            k_pages, v_pages, k_scales, v_scales = layers[i]
-            return paged_attention(
-                q, k_pages, v_pages, block_tables, context_lens, query_lens=query_lens, tree_mask=tree_mask,
+            k_pages, v_pages, k_scales, v_scales = written if kv.quantised else written + (None, None)
+            out = paged_attention(
+                q, k_pages, v_pages, tables, context_lens, query_lens=query_lens, tree_mask=tree_mask,
                 k_scales=k_scales, v_scales=v_scales, impl=impl,
             )
+            unflat = lambda x: None if x is None else x.reshape((n, num_layers) + x.shape[1:])  # noqa: E731
+            return out, KVCache(unflat(k_pages), unflat(v_pages), unflat(k_scales), unflat(v_scales))
 
-        logits, hidden = self._trunk(tokens, positions, attend)
-        return logits, hidden, KVCache.from_layers(layers)
+        logits, hidden, cache = self._trunk(tokens, positions, attend, cache, scan)
+        return logits, hidden, cache

@@ -113,11 +113,12 @@ def _move_kv(cache: KVCache, src: Array, dst: Array) -> KVCache:
     re-quantise already dequantised values, so a moved token could differ (in its scale's last bits) from what
     verification attended to. A plain scatter keeps the move exact for every page dtype.
     """
-    def move(pages: Array) -> Array:  # [N, S, ...] -> the same, slots dst overwritten with slots src
-        n, s = pages.shape[:2]
-        flat = pages.reshape((n * s,) + pages.shape[2:])
-        rows = flat[jnp.maximum(src, 0)]
-        return flat.at[jnp.where(dst < 0, n * s, dst)].set(rows, mode="drop").reshape(pages.shape)
+    n, s = cache.k.shape[0], cache.block_size
+    src_blk, src_off = jnp.maximum(src, 0) // s, jnp.maximum(src, 0) % s
+    dst_blk, dst_off = jnp.where(dst < 0, n, dst // s), jnp.maximum(dst, 0) % s  # block n: out of range, dropped
+
+    def move(pages: Array) -> Array:  # [N, L, S, ...] -> the same, slots dst of every layer overwritten from src
+        return pages.at[dst_blk, :, dst_off].set(pages[src_blk, :, src_off], mode="drop")
 
     return jax.tree.map(move, cache)
 

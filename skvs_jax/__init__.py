@@ -28,10 +28,9 @@ and, in the scheduler and the KV manager:
   X    a flat list of block ids of any length
 
 Modules (the layers, lowest first; docs/design.md): `config`, `arrays`, `checks`, `vmap_flow`, `victims`,
-`policies`; `kv`
-(the allocator, prefix cache, tiers and their facade); `scheduler`; `serve` (the engine) and `sim` (the
-simulator), beside `metrics`, `workloads` and `distributed`; `testing` (oracles and strategies); `commands` (the
-`skvs` command line).
+`policies`; `kv` (the allocator, prefix cache, tiers and their facade); `scheduler`; `serve` (the engine) and `sim`
+(the simulator), beside `metrics`, `workloads`, `distributed` and `model_shapes` (the named model shapes the engine
+serves and the simulator prices); `testing` (oracles and strategies); `commands` (the `skvs` command line).
 
 State is data (pytrees of fixed-shape arrays); capacities and switches are static config
 (`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`. The design, the

@@ -1,15 +1,15 @@
 """Tensor parallelism for the engine: the device mesh, what is sharded over it, and placing arrays on it.
 
 Mesh layout: two axes, `("dp", "tp")`. The engine shards over `tp` only, Megatron-style, with the KV heads as the
-unit of parallelism: each `tp` rank holds Hkv / tp KV heads of every layer's cache (the pages `[N, S, Hkv, D]`
-and scales `[N, S, Hkv]` split on their Hkv axis), the query heads that read them, and the matching slices of
+unit of parallelism: each `tp` rank holds Hkv / tp KV heads of every layer's cache (the pages `[N, L, S, Hkv, D]`
+and scales `[N, L, S, Hkv]` split on their Hkv axis), the query heads that read them, and the matching slices of
 the weights. Every other mesh axis (`dp`) holds a full replica of the engine that does the same work: it exists
 so that a host with more devices than KV heads (the shipped model has Hkv = 2) still gets a valid layout, and is
 the axis a data-parallel use (several engines, or sharded simulator sweeps) would split.
 
-What goes where (weights are stored [out, in], as in HF):
-  column-parallel, split on out:  q/k/v_proj, gate/up_proj   -> P("tp", None)
-  row-parallel, split on in:      o_proj, down_proj           -> P(None, "tp")  (XLA all-reduces their output)
+What goes where (weights are stored [out, in], as in HF; a Llama's stacked layers add a leading, replicated L):
+  column-parallel, split on out:  q/k/v_proj, gate/up_proj   -> P(None, "tp", None)
+  row-parallel, split on in:      o_proj, down_proj           -> P(None, None, "tp")  (XLA all-reduces the output)
   vocab-parallel, split on V:     embed_tokens, lm_head, every Medusa head's lm_head [V, Dm] -> P("tp", None)
   replicated:                     RMSNorm weights, Medusa ResBlocks, scheduler / allocator state, small arrays
 The vocabulary-sized matrices are the largest in a real model (V Dm each, one per Medusa head), and splitting
@@ -82,10 +82,12 @@ def megatron_spec(path, x) -> P:
     """The PartitionSpec of one Llama / Medusa parameter, from its path (HF names) and shape (see the module
     docstring). Anything not named here is replicated."""
     names = _names(path)
-    if x.ndim == 2 and any(n in COLUMN_PARALLEL or n in VOCAB_PARALLEL for n in names):
-        return P(TP, None)
-    if x.ndim == 2 and any(n in ROW_PARALLEL for n in names):
-        return P(None, TP)
+    # A Llama's stacked layers lead with the layer axis L, replicated: [L, out, in].
+    lead = (None,) if x.ndim == 3 and "layers" in names else ()
+    if x.ndim == 2 + len(lead) and any(n in COLUMN_PARALLEL or n in VOCAB_PARALLEL for n in names):
+        return P(*lead, TP, None)
+    if x.ndim == 2 + len(lead) and any(n in ROW_PARALLEL for n in names):
+        return P(*lead, None, TP)
     return P()
 
 
@@ -106,8 +108,8 @@ def megatron_specs(params: Any) -> Any:
 
 
 def kv_spec(x) -> P:
-    """A cache array [N, S, Hkv, ...] (pages [N, S, Hkv, D] or scales [N, S, Hkv]): split on Hkv."""
-    return P(None, None, TP)
+    """A cache array [N, L, S, Hkv, ...] (pages [N, L, S, Hkv, D] or scales [N, L, S, Hkv]): split on Hkv."""
+    return P(None, None, None, TP)
 
 
 def named(mesh: Mesh, specs: Any) -> Any:

@@ -211,6 +211,18 @@ def test_micro_attention_takes_its_flags(capsys):
         commands.main(["micro", "attention", "--kv-heads", "0"])
 
 
+def test_micro_compile_times_a_cut_shape_scanned_and_unrolled(capsys):
+    argv = "micro compile --shapes tiny:2 --widths 1 --batch 2 --blocks 8 --max-blocks-per-seq 4 --dtype float32"
+    assert commands.main(argv.split()) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny")]
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [("tiny", "2", "scan", "1"), ("tiny", "2", "unrolled", "1")]
+    assert rows[1][-1].endswith("x")  # unrolled / scan
+    for bad, says in (("--shapes llama-9", "model shape must be one of"), ("--programs loop", "--programs"),
+                      ("--widths 0", "--widths")):
+        with pytest.raises(SystemExit, match=re.escape(f"skvs micro compile: ") + ".*" + re.escape(says)):
+            commands.main(["micro", "compile", *bad.split()])
+
+
 @pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`)
 def test_micro_simulate_small_run_prints_its_ratio(capsys):
     argv = "micro simulate --max-seqs 4 --requests 6 --points 8 --steps 32 --max-prompt-len 32 --max-output-len 16"

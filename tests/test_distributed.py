@@ -54,7 +54,7 @@ def _check(devices: int, swap: bool) -> dict:
             e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id,
                           arrival_time=0.0)
         out = e.run()
-        k0 = e.state.cache.k[0]
+        k0 = e.state.cache.k
         e.step()  # nothing left to do: one more step, to see that it donated the cache it was given
         counters = {f: int(getattr(e.state.sched.counters, f)) for f in e.state.sched.counters.__dataclass_fields__}
         return e, dict(outputs={str(k): v for k, v in out.items()}, counters=counters,
@@ -62,11 +62,11 @@ def _check(devices: int, swap: bool) -> dict:
                        compiled=len(e.compiled), donated=k0.is_deleted())
 
     def shardings(e) -> dict:
-        k0, layer0 = e.state.cache.k[0], e.params[0]["layers"][0]
+        k0, layer0 = e.state.cache.k, e.params[0]["layers"]  # [N, L, S, Hkv, D]; stacked layers [L, out, in]
         return dict(
             kv_spec=list(k0.sharding.spec), kv_shape=list(k0.shape), kv_devices=len(k0.sharding.device_set),
             kv_shard_shapes=sorted({tuple(s.data.shape) for s in k0.addressable_shards}),
-            every_kv_split=all(x.sharding.spec == P(None, None, "tp") for x in e.runner.kv_pages(e.state.cache)),
+            every_kv_split=all(x.sharding.spec == P(None, None, None, "tp") for x in e.runner.kv_pages(e.state.cache)),
             q_spec=list(layer0["self_attn"]["q_proj"]["weight"][...].sharding.spec),
             o_spec=list(layer0["self_attn"]["o_proj"]["weight"][...].sharding.spec),
             replicated=all(x.sharding.is_fully_replicated for x in jax.tree.leaves(e.state.replace(cache=None))),
@@ -138,10 +138,10 @@ def _run(devices: int, swap: bool = False) -> dict:
 
 def _assert_split(m: dict, devices: int) -> None:
     """The cache is split over tp, not replicated: each device holds [N, S, Hkv / tp, D] of every layer."""
-    n, s, hkv, d = m["kv_shape"]
-    assert m["kv_spec"] == [None, None, "tp"] and m["every_kv_split"]
-    assert m["kv_shard_shapes"] == [[n, s, hkv // 2, d]] and m["kv_devices"] == devices
-    assert m["q_spec"] == ["tp", None] and m["o_spec"] == [None, "tp"]
+    n, layers, s, hkv, d = m["kv_shape"]
+    assert m["kv_spec"] == [None, None, None, "tp"] and m["every_kv_split"]
+    assert m["kv_shard_shapes"] == [[n, layers, s, hkv // 2, d]] and m["kv_devices"] == devices
+    assert m["q_spec"] == [None, "tp", None] and m["o_spec"] == [None, None, "tp"]
     assert m["replicated"]  # scheduler / allocator state, hidden states, sampling parameters, rng
     assert m["donated"] and m["compiled"] == 1
 
@@ -271,18 +271,18 @@ def test_megatron_specs_split_what_they_should(shipped):
 
     runner, params = LlamaMedusaRunner.create(*shipped)
     specs = runner.param_specs(params, 2)
-    layer, head = specs[0]["layers"][1], specs[1]["heads"][2]
+    layer, head = specs[0]["layers"], specs[1]["heads"][2]  # the stacked layers: [L, out, in], L replicated
     for name in ("q_proj", "k_proj", "v_proj"):
-        assert layer["self_attn"][name]["weight"].get_value() == P("tp", None)
-    assert layer["self_attn"]["o_proj"]["weight"].get_value() == P(None, "tp")
+        assert layer["self_attn"][name]["weight"].get_value() == P(None, "tp", None)
+    assert layer["self_attn"]["o_proj"]["weight"].get_value() == P(None, None, "tp")
     for name in ("gate_proj", "up_proj"):
-        assert layer["mlp"][name]["weight"].get_value() == P("tp", None)
-    assert layer["mlp"]["down_proj"]["weight"].get_value() == P(None, "tp")
+        assert layer["mlp"][name]["weight"].get_value() == P(None, "tp", None)
+    assert layer["mlp"]["down_proj"]["weight"].get_value() == P(None, None, "tp")
     assert layer["input_layernorm"]["weight"].get_value() == P()
     assert specs[0]["embed_tokens"]["embedding"].get_value() == P("tp", None)  # tied: also the LM head
     assert head["lm_head"]["weight"].get_value() == P("tp", None)
     assert head["blocks"][0]["linear"]["weight"].get_value() == head["blocks"][0]["linear"]["bias"].get_value() == P()
-    assert runner.cache_specs(runner.init_cache(4, 8, "int8")) == (P(None, None, "tp"),) * 16  # pages + scales
+    assert runner.cache_specs(runner.init_cache(4, 8, "int8")) == (P(None, None, None, "tp"),) * 4  # pages + scales
 
 
 if __name__ == "__main__":

@@ -578,11 +578,12 @@ def _serve_checked(e, requests, *, poison: bool) -> tuple[dict, int, int]:
             blk, off = np.asarray(rejected).T
             dirty = np.zeros(len(rejected), bool)
             for x in pages:
-                dirty |= np.asarray(x)[blk, off].reshape(len(rejected), -1).any(axis=1)
+                dirty |= np.asarray(x)[blk, :, off].reshape(len(rejected), -1).any(axis=1)  # [N, L, S, ...]: all layers
             rejected_n, dirty_n = rejected_n + len(rejected), dirty_n + int(dirty.sum())
         if poison:
             dead = jnp.asarray(_dead_slots(alloc, e.cfg.sched.cache))
-            e._set_kv_pages(tuple(jnp.where(dead.reshape(dead.shape + (1,) * (x.ndim - 2)), GARBAGE, x).astype(x.dtype)
+            dead = dead[:, None, :]  # [N, 1, S]: every layer's slot (block, offset)
+            e._set_kv_pages(tuple(jnp.where(dead.reshape(dead.shape + (1,) * (x.ndim - 3)), GARBAGE, x).astype(x.dtype)
                                   for x in pages))
     return {r.request_id: list(e.requests[r.request_id].tokens) for r in requests}, rejected_n, dirty_n
 

@@ -77,8 +77,9 @@ def test_quantised_cache_holds_scales_exactly_for_written_slots(paged, dtype):
     for row in tables:
         for p in range(T):
             written[row[p // S], p % S] = True
-    for layer in range(len(cache.k)):
-        for pages, scales in ((cache.k[layer], cache.k_scales[layer]), (cache.v[layer], cache.v_scales[layer])):
+    for layer in range(cache.num_layers):
+        k, v, k_scales, v_scales = cache.layer(layer)
+        for pages, scales in ((k, k_scales), (v, v_scales)):
             scales = np.asarray(scales)
             assert scales.shape == (N, S, 2) and scales.dtype == np.float32
             assert np.all(scales[written] > 0), "every written token has a positive scale per KV head"
@@ -86,7 +87,8 @@ def test_quantised_cache_holds_scales_exactly_for_written_slots(paged, dtype):
                 "the null block and unwritten slots keep their initial zeros"
     # Layer 0's K/V depend on the tokens alone, so they equal the float32 cache's before quantisation: the
     # dequantised values are within one rounding step (int8: half a step; e4m3: 3 mantissa bits, subnormals).
-    for got, sc, want in ((cache.k[0], cache.k_scales[0], ref.k[0]), (cache.v[0], cache.v_scales[0], ref.v[0])):
+    (k, v, k_scales, v_scales), (ref_k, ref_v, _, _) = cache.layer(0), ref.layer(0)
+    for got, sc, want in ((k, k_scales, ref_k), (v, v_scales, ref_v)):
         deq, want, sc = np.asarray(dequantize_kv(got, sc)), np.asarray(want), np.asarray(sc)[..., None]
         bound = 0.5 * sc if dtype == "int8" else 2.0**-4 * np.abs(want) + 2.0**-10 * sc
         assert np.all(np.abs(deq - want) <= bound * (1 + 1e-5) + 1e-7)
@@ -110,9 +112,9 @@ def test_runner_copies_and_exposes_scales_and_tiers_carry_them(shipped, dtype):
     cache = random_cache(runner.config, dtype, seed=1)
     layers = runner.config.num_layers
     pages = runner.kv_pages(cache)
-    assert len(pages) == (4 if dtype in QUANTISED else 2) * layers and all(p.shape[0] == 6 for p in pages)
+    assert len(pages) == (4 if dtype in QUANTISED else 2) and all(p.shape[:2] == (6, layers) for p in pages)
     if dtype in QUANTISED:
-        assert [p.shape for p in pages[2 * layers:]] == [(6, 4, 2)] * (2 * layers)
+        assert [p.shape for p in pages[2:]] == [(6, layers, 4, 2)] * 2
     assert tree_bytes(runner.with_kv_pages(cache, pages), range(6)) == tree_bytes(cache, range(6))
     with pytest.raises(ValueError, match="pages"):
         runner.with_kv_pages(cache, pages[:-1])
@@ -133,7 +135,8 @@ def test_tree_verification_moves_scales_with_the_values(shipped):
     src, dst = jnp.asarray([5, 9, 0], jnp.int32), jnp.asarray([17, 2, -1], jnp.int32)  # slot = block * 4 + offset
     moved = _move_kv(cache, src, dst)
     for before, after in zip(jax.tree.leaves(cache), jax.tree.leaves(moved)):
-        flat_before, flat_after = np.asarray(before).reshape(24, -1), np.asarray(after).reshape(24, -1)
+        # [N, L, S, ...] -> one row per slot (block, offset), every layer in it
+        flat_before, flat_after = (np.moveaxis(np.asarray(x), 1, 2).reshape(24, -1) for x in (before, after))
         expect = flat_before.copy()
         expect[[17, 2]] = flat_before[[5, 9]]  # dst -1 is skipped
         assert flat_after.tobytes() == expect.tobytes()

@@ -90,7 +90,7 @@ def test_prefill_with_padded_query_rows():
     ref1 = np.asarray(dense(jnp.asarray(tokens[1:, :7])))
     assert rel_err(logits[1, :7], ref1[0]) <= 1e-5
     # Nothing was written for the padding rows: sequence 1's slots 7..11 are still zero.
-    k = np.asarray(cache.k[0]).reshape(-1, CONFIG.num_kv_heads, CONFIG.head_dim)
+    k = np.asarray(cache.layer(0)[0]).reshape(-1, CONFIG.num_kv_heads, CONFIG.head_dim)
     slots = np.asarray(slot_mapping(tables, jnp.asarray([12, 12], jnp.int32), jnp.asarray([12, 12], jnp.int32), 12, 4))
     assert np.all(k[slots[12 + 7:]] == 0.0)
 
@@ -115,8 +115,8 @@ def test_rollback_garbage_past_committed_length_and_in_free_blocks_is_invisible(
     poison = np.ones(num_blocks * block_size, bool)
     poison[list(used)] = False
     garbage = lambda pages: jnp.where(  # noqa: E731
-        jnp.asarray(poison).reshape(num_blocks, block_size, 1, 1), jnp.float32(GARBAGE), pages)
-    dirty = KVCache(k=tuple(garbage(p) for p in cache.k), v=tuple(garbage(p) for p in cache.v))
+        jnp.asarray(poison).reshape(num_blocks, 1, block_size, 1, 1), jnp.float32(GARBAGE), pages)  # every layer
+    dirty = KVCache(k=garbage(cache.k), v=garbage(cache.v))
 
     nxt = rng.integers(0, CONFIG.vocab_size, (1, 1)).astype(np.int32)
     args = (jnp.asarray(nxt), jnp.asarray([[committed]], jnp.int32))
@@ -223,3 +223,35 @@ def test_every_kernel_implementation_gives_the_dense_logits(impl):
         logits, _, cache = model.forward_paged(jnp.asarray(tokens[:, t:t + 1]), jnp.full((2, 1), t, jnp.int32), cache,
                                                tables, jnp.full((2,), t + 1, jnp.int32), impl=impl)
         assert rel_err(logits[:, 0], ref[:, t]) <= 1e-5
+
+
+def test_scanned_layers_match_the_unrolled_ones():
+    """The layers run by `lax.scan` (the model's program) and the same stacked weights run layer by layer in
+    Python agree to float tolerance, dense and paged (logits, hidden states and every written cache slot)."""
+    config = dataclasses.replace(CONFIG, num_layers=3)
+    model = Llama(config, rngs=nnx.Rngs(1), std=0.3)
+    assert model.layers.self_attn.q_proj.weight.shape == (3, config.num_heads * config.head_dim, config.hidden_size)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 9)), jnp.int32)
+    scanned, unrolled = model.forward_dense(tokens), model.forward_dense(tokens, scan=False)
+    for a, b in zip(scanned, unrolled):
+        assert rel_err(a, b) <= 1e-5
+    tables = jnp.asarray([[1, 2, 3], [4, 5, 6]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    lens = jnp.asarray([9, 9], jnp.int32)
+    outs = [model.forward_paged(tokens, positions, KVCache.zeros(config, 8, 4), tables, lens, scan=scan)
+            for scan in (True, False)]
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+        assert rel_err(a, b) <= 1e-5
+    assert rel_err(outs[0][0], scanned[0]) <= 1e-5  # and the paged prefill is the dense forward
+
+
+def test_bfloat16_parameters_keep_their_dtype_and_give_float32_logits():
+    model = Llama(CONFIG, rngs=nnx.Rngs(0), std=0.3, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    logits, hidden = model.forward_dense(jnp.asarray([[1, 2, 3]], jnp.int32))
+    assert logits.dtype == jnp.float32 and hidden.dtype == jnp.bfloat16
+    f32 = Llama(CONFIG, rngs=nnx.Rngs(0), std=0.3)
+    nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(f32, nnx.Param)))
+    logits = model.forward_dense(jnp.asarray([[1, 2, 3]], jnp.int32))[0]
+    ref = f32.forward_dense(jnp.asarray([[1, 2, 3]], jnp.int32))[0]
+    assert rel_err(logits, ref) <= 0.05  # the same weights rounded to bf16, run in bf16

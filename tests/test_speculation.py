@@ -370,7 +370,7 @@ def test_adaptive_draft_length_compares_the_expected_acceptance_with_each_bucket
 def test_the_policys_kv_precision_builds_the_cache(shipped):
     model, heads = shipped
     e = engine.Engine(model, heads, policies.skvs(4).replace(kv_precision="by_draft_len"), CACHE)
-    assert e.cfg.kv_dtype == "float8_e4m3fn" and e.state.cache.k[0].dtype == jnp.float8_e4m3fn
+    assert e.cfg.kv_dtype == "float8_e4m3fn" and e.state.cache.k.dtype == jnp.float8_e4m3fn
     assert e.state.cache.k_scales is not None
     e = engine.Engine(model, heads, policies.skvs(4).replace(kv_precision="int8"), CACHE, kv_dtype="bfloat16")
-    assert e.state.cache.k[0].dtype == jnp.bfloat16  # an explicit kv_dtype overrides the policy
+    assert e.state.cache.k.dtype == jnp.bfloat16  # an explicit kv_dtype overrides the policy

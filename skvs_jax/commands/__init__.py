@@ -7,6 +7,7 @@
   skvs gpu-check         the one GPU script: the kernels, then serving at 1 and N steps per dispatch (--cpu-smoke)
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
+  skvs micro compile     the model's paged forward compile time at real shapes: scanned layers vs unrolled
   skvs micro buckets     padding with draft widths chosen from the histogram vs the fixed {0, K/2, K}
   skvs micro host        the host's share of serving wall time, by policy and steps per dispatch
   skvs micro program     one step's program as a GPU runs it: heavy primitives, kernels, host round trips
@@ -17,7 +18,7 @@
 
 Each command's module: `bench` (with `bench_serving` and `bench_report`), `simulate`, `claims`, `generate`,
 `gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
-`micro_buckets`, `micro_host`, `micro_program`.
+`micro_buckets`, `micro_host`, `micro_program`, `micro_compile`.
 Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
 `micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
 folder). Commands are dispatched by one table, `COMMANDS`.
@@ -47,6 +48,8 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("micro", "precision"), "micro_precision", "Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)"),
     (("micro", "simulate"), "micro_simulate", "simulated steps/s, and a vmapped sweep vs sequential runs"),
     (("micro", "attention"), "micro_attention", "paged decode attention vs dense attention (XLA, CPU)"),
+    (("micro", "compile"), "micro_compile",
+     "the model's paged forward compile time at real shapes (abstract weights): scanned vs unrolled layers"),
     (("micro", "buckets"), "micro_buckets", "padding: draft widths chosen from the histogram vs {0, K/2, K}"),
     (("micro", "host"), "micro_host", "the host's share of serving wall time, by policy and steps per dispatch"),
     (("micro", "program"), "micro_program",

@@ -5,13 +5,12 @@ This is host-side orchestration around two jitted device programs, kept delibera
   swap_out: device gather of the sequence's blocks  ->  one device-to-host copy  ->  bytes into tier slots
   swap_in:  bytes out of tier slots  ->  one host-to-device copy  ->  device scatter into the new blocks
 
-`kv_pages` is a tuple of device arrays sharing the leading block axis N: the K and V pages [N, S, Hkv, D] of any
-real dtype (float32, bfloat16, int8, float8_e4m3fn, ...; not bool or complex) and, for quantised pages, their
-scales [N, S, Hkv]; any
-trailing shape works. A tier stores each block of each array as raw bytes (uint8 [capacity, bytes per block]),
-so the round trip is bit-identical whatever the dtype (NaN payloads included). Capacity is in blocks; the
-tier's free slots are a host-side bitmap. A tier that cannot hold a request returns a handle with ok=False and
-moves nothing: failure is data, the scheduler decides (recompute instead, or try the next tier).
+`kv_pages` is a tuple of device arrays sharing the leading block axis N: the K and V pages [N, L, S, Hkv, D] of any
+real dtype (float32, bfloat16, int8, float8_e4m3fn, ...; not bool or complex) and, for quantised pages, their scales
+[N, L, S, Hkv]; any trailing shape works. A tier stores each block of each array as raw bytes (uint8 [capacity,
+bytes per block]), so the round trip is bit-identical whatever the dtype (NaN payloads included). Capacity is in
+blocks; the tier's free slots are a host-side bitmap. A tier that cannot hold a request returns a handle with
+ok=False and moves nothing: failure is data, the scheduler decides (recompute instead, or try the next tier).
 
 `SwapSpace` is what the engine swaps into: a host tier backed by a bounded disk tier, spilling the least recently
 swapped-out sequences' blocks to disk when the host is full, and reading them back on swap-in.

@@ -11,6 +11,7 @@
   sampling      per-request sampling inside the step: logits processing, streams, stop sequences, logprobs
   sampling_params  `SamplingParams`: what a request asks of the sampler, validated at the boundary
   model_runner  the protocol the engine reaches models through, and the tiny Llama + Medusa runner
+  oracle_drafter  drafts of a chosen acceptance (a corrupted reference continuation) for models without heads
   speculation   draft trees, verification over a tree, the accepted path's KV move
   acceptance    the acceptance rules (greedy, typical, lossless rejection sampling) and a chi-square test
 """

@@ -56,7 +56,7 @@ from skvs_jax.kv import manager
 from skvs_jax.kv import tiers as tiers_mod
 from skvs_jax.policies import Policy
 from skvs_jax.serve import dispatch as dispatch_mod
-from skvs_jax.serve import engine_step
+from skvs_jax.serve import engine_step, oracle_drafter
 from skvs_jax.serve import sampling as sampling_mod
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve import step_cost as step_cost_mod
@@ -77,8 +77,9 @@ class Engine:
     """`Engine(model, heads, policy, cache_config, options=None, **options)`: add requests, `step()` or `run()`,
     read outputs.
 
-    model: the base `reference_models.Llama`; heads: its `MedusaHeads` (required when the policy speculates;
-    the first K heads draft); cache_config: the paged cache (its max_seqs slots hold waiting, running and
+    model: the base `reference_models.Llama`; heads: its `MedusaHeads`, or an `oracle_drafter.OracleDrafter` (drafts
+    of a chosen acceptance, for a model without trained heads); required when the policy speculates; the first K
+    heads draft; cache_config: the paged cache (its max_seqs slots hold waiting, running and
     swapped requests); options: an `EngineOptions` (docs there and in docs/serving.md), or its fields as keywords
     (which override the given options' fields). Any other model: `Engine.from_runner(runner, params, policy,
     cache_config, ...)` with a `model_runner.ModelRunner`.
@@ -93,9 +94,14 @@ class Engine:
     def __init__(self, model, heads, policy: Policy, cache_config: CacheConfig, options: EngineOptions | None = None,
                  **overrides):
         if policy.speculation and heads is None:
-            raise TypeError("heads must be MedusaHeads when the policy speculates")
+            raise TypeError("heads must be MedusaHeads (or an OracleDrafter) when the policy speculates")
         options = EngineOptions.of(options, overrides)
-        runner, params = LlamaMedusaRunner.create(model, heads if policy.speculation else None)
+        if isinstance(heads, oracle_drafter.OracleDrafter):
+            runner, params = LlamaMedusaRunner.create(model, None)
+            if policy.speculation:
+                runner, params = oracle_drafter.wrap(runner, params, heads)
+        else:
+            runner, params = LlamaMedusaRunner.create(model, heads if policy.speculation else None)
         self._setup(runner, params, policy, cache_config, options)
 
     @classmethod

@@ -29,7 +29,7 @@ from skvs_jax.arrays import i32
 from skvs_jax.serve import sampling
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
-from skvs_jax.serve.model_runner import ModelRunner
+from skvs_jax.serve.model_runner import DraftSite, ModelRunner
 
 MAX_STOP = sampling.MAX_STOPS  # stop token ids and stop strings together, per request
 MAX_REQUEST_ID = 2**31 - 2  # ids live in int32 device arrays, and the next free id must fit too
@@ -134,7 +134,7 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     # With split rows, `view` is the batch as its [B, Q] home rows see it (each row's last Q tokens; the earlier
     # ones of a long prompt chunk ride in extra rows); everything after the forward reads it, `update` the batch.
     view = _home_view(batch, width) if split_rows else batch
-    queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs.tokens, view, cfg=cfg,
+    queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs, view, cfg=cfg,
                                 width=width)
     if split_rows:
         logits, hidden, cache, fits = _forward_split(runner, params, queries, cache, batch, view,
@@ -223,12 +223,13 @@ def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context:
 
 
 def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: sampling.SamplingRows,
-                      context: _PenaltyContext, seq_tokens: jax.Array, batch: sc.Batch, *, cfg: EngineConfig,
+                      context: _PenaltyContext, seqs, batch: sc.Batch, *, cfg: EngineConfig,
                       width: int) -> _Queries:
     """Row b's query: its known tokens [start, start + num_query), then its first num_drafts draft-tree nodes.
 
     hidden float32[B, Dm] at each row's last accepted position feeds the draft heads (K > 0 only); rows and
-    context are used only for sampled drafts; seq_tokens int32[B, M * S] the scheduler's known tokens.
+    context are used only for sampled drafts; seqs the scheduler's `SeqTable` (its known tokens int32[B, M * S],
+    and the request ids a drafter may key on, `DraftSite`).
     Reads batch.start, num_query, num_drafts, scheduled. Q = width query slots per row.
     """
     scfg = cfg.sched
@@ -237,7 +238,8 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: samp
     slot = jnp.arange(width, dtype=i32)[None, :]  # [1, Q]
     draft_logits = None
     if k > 0:
-        head_logits = runner.draft_logits(params, hidden)  # [B, draft heads, V] for positions n + 1, n + 2, ...
+        site = DraftSite(request_id=seqs.request_id, position=batch.start + num_query)
+        head_logits = runner.draft_logits(params, hidden, site)  # [B, draft heads, V] for positions n + 1, n + 2, ...
         if cfg.sample_drafts:
             nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, batch.start + num_query,
                                                  skip=cfg.sched.skip)
@@ -246,7 +248,7 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: samp
         _, positions, tree_mask = spec.layout(cfg.tree, batch.start, num_query, width)
     else:
         nodes, positions, tree_mask = jnp.zeros((scfg.cache.max_seqs, 1), i32), batch.start[:, None] + slot, None
-    known = jnp.take_along_axis(seq_tokens, jnp.clip(batch.start[:, None] + slot, 0, scfg.max_len - 1), axis=1)
+    known = jnp.take_along_axis(seqs.tokens, jnp.clip(batch.start[:, None] + slot, 0, scfg.max_len - 1), axis=1)
     is_draft = (slot >= num_query[:, None]) & (slot < (num_query + num_drafts)[:, None])
     node_of_slot = jnp.clip(slot - num_query[:, None], 0, nodes.shape[1] - 1)
     tokens = jnp.where(slot < num_query[:, None], known,
@@ -482,10 +484,12 @@ def _scrub_rejected_drafts(runner: ModelRunner, cache, batch: sc.Batch, accepted
     accepted int32[B] after the stop-token cut; a row that samples no token keeps none of its drafts (what `update`
     commits). Draft slot k of row b sits at position start + num_query + k; the slots k >= accepted are rejected:
     for a draft tree, after `_move_accepted_kv` the accepted path occupies the first `accepted` slots and every
-    other slot (rejected nodes and the accepted ones' old places) is dead. The runner's `kv_pages` are page
-    arrays [N, S, Hkv, D] (K then V per layer pair-wise; any even count) and, when quantised, their scales
-    [N, S, Hkv] in the same order; each pair goes through the kernel in one call. Runs before `update`, whose
-    commit gives the blocks of rejected drafts back: a block is scrubbed before anyone else can own it."""
+    other slot (rejected nodes and the accepted ones' old places) is dead. The runner's `kv_pages` are K and V
+    pages [N, L, S, Hkv, D] (any even count, pair-wise) and, when quantised, their scales [N, L, S, Hkv] in the
+    same order. Each pair goes through the kernel in one call for all L layers: the pages viewed as N * L rows
+    (block n of layer l at row n * L + l), the batch as B * L rows with tables `block * L + l`. Runs before
+    `update`, whose commit gives the blocks of rejected drafts back: a block is scrubbed before anyone else can
+    own it."""
     pol = cfg.sched.policy
     if pol.draft_len == 0 or not pol.scrub_rejected:
         return cache
@@ -494,18 +498,23 @@ def _scrub_rejected_drafts(runner: ModelRunner, cache, batch: sc.Batch, accepted
     lens = jnp.where(batch.scheduled, batch.num_drafts, 0)
     start = batch.start + batch.num_query
     pages = list(runner.kv_pages(cache))
-    data = [i for i, x in enumerate(pages) if x.ndim == 4]
-    scales = [i for i, x in enumerate(pages) if x.ndim == 3]
+    data = [i for i, x in enumerate(pages) if x.ndim == 5]
+    scales = [i for i, x in enumerate(pages) if x.ndim == 4]
     if len(data) % 2 or (scales and len(scales) != len(data)):
-        raise ValueError(f"runner.kv_pages must be pairs of [N, S, Hkv, D] pages (and as many [N, S, Hkv] scales), "
-                         f"got {len(data)} pages and {len(scales)} scales")
+        raise ValueError(f"runner.kv_pages must be pairs of [N, L, S, Hkv, D] pages (and as many [N, L, S, Hkv] "
+                         f"scales), got {len(data)} pages and {len(scales)} scales")
     for j in range(0, len(data), 2):
         idx = data[j:j + 2] + scales[j:j + 2]
-        sc_kw = dict(k_scales=pages[idx[2]], v_scales=pages[idx[3]]) if scales else {}
-        out = pk.invalidate_drafts(pages[idx[0]], pages[idx[1]], batch.block_table, start, accept_mask,
-                                   draft_lens=lens, impl=cfg.impl, **sc_kw)
+        n, num_layers = pages[idx[0]].shape[:2]
+        flat = [pages[i].reshape((n * num_layers,) + pages[i].shape[2:]) for i in idx]
+        layer = jnp.arange(num_layers, dtype=i32)[None, :, None]
+        tables = (batch.block_table[:, None, :] * num_layers + layer).reshape(-1, batch.block_table.shape[1])
+        sc_kw = dict(k_scales=flat[2], v_scales=flat[3]) if scales else {}
+        start_l, accept_l, lens_l = (jnp.repeat(x, num_layers, axis=0) for x in (start, accept_mask, lens))
+        out = pk.invalidate_drafts(flat[0], flat[1], tables, start_l, accept_l, draft_lens=lens_l, impl=cfg.impl,
+                                   **sc_kw)
         for i, x in zip(idx, out):
-            pages[i] = x
+            pages[i] = x.reshape(pages[i].shape)
     return runner.with_kv_pages(cache, tuple(pages))
 
 

@@ -17,11 +17,20 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from reference_models.llama import KVCache, Llama, LlamaConfig
 from reference_models.medusa import MedusaHeads
 from skvs_jax import distributed
+
+
+@struct.dataclass
+class DraftSite:
+    """Where each row drafts: what a drafter that is not a function of the hidden state alone needs (the oracle
+    drafter, `oracle_drafter`)."""
+
+    request_id: jax.Array  # int32[B] the row's request id (-1: an empty row)
+    position: jax.Array  # int32[B] the sequence position of the row's first draft (its last known token's + 1)
 
 
 class ModelRunner(Protocol):
@@ -44,11 +53,12 @@ class ModelRunner(Protocol):
         the cache before the Q query slots plus slot j iff tree_mask[b, i, j] (positions carry each node's
         depth). Returns (logits float[B, Q, V], hidden float[B, Q, Dm], cache)."""
 
-    def draft(self, params: Any, hidden: jax.Array) -> jax.Array:
+    def draft(self, params: Any, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         """hidden float[B, Dm] at a row's last accepted position t -> int32[B, num_draft_heads] drafts for
-        positions t + 2, t + 3, ... (each head's most likely token)."""
+        positions t + 2, t + 3, ... (each head's most likely token). site: the rows' request ids and first draft
+        positions (t + 2), for drafters that need them; Medusa heads do not."""
 
-    def draft_logits(self, params: Any, hidden: jax.Array) -> jax.Array:
+    def draft_logits(self, params: Any, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         """hidden float[B, Dm] -> float32[B, num_draft_heads, V]: head h's logits for position t + 2 + h (what
         sampled drafts, tree candidates and lossless verification's draft distribution q are made from)."""
 
@@ -56,8 +66,9 @@ class ModelRunner(Protocol):
         """Copy whole blocks src[X] -> dst[X] (copy-on-write)."""
 
     def kv_pages(self, cache: Any) -> tuple[jax.Array, ...]:
-        """The cache as a tuple of arrays [N, S, ...] (block, token in block, ...): K/V pages and any quantisation
-        scales. `tiers` swaps them by block; the engine's tree verification moves tokens within them."""
+        """The cache as a tuple of arrays [N, L, S, ...] (block, layer, token in block, ...): K/V pages and any
+        quantisation scales (L = 1 for a cache that is not per layer). `tiers` swaps them by block; the engine's
+        tree verification moves tokens within them and its draft scrub zeroes token slots of every layer."""
 
     def with_kv_pages(self, cache: Any, pages: tuple[jax.Array, ...]) -> Any:
         """The inverse of `kv_pages`."""
@@ -110,7 +121,7 @@ class LlamaMedusaRunner:
 
     def init_cache(self, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
         """An empty `KVCache` with pages of `dtype` ("float32", "bfloat16", "int8", "float8_e4m3fn" or the dtype
-        itself; ValueError otherwise); int8 / fp8 pages come with float32 scales [N, S, Hkv] per layer."""
+        itself; ValueError otherwise); int8 / fp8 pages come with float32 scales [N, L, S, Hkv]."""
         return KVCache.zeros(self.config, num_blocks, block_size, dtype)
 
     def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str,
@@ -119,10 +130,10 @@ class LlamaMedusaRunner:
         return model.forward_paged(tokens, positions, cache, block_tables, context_lens, query_lens=query_lens,
                                    tree_mask=tree_mask, impl=impl)
 
-    def draft(self, params, hidden: jax.Array) -> jax.Array:
+    def draft(self, params, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         return jnp.argmax(self.draft_logits(params, hidden), axis=-1).astype(jnp.int32)
 
-    def draft_logits(self, params, hidden: jax.Array) -> jax.Array:
+    def draft_logits(self, params, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         if self.heads_graphdef is None:
             raise ValueError("this runner has no draft heads")
         logits = nnx.merge(self.heads_graphdef, params[1])(hidden)  # [H, B, V]
@@ -134,9 +145,9 @@ class LlamaMedusaRunner:
         return jax.tree.map(lambda x: x.at[dst].set(x[src]), cache)
 
     def kv_pages(self, cache: KVCache) -> tuple[jax.Array, ...]:
-        """Every cache array, each leading with the block axis N: L K pages, L V pages [N, S, Hkv, D], then for
-        int8 / fp8 caches L K scales and L V scales [N, S, Hkv] float32 (so a swap moves a block's scales
-        with its values)."""
+        """Every cache array, each leading with the block axis N: K and V pages [N, L, S, Hkv, D], then for
+        int8 / fp8 caches K and V scales [N, L, S, Hkv] float32 (so a swap moves a block's scales with its
+        values)."""
         return tuple(jax.tree.leaves(cache))
 
     def with_kv_pages(self, cache: KVCache, pages: tuple[jax.Array, ...]) -> KVCache:

@@ -189,23 +189,20 @@ def move_accepted(pages: tuple[jax.Array, ...], tree: DraftTree, block_table: ja
                   qn: jax.Array, path_nodes: jax.Array, accepted: jax.Array) -> tuple[jax.Array, ...]:
     """Copy the K/V of the accepted path's nodes from their tree slots to their sequence positions.
 
-    pages: the runner's `kv_pages`, arrays [N, S, ...] (K, V and any scales); block_table int32[B, M];
+    pages: the runner's `kv_pages`, arrays [N, L, S, ...] (K, V and any scales); block_table int32[B, M];
     start, qn, accepted int32[B]; path_nodes int32[B, depth + 1]. A chain is already in place: returned unchanged.
     """
     if is_chain(tree):
         return pages
-    n, s = pages[0].shape[:2]
+    n, s = pages[0].shape[0], pages[0].shape[2]
     depth = jnp.arange(path_nodes.shape[1], dtype=i32)[None, :]
     base = (start + qn - 1)[:, None]
     src_pos, dst_pos = base + path_nodes, base + depth  # [B, depth + 1]
     m = block_table.shape[1]
-    to_slot = lambda pos: (jnp.take_along_axis(block_table, jnp.clip(pos // s, 0, m - 1), axis=1) * s  # noqa: E731
-                           + pos % s)
+    block_of = lambda pos: jnp.take_along_axis(block_table, jnp.clip(pos // s, 0, m - 1), axis=1)  # noqa: E731
     move = (depth >= 1) & (depth <= accepted[:, None]) & (src_pos != dst_pos)
-    src = to_slot(src_pos).reshape(-1)
-    dst = jnp.where(move, to_slot(dst_pos), n * s).reshape(-1)  # n * s: out of range, dropped
-    out = []
-    for p in pages:
-        flat = p.reshape((n * s,) + p.shape[2:])
-        out.append(flat.at[dst].set(flat[src], mode="drop").reshape(p.shape))
-    return tuple(out)
+    src_blk, src_off = block_of(src_pos).reshape(-1), (src_pos % s).reshape(-1)
+    dst_blk = jnp.where(move, block_of(dst_pos), n).reshape(-1)  # block n: out of range, dropped
+    dst_off = (dst_pos % s).reshape(-1)
+    # pages[blk, :, off] is one token of every layer: [T, L, ...]; one gather and one scatter per array.
+    return tuple(p.at[dst_blk, :, dst_off].set(p[src_blk, :, src_off], mode="drop") for p in pages)

@@ -1,9 +1,10 @@
 """What the cost model prices: a model (`ModelSpec`) and a device (`DeviceSpec`), and their presets.
 
-`MODELS` are Llama-architecture decoders with Medusa-1 heads (Llama-3.1-8B, Llama-3-70B and the shipped tiny
-model), `DEVICES` GPUs from their datasheets (A100, H100, H200) and this CPU fitted to the real engine
-(`cpu-measured`). Every number names its source beside it; efficiencies and latencies are assumptions, each stated
-at its constant. `cost_model.CostModel` turns a pair into step times.
+`MODELS` are Llama-architecture decoders with Medusa-1 heads (Llama-3.2-1B / 3B, Llama-3.1-8B, Llama-3-70B and the
+shipped tiny model, built from the shapes the engine serves too: `skvs_jax.model_shapes`), `DEVICES` GPUs from their
+datasheets (A100, H100, H200) and this CPU fitted to the real engine (`cpu-measured`). Every number names its source
+beside it; efficiencies and latencies are assumptions, each stated at its constant. `cost_model.CostModel` turns a
+pair into step times.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
+
+from skvs_jax import model_shapes
 
 DTYPE_BYTES = (1, 2, 4)  # fp8/int8, bf16/fp16, fp32
 
@@ -157,25 +160,21 @@ class ModelSpec:
 MEDUSA_HEADS = 4
 MEDUSA_LAYERS = 1
 
+def _spec(name: str, bytes_per_element: int) -> ModelSpec:
+    """The simulator's view of shape `name` from the registry the engine uses too (`skvs_jax.model_shapes`), with
+    the article's Medusa heads."""
+    return ModelSpec.from_hf_config(name, model_shapes.hf_config(name),
+                                    {"medusa_num_heads": MEDUSA_HEADS, "medusa_num_layers": MEDUSA_LAYERS},
+                                    weight_dtype_bytes=bytes_per_element, kv_dtype_bytes=bytes_per_element)
+
+
 MODELS: dict[str, ModelSpec] = {
-    # huggingface.co/meta-llama/Llama-3.1-8B, config.json: num_hidden_layers 32, hidden_size 4096,
-    # num_attention_heads 32, num_key_value_heads 8, head_dim 128, intermediate_size 14336, vocab_size 128256,
-    # tie_word_embeddings false, torch_dtype bfloat16. 8,030,261,248 parameters.
-    "llama-3.1-8b": ModelSpec("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
-                              head_dim=128, intermediate_size=14336, vocab_size=128256,
-                              num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
-    # huggingface.co/meta-llama/Meta-Llama-3-70B, config.json: num_hidden_layers 80, hidden_size 8192,
-    # num_attention_heads 64, num_key_value_heads 8, (head_dim 8192 / 64 = 128), intermediate_size 28672,
-    # vocab_size 128256, tie_word_embeddings false, torch_dtype bfloat16. 70,553,706,496 parameters.
-    "llama-3-70b": ModelSpec("llama-3-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8,
-                             head_dim=128, intermediate_size=28672, vocab_size=128256,
-                             num_medusa_heads=MEDUSA_HEADS, medusa_layers=MEDUSA_LAYERS),
-    # The shipped model: reference_models/weights/tiny_llama/config.json (4 layers, 128 wide, 4 heads, 2 KV heads,
-    # head_dim 32, intermediate 352, vocab 256, tied, float32) and tiny_llama_medusa/config.json (4 heads of 1
-    # block). The engine keeps weights and KV in float32.
-    "tiny": ModelSpec("tiny", num_layers=4, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32,
-                      intermediate_size=352, vocab_size=256, num_medusa_heads=4, medusa_layers=1,
-                      tie_word_embeddings=True, weight_dtype_bytes=4, kv_dtype_bytes=4),
+    # Published configs (see model_shapes for the sources), bf16 weights and KV, 4 Medusa heads of 1 block:
+    # llama-3.1-8b 8,030,261,248 parameters; llama-3-70b 70,553,706,496; llama-3.2-1b / -3b (tied) 1.24B / 3.21B.
+    **{name: _spec(name, 2) for name in ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3-70b")},
+    # The shipped model (reference_models/weights: tiny_llama and tiny_llama_medusa, 4 heads of 1 block). The engine
+    # keeps weights and KV in float32.
+    "tiny": _spec("tiny", 4),
 }
 
 
