@@ -4,9 +4,10 @@ Every op takes `impl="auto" | "pallas" | "xla" | "reference"` and `interpret=` (
 kernel when not on a GPU). "auto" is the compiled Pallas kernel on GPU and the fastest XLA path elsewhere.
 Contracts, tolerances and figures: docs/kernels.md.
 
-Modules: `attention` (paged decode and multi-query verification attention), `kv_write` (scatter of new K/V into
+Modules: `attention` (paged decode and multi-query verification attention), `tuning` (the attention kernel's
+launch parameters, `AttentionConfig`, and the table of those tuned on GPUs), `kv_write` (scatter of new K/V into
 the pages), `block_states` (the commit's block-state update and the draft invalidation), `_common` (block-state
-codes, KV quantisation, `resolve_impl`), `gpu_check` (the kernels checked and timed on a GPU).
+codes, KV quantisation, `resolve_impl`), `gpu_check` (the kernels checked, timed and tuned on a GPU).
 """
 
 from pallas_kernels._common import (
@@ -29,8 +30,10 @@ from pallas_kernels.block_states import (
     update_block_states_reference,
 )
 from pallas_kernels.kv_write import write_kv, write_kv_reference
+from pallas_kernels.tuning import AttentionConfig
 
 __all__ = [
+    "AttentionConfig",
     "BLOCK_STATE_DTYPE",
     "FREE",
     "IMPLS",

@@ -19,10 +19,14 @@ Three implementations behind `impl=`:
   * "pallas": one program per (sequence, KV head, split) holding the Q*G query rows of that KV head; it loops
     over its share of the sequence's blocks, a few pages per step, with an online softmax, so nothing larger
     than one [rows, pages*S] logit tile ever exists; the splits (flash-decoding) are merged by a jnp epilogue.
+    Its launch parameters (pages per step, splits, Triton warps and stages) come from `config=` (an
+    `AttentionConfig`), else from the table of configs tuned on GPUs (`tuning.TUNED`, compiled on a GPU only), else
+    from the defaults below.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -34,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _common as c
+from pallas_kernels import tuning
+from pallas_kernels.tuning import AttentionConfig
 
 _XLA_CHUNK_TOKENS = 32  # tokens per online-softmax step of the XLA path (measured best on CPU: 32-64)
 
@@ -252,6 +258,25 @@ def default_pages_per_step(S: int) -> int:
     return max(1, 64 // S)
 
 
+DEFAULT_NUM_WARPS = 4  # Triton launch parameters when neither config= nor the tuned table gives them
+DEFAULT_NUM_STAGES = 2
+
+
+def resolve_config(config: AttentionConfig | None, *, B: int, Hkv: int, S: int, M: int,
+                   interpret: bool) -> AttentionConfig:
+    """`config` with every None field replaced by the default for B sequences, Hkv KV heads, block size S and
+    table width M: `default_pages_per_step(S)`, `default_num_splits` over the steps those pages give, 4 warps,
+    2 stages. The result is what the Pallas kernel is launched with (it still caps the pages at the table and the
+    splits at the steps)."""
+    config = AttentionConfig() if config is None else config
+    pages = default_pages_per_step(S) if config.pages_per_step is None else config.pages_per_step
+    steps = -(-M // pages)
+    splits = default_num_splits(B, Hkv, steps, interpret) if config.num_splits is None else config.num_splits
+    warps = DEFAULT_NUM_WARPS if config.num_warps is None else config.num_warps
+    stages = DEFAULT_NUM_STAGES if config.num_stages is None else config.num_stages
+    return AttentionConfig(pages_per_step=pages, num_splits=splits, num_warps=warps, num_stages=stages)
+
+
 def _tree_bits(tree_mask, num_words: int) -> jax.Array:
     """tree_mask [B, Q, Q] bool -> [B, num_words, Q] int32 bit words: bit j % 32 of word j // 32 is
     tree_mask[b, i, j]."""
@@ -263,9 +288,10 @@ def _tree_bits(tree_mask, num_words: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "has_tree", "interpret", "num_splits",
-                                             "pages_per_step"))
+                                             "pages_per_step", "num_warps", "num_stages"))
 def _paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, query_lens, tree_mask, k_scales,
-                            v_scales, *, sm_scale, soft_cap, has_tree, interpret, num_splits, pages_per_step):
+                            v_scales, *, sm_scale, soft_cap, has_tree, interpret, num_splits, pages_per_step,
+                            num_warps=DEFAULT_NUM_WARPS, num_stages=DEFAULT_NUM_STAGES):
     B, Q, Hq, D = q.shape
     _, S, Hkv, _ = k_pages.shape
     G = Hq // Hkv
@@ -312,7 +338,7 @@ def _paged_attention_pallas(q, k_pages, v_pages, block_tables, context_lens, que
                    jax.ShapeDtypeStruct((B, Hkv, splits, rows_padded), jnp.float32)],
         interpret=interpret,
         name="skvs_paged_attention",
-        **c.pallas_kwargs(interpret, num_warps=4, num_stages=2),
+        **c.pallas_kwargs(interpret, num_warps=num_warps, num_stages=num_stages),
     )(*inputs)
     out = _merge_splits(o, m, l)[:, :, :num_rows].reshape(B, Hkv, Q, G, D)  # [B, Hkv, Q, G, D]
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(B, Q, Hq, D).astype(q.dtype)
@@ -371,7 +397,7 @@ def _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tre
 
 def paged_attention(
     q, k_pages, v_pages, block_tables, context_lens, *, query_lens=None, tree_mask=None, sm_scale=None,
-    soft_cap=None, k_scales=None, v_scales=None, impl="auto", interpret=None,
+    soft_cap=None, k_scales=None, v_scales=None, impl="auto", interpret=None, config=None,
 ):
     """Attention of Q query tokens per sequence over a paged KV cache.
 
@@ -379,9 +405,13 @@ def paged_attention(
     int32; context_lens [B] int32 (including the query tokens); query_lens [B] int32 or None; tree_mask
     [B, Q, Q] bool or None; k_scales, v_scales [N, S, Hkv] f32 for quantised pages. Returns [B, Q, Hq, D] in
     q.dtype. impl: "auto" | "pallas" | "xla" | "reference". See the module docstring for the masks.
+    config: an `AttentionConfig` (the Pallas kernel's launch parameters; its None fields take the defaults) or
+    None: the entry of `tuning.TUNED` for this GPU and shape when the kernel runs compiled on a GPU, else the
+    defaults (`resolve_config`). Other implementations ignore it; it never changes the result beyond rounding.
     """
     _check_args(q, k_pages, v_pages, block_tables, context_lens, query_lens, tree_mask, sm_scale, soft_cap,
                 k_scales, v_scales)
+    tuning.check_config(config)
     impl, interpret = c.resolve_impl(impl, interpret)
     if q.shape[0] == 0 or q.shape[1] == 0:  # nothing to attend for: no kernel launch with an empty grid
         return jnp.zeros(q.shape, q.dtype)
@@ -402,10 +432,11 @@ def paged_attention(
     fn = _paged_attention_pallas if impl == "pallas" else _paged_attention_xla
     extra = {}
     if impl == "pallas":
-        B, Hkv, M = q.shape[0], k_pages.shape[2], block_tables.shape[1]
-        pages_per_step = default_pages_per_step(k_pages.shape[1])
-        steps = -(-M // pages_per_step)
-        extra = {"interpret": interpret, "num_splits": default_num_splits(B, Hkv, steps, interpret),
-                 "pages_per_step": pages_per_step}
+        (B, Q, Hq, _), (_, S, Hkv, _), M = q.shape, k_pages.shape, block_tables.shape[1]
+        if config is None and not interpret and c.on_gpu():  # tuned on a GPU, for a GPU: never consulted elsewhere
+            config = tuning.lookup(jax.devices()[0].device_kind, dtype=k_pages.dtype, Q=Q, G=Hq // Hkv, D=D, S=S,
+                                   context=M * S)
+        launch = resolve_config(config, B=B, Hkv=Hkv, S=S, M=M, interpret=interpret)
+        extra = {"interpret": interpret, **dataclasses.asdict(launch)}
     return fn(q, k_pages, v_pages, block_tables, context_lens, query_lens, tree_mask, k_scales, v_scales,
               sm_scale=scale, soft_cap=cap, has_tree=tree_mask is not None, **extra)

@@ -565,6 +565,14 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     ("--policies skvs:colour=red", "unknown key 'colour'"),
     ("--policies skvs:K=7", "K must lie in [0, 4]"),
     ("--draft-len 5", "the model has 4 draft heads"),  # from the engine, before vllm_default is served
+    ("--drafter oracle", "--drafter must be heads or oracle:PROFILE"),
+    ("--drafter oracle:medusa-9", "--drafter oracle:medusa-9: unknown acceptance model"),
+    ("--drafter oracle:0.5,2 --draft-len 2", "acceptance probabilities must be numbers in [0, 1]"),
+    ("--drafter oracle:0.5 --draft-len 2", "the acceptance model gives 1 probabilities, the draft length is 2"),
+    ("--model-shape llama-9", "--model-shape: model shape must be one of"),
+    ("--model-shape tiny:9", "num_layers must be an int in [1, 4]"),
+    ("--model-shape tiny --model x", "pass it without --model / --medusa"),
+    ("--model-shape tiny", "needs Medusa heads: pass --medusa DIR_OR_FILE, or --drafter oracle:PROFILE"),
 ])
 def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
     def no_serve(*args, **kwargs):
@@ -611,6 +619,25 @@ def test_a_corrupt_checkpoint_is_refused_naming_its_file(tmp_path, capsys):
     heads_file.write_bytes(heads_file.read_bytes()[:100])
     with pytest.raises(ValueError, match=re.escape(f"{heads_file}: not a readable safetensors file")):
         checkpoint.load_medusa(tmp_path / "medusa")
+
+
+def test_bench_with_the_oracle_drafter_on_a_named_shape(tmp_path, capsys, monkeypatch):
+    """--model-shape tiny (random weights) with --drafter oracle:PROFILE: the reference pass is served once and
+    cached, every policy's greedy output equals it, and the acceptance by depth is printed beside the profile."""
+    monkeypatch.setenv("SKVS_ORACLE_CACHE", str(tmp_path / "oracle"))
+    argv = ["bench", "--quiet", "--no-plot", "--requests", "4", "--max-output", "8", "--model-shape", "tiny",
+            "--drafter", "oracle:0.9,0.6,0.3,0.1", "--policies", "naive_spec", "--step-cost", "flat",
+            "--no-rehearse", "--out", str(tmp_path / "out")]
+    assert commands.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "oracle drafter: reference pass served now, kept in" in out
+    assert "naive_spec: 0 of 4 requests' outputs differ from the reference pass" in out
+    assert "oracle profile by depth: 0.900, 0.600, 0.300, 0.100" in out
+    assert re.search(r"naive_spec: acceptance by depth \(accepted / offered\) [0-9.]+ \(\d+/\d+\)", out)
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert doc["config"]["model_shape"] == "tiny" and doc["config"]["drafter"] == "oracle:0.9,0.6,0.3,0.1"
+    assert commands.main(argv) == 0  # the second run reads the reference pass back
+    assert "oracle drafter: reference pass read from" in capsys.readouterr().out
 
 
 def test_bench_verify_budget_applies_to_skvs_and_is_ablated():

@@ -1,7 +1,15 @@
 """`skvs gpu-check`, the project's one GPU script, exercised on this CPU (`--cpu-smoke`); never a GPU figure."""
 
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import pallas_kernels as pk
+from pallas_kernels import attention
+from pallas_kernels import gpu_check as kernel_check
 from skvs_jax import commands
 from skvs_jax.commands import gpu_check, micro_host
 
@@ -16,10 +24,64 @@ def test_it_refuses_an_unknown_section():
         commands.main(["gpu-check", "--cpu-smoke", "--only", "kernels,bogus"])
 
 
-def test_the_kernels_section_runs_end_to_end_on_the_cpu(capsys):
-    assert commands.main(["gpu-check", "--cpu-smoke", "--only", "kernels"]) == 0
+def test_the_kernels_section_runs_end_to_end_on_the_cpu(capsys, tmp_path):
+    out_file = tmp_path / "check.json"
+    assert commands.main(["gpu-check", "--cpu-smoke", "--only", "kernels", "--out", str(out_file)]) == 0
     out = capsys.readouterr().out
     assert "== kernels: ok" in out and "FAIL" not in out and "all sections passed" in out
+    rows = json.loads(out_file.read_text())["sections"]["kernels"]
+    assert [r["case"] for r in rows] == ["decode Q=1 ctx 256", "verify Q=5 (K=4) ctx 256"]
+    assert all(r["skvs_pallas_ms"] > 0 for r in rows)
+
+
+def test_the_tune_section_sweeps_and_writes_its_rows(capsys, tmp_path):
+    """The sweep end to end (interpreted, tiny sizes): a row per shape with the default and the best config, every
+    config checked against the reference, and the rows in the --out file; the timings mean nothing here."""
+    out_file = tmp_path / "check.json"
+    assert commands.main(["gpu-check", "--cpu-smoke", "--only", "tune", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "== tune: ok" in out and "verification / decode at ctx 64" in out and f"written to {out_file}" in out
+    doc = json.loads(out_file.read_text())
+    assert doc["device"] == "cpu" and doc["jax"] and list(doc["sections"]) == ["tune"]
+    rows = doc["sections"]["tune"]
+    assert [(r["Q"], r["ctx"]) for r in rows] == [(1, 64), (5, 64)]
+    for r in rows:
+        assert r["complete"] and r["best"]["ms"] > 0 and r["default"] == r["configs"][0]
+        assert r["default"]["pages_per_step"] == 4 and r["default"]["num_warps"] == 4  # today's defaults at S=16
+        assert all(e["correct"] for e in r["configs"]) and r["hbm_fraction"] is None  # no peak known for a CPU
+        assert r["shape_key"]["context"] == "<=512" and r["table_entry"].startswith("('cpu', ShapeKey(")
+    assert rows[0]["verify_over_decode"] is None and rows[1]["verify_over_decode"] > 0
+
+
+def test_the_sweep_times_at_most_24_configs_per_gpu_shape_with_the_default_first():
+    for ctx in kernel_check.TUNE_CONTEXTS:
+        d = kernel_check.TUNE_DIMS
+        first = kernel_check.tilings(B=d["B"], Hkv=d["Hkv"], S=d["S"], M=ctx // d["S"], interpret=False, small=False)
+        assert first[0] == attention.resolve_config(None, B=d["B"], Hkv=d["Hkv"], S=d["S"], M=ctx // d["S"],
+                                                    interpret=False)
+        assert len(set(first)) == len(first)
+        second = kernel_check.launch_variants(first, small=False)
+        assert len(first) + len(second) <= kernel_check.MAX_TUNE_CONFIGS
+
+
+def test_a_wrong_config_cannot_win_and_the_budget_is_respected(capsys):
+    """A config whose output disagrees with the reference is recorded as wrong and never timed; a spent budget
+    stops the sweep before any shape (what was measured, nothing, is returned)."""
+    d = kernel_check.TUNE_DIMS_SMALL
+    q, kp, vp, tables, lens = kernel_check._tune_pool(jax.random.key(0), np.random.default_rng(0), Q=1, ctx=32,
+                                                      copies=1, dtype=jnp.dtype(jnp.float32), **d)
+    args = [(q, kp, vp, tables[0], lens)]
+    want = pk.paged_attention_reference(*args[0]) + 1.0  # not what the kernel computes
+    entry = kernel_check._measure(pk.AttentionConfig(1, 1), args, want, 1e-5, interpret=True, repeats=1)
+    assert entry["correct"] is False and entry["ms"] is None and entry["error"].startswith("WRONG")
+    assert kernel_check.tune(np.random.default_rng(0), True, True, 1, budget_s=0.0) == []
+    assert "budget of 0 s spent" in capsys.readouterr().out
+
+
+def test_hbm_peak_by_device_kind():
+    assert kernel_check.hbm_peak("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert kernel_check.hbm_peak("NVIDIA H200") == 4.8e12
+    assert kernel_check.hbm_peak("cpu") is None
 
 
 def test_the_serving_section_prints_every_figure_from_the_measurement(capsys, monkeypatch):
@@ -55,10 +117,11 @@ def test_control_flow_counts_every_while_and_cond_inside_a_program():
 
 
 @pytest.mark.slow  # compiles the engine at two steps per dispatch (~3 min here)
-def test_the_whole_script_runs_end_to_end_on_the_cpu(capsys):
-    assert commands.main(["gpu-check", "--cpu-smoke"]) == 0
+def test_the_whole_script_runs_end_to_end_on_the_cpu(capsys, tmp_path):
+    assert commands.main(["gpu-check", "--cpu-smoke", "--out", str(tmp_path / "check.json")]) == 0
     out = capsys.readouterr().out
     assert "== serving: ok" in out and "skvs: N=auto / N=1 throughput" in out
+    assert sorted(json.loads((tmp_path / "check.json").read_text())["sections"]) == ["kernels", "tune"]
 
 
 def test_micro_program_prints_the_counts_of_each_target(capsys):

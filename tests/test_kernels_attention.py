@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels as pk
 from pallas_kernels import attention as attention_module
+from pallas_kernels import tuning
 
 GARBAGE = 3.0e4  # large, finite: q.k overflows nothing in f32 but would dominate any unmasked softmax
 # Interpret-mode Pallas compiles per shape: keep CI short. The one property test is shared by every
@@ -251,6 +252,82 @@ def test_pallas_split_k_and_pages_per_step_match_oracle(shape, seed, splits, pag
             mock.patch.object(attention_module, "default_pages_per_step", lambda *a: pages):
         got = run("pallas", True, case)
     assert_close(got, oracle(case), rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ launch parameters
+def test_an_explicit_config_gives_the_defaults_output():
+    """Warps and stages do not change an interpreted program (bit-identical); other tilings only reorder the sums."""
+    case = make_case(11, B=3, Q=3, Hkv=2, G=4, D=16, S=8, M=4, ctx_kind="mixed", query_lens=True)
+    default = np.asarray(run("pallas", True, case))
+    launch = run("pallas", True, case, config=pk.AttentionConfig(num_warps=8, num_stages=3))
+    np.testing.assert_array_equal(np.asarray(launch), default)
+    tiled = run("pallas", True, case, config=pk.AttentionConfig(pages_per_step=1, num_splits=3, num_warps=8,
+                                                                num_stages=3))
+    assert_close(tiled, np.asarray(default, np.float64), rtol=1e-5)
+    assert_close(tiled, oracle(case), rtol=1e-5)
+    assert attention_module.resolve_config(None, B=3, Hkv=2, S=8, M=4, interpret=True) == pk.AttentionConfig(8, 1, 4, 2)
+    assert attention_module.resolve_config(pk.AttentionConfig(num_splits=2), B=3, Hkv=2, S=8, M=4,
+                                           interpret=True) == pk.AttentionConfig(8, 2, 4, 2)
+
+
+@pytest.mark.parametrize("config, error, match", [
+    (pk.AttentionConfig(pages_per_step=3), ValueError, "config.pages_per_step must be a power of two"),
+    (pk.AttentionConfig(pages_per_step=0), ValueError, "config.pages_per_step must be >= 1"),
+    (pk.AttentionConfig(num_splits=0), ValueError, "config.num_splits must be >= 1"),
+    (pk.AttentionConfig(num_warps=-4), ValueError, "config.num_warps must be >= 1"),
+    (pk.AttentionConfig(num_warps=6), ValueError, "config.num_warps must be a power of two"),
+    (pk.AttentionConfig(num_stages=0), ValueError, "config.num_stages must be >= 1"),
+    (pk.AttentionConfig(num_splits=2.0), TypeError, "config.num_splits must be an int"),
+    (pk.AttentionConfig(num_stages=True), TypeError, "config.num_stages must be an int"),
+    ({"num_warps": 8}, TypeError, "config must be an AttentionConfig"),
+])
+def test_a_bad_config_names_the_field(config, error, match):
+    for impl in ("pallas", "xla"):  # checked at the boundary, whichever implementation would run
+        with pytest.raises(error, match=match):
+            pk.paged_attention(**_good(), impl=impl, config=config)
+
+
+def test_the_tuned_table_is_keyed_by_device_and_shape(monkeypatch):
+    assert tuning.lookup("no such GPU", dtype=jnp.bfloat16, Q=1, G=4, D=128, S=16, context=512) is None
+    key = tuning.shape_key(dtype=jnp.bfloat16, Q=5, G=4, D=128, S=16, context=600)
+    assert key == tuning.ShapeKey("bfloat16", 8, 4, 128, 16, "<=2048")
+    buckets = [tuning.context_bucket(n) for n in (1, 512, 513, 8192, 8193)]
+    assert buckets == ["<=512", "<=512", "<=2048", "<=8192", ">8192"]
+    monkeypatch.setitem(tuning.TUNED, ("Some GPU", key), pk.AttentionConfig(2, 4, 8, 3))
+    assert tuning.lookup("Some GPU", dtype=jnp.bfloat16, Q=7, G=4, D=128, S=16, context=2048) == \
+        pk.AttentionConfig(2, 4, 8, 3)
+    assert tuning.lookup("Some GPU", dtype=jnp.float32, Q=7, G=4, D=128, S=16, context=2048) is None
+
+
+def test_every_tuned_entry_is_a_valid_config():
+    for (device_kind, key), config in tuning.TUNED.items():
+        assert isinstance(device_kind, str) and isinstance(key, tuning.ShapeKey)
+        tuning.check_config(config)
+
+
+def test_the_compiled_kernel_on_a_gpu_launches_with_the_tuned_entry(monkeypatch):
+    """The launch parameters the compiled kernel gets (the kernel itself stubbed: this CPU cannot compile it): the
+    table's entry for this device and shape when config is None, an explicit config over it, the defaults when
+    interpreted."""
+    args = _good()  # S = 8, D = 16, Q = 2, G = 2, M = 2
+    launches = []
+    monkeypatch.setattr(attention_module, "_paged_attention_pallas", lambda *a, **kw: launches.append(kw))
+    monkeypatch.setattr(attention_module.c, "on_gpu", lambda: True)
+    key = tuning.shape_key(dtype=args["k_pages"].dtype, Q=2, G=2, D=16, S=8, context=16)
+    monkeypatch.setitem(tuning.TUNED, (jax.devices()[0].device_kind, key), pk.AttentionConfig(1, 2, 8, 3))
+    pk.paged_attention(**args, impl="pallas", interpret=False)
+    pk.paged_attention(**args, impl="pallas", interpret=False, config=pk.AttentionConfig(num_stages=4))
+    pk.paged_attention(**args, impl="pallas", interpret=True)
+    params = [tuple(kw[k] for k in ("pages_per_step", "num_splits", "num_warps", "num_stages")) for kw in launches]
+    assert params[0] == (1, 2, 8, 3)
+    assert params[1][2:] == (4, 4) and params[2] == (8, 1, 4, 2)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU the compiled kernel consults the table")
+def test_off_a_gpu_the_tuned_table_is_never_consulted():
+    with mock.patch.object(tuning, "lookup", side_effect=AssertionError("consulted off a GPU")):
+        for impl in ("pallas", "xla", "auto"):
+            pk.paged_attention(**_good(), impl=impl)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="on GPU auto is the compiled Pallas kernel")

@@ -1,10 +1,10 @@
 """The `skvs` command line: `main` is the entry point; each command lives in the module named as one types it
 (`skvs micro scheduler` in `micro_scheduler.py`) and is imported only when used, so `skvs --help` stays fast.
 
-  skvs bench             vllm_default vs naive_spec vs skvs on one trace with the shipped tiny model
+  skvs bench             vllm_default vs naive_spec vs skvs on one trace (the shipped tiny model, or --model-shape)
   skvs claims            every claim of the article with our figure and a verdict (docs/claims.md)
   skvs generate TEXT     stream a continuation, showing accepted drafts (--model / --medusa: your checkpoint)
-  skvs gpu-check         the one GPU script: the kernels, then serving at 1 and N steps per dispatch (--cpu-smoke)
+  skvs gpu-check         the one GPU script: kernels, their tuning sweep, serving, the step program (--cpu-smoke)
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
   skvs micro compile     the model's paged forward compile time at real shapes: scanned layers vs unrolled
@@ -54,7 +54,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("micro", "host"), "micro_host", "the host's share of serving wall time, by policy and steps per dispatch"),
     (("micro", "program"), "micro_program",
      "one step's program as a GPU runs it: heavy primitives, kernels, host round trips"),
-    (("gpu-check",), "gpu_check", "the one GPU script: kernels, then serving at 1 and N steps per dispatch"),
+    (("gpu-check",), "gpu_check", "the one GPU script: kernels and their tuning, serving, the step program"),
 )
 GROUPS = {"micro": "micro-benchmarks of single components"}  # a first word with commands of its own
 

@@ -122,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="skvs-results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip bench.png")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    checkpoints.add_arguments(parser)
+    checkpoints.add_arguments(parser, drafter=True)
     startup.add_arguments(parser, warmup=True)
     parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
                         help="serve a round's policies in lockstep, one step of each in turn, each timed on its own "
@@ -231,19 +231,37 @@ def setup(args: argparse.Namespace):
                          f"or lower --max-output")
     model, heads = loaded.model, loaded.heads
     args.model_name = loaded.name
+    args.oracle_table = None
     try:
         for policy in chosen.values():
             checkpoints.check_speculation(policy, loaded, flag="--policies")
         cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                             max_blocks_per_seq=blocks_per_seq)
+        trace = make_trace(args)
+        if loaded.oracle is not None:
+            heads = _oracle_drafter(loaded, model, trace, cache, args)
         # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
         # (its widths + `schedule`) decide the serving groups (`bench_serving.serving_groups`).
         args.programs = {n: len(eng.Engine(model, heads, p, cache, **serving.engine_kwargs(p, args)).picker.widths) + 1
                          for n, p in chosen.items()}
-        trace = make_trace(args)
     except ValueError as err:
         raise SystemExit(f"skvs bench: {err}") from None
     return specs, _verify_budget(args.verify_budget), model, heads, trace, cache
+
+
+def _oracle_drafter(loaded, model, trace, cache, args):
+    """--drafter oracle:PROFILE: the reference pass (the trace served greedily by vllm_default on the same engine
+    options; cached, `checkpoints.oracle_table`) and the drafter made from it. Keeps the table in args.oracle_table,
+    against which every policy's outputs are checked."""
+    from skvs_jax.serve import oracle_drafter
+
+    requests = [(r.request_id, list(r.prompt), r.max_new_tokens) for r in trace.requests]
+    ref = policies.vllm_default()
+    table, where = checkpoints.oracle_table(
+        loaded, requests, lambda: eng.Engine(model, None, ref, cache, **serving.engine_kwargs(ref, args)))
+    print(f"oracle drafter: {where}")
+    args.oracle_table, args.oracle_probs = table, loaded.oracle
+    return oracle_drafter.OracleDrafter(loaded.oracle, table, seed=args.seed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -331,6 +349,7 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
+    _print_acceptance(results, names, trace, args)
     ablation = None
     if args.ablation:
         paired_runs = {n: ([r["metrics"]["throughput"] for r in rs], [bool(report.stall(r)) for r in rs])
@@ -340,6 +359,27 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
         print(report.format_ablation(ablation))
     return dict(results=results, throughputs=throughputs, stalled=stalled, paired=paired, paired_ci=paired_ci,
                 same=same, ablation=ablation, priced=priced)
+
+
+def _print_acceptance(results: dict, names: list[str], trace, args) -> None:
+    """Each speculating policy's acceptance per depth, among verifications that offered a draft there and accepted
+    every draft before it (the scheduler's population counts); with the oracle drafter, its profile beside it, and
+    the requests whose output departed from the reference pass (after which the oracle no longer predicts them)."""
+    for n in names:
+        acc = results[n].get("acceptance_by_depth")
+        if acc and acc["tried"] and acc["tried"][0]:
+            print(f"{n}: acceptance by depth (accepted / offered) "
+                  + ", ".join(f"{p / t:.3f} ({p}/{t})" if t else "-" for p, t in zip(acc["passed"], acc["tried"])))
+    table = getattr(args, "oracle_table", None)
+    if table is None:
+        return
+    print(f"oracle profile by depth: {', '.join(f'{p:.3f}' for p in args.oracle_probs)}")
+    for n in names:
+        out = results[n]["outputs"]
+        differ = [r.request_id for r in trace.requests
+                  if list(out[r.request_id]) != [t for t in table[r.request_id, len(r.prompt):].tolist() if t >= 0]]
+        print(f"{n}: {len(differ)} of {len(trace.requests)} requests' outputs differ from the reference pass"
+              + (f" (ids {differ[:8]})" if differ else ""))
 
 
 def _print_stalls(stalls: dict) -> None:
@@ -397,7 +437,8 @@ def write_outputs(reported: dict, specs: dict, budget, trace, cache, args) -> No
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",
                                             "step_cost")}
     config["verify_budget"] = budget
-    config |= {"model": args.model, "medusa": args.medusa}
+    config |= {"model": args.model, "medusa": args.medusa, "model_shape": args.model_shape, "dtype": args.dtype,
+               "weight_seed": args.weight_seed, "drafter": args.drafter}
     config["policies"] = ",".join(names)
     config |= {k: getattr(args, k) for k in ("preemption", "victim", "kv_precision", "no_prefix_cache")}
     config["host_blocks"] = serving.host_blocks(args)

@@ -13,6 +13,7 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 from skvs_jax import metrics
 from skvs_jax.serve import engine as eng
@@ -165,7 +166,11 @@ class Serving:
                 "split": {"steps": e.picker.split_steps, "narrow_width": eng.engine_step.narrow_width(e.cfg),
                           "rows": e.cfg.split_rows},
                 "width_hist": {str(w): n for w, n in sorted(e.picker.width_hist.items())},
-                "dispatches": dispatch_summary(e)}
+                "dispatches": dispatch_summary(e),
+                # per depth, verifications that offered a draft there after accepting every earlier one, and of
+                # those the ones that accepted it (population totals; they halve together past POP_HALVE_AT)
+                "acceptance_by_depth": {"tried": np.asarray(e.state.sched.pop_tried).tolist(),
+                                        "passed": np.asarray(e.state.sched.pop_passed).tolist()}}
 
 
 def dispatch_summary(e: eng.Engine) -> dict:

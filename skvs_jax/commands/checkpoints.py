@@ -1,5 +1,11 @@
 """The model a command serves: `--model DIR` (a Hugging Face Llama directory) and `--medusa DIR_OR_FILE` (Medusa
-heads), or the shipped tiny Llama and its heads when neither is given; shared by `skvs generate` and `skvs bench`.
+heads), or `--model-shape NAME[:LAYERS]` (a real model's shape from `skvs_jax.model_shapes` with random weights
+initialised from `--weight-seed`, nothing downloaded), or the shipped tiny Llama and its heads when none is given;
+shared by `skvs generate` and `skvs bench`. `--dtype` is the weights' dtype (float32 or bfloat16).
+
+`--drafter oracle:PROFILE` (bench) drafts with `serve.oracle_drafter` instead of Medusa heads: PROFILE is a preset of
+`sim.acceptance_model.PRESETS` or per-depth probabilities "0.8,0.6,..."; the oracle's reference pass (the trace
+served without speculation) is cached on disk by the model and the trace (`oracle_table`).
 
 A Medusa checkpoint alone brings its base model when its config.json's `base_model_name_or_path` is a local
 directory (`reference_models.checkpoint.medusa_base_model`). Prompts stay bytes (token = byte), so the model's
@@ -11,11 +17,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
+import os
 import pathlib
+from typing import Any
+
+import numpy as np
 
 from reference_models import checkpoint
 from reference_models.llama import Llama
-from reference_models.medusa import MedusaHeads
+from skvs_jax import model_shapes
+
+ORACLE_CACHE_ENV = "SKVS_ORACLE_CACHE"  # where reference passes are kept (default ~/.cache/skvs_jax/oracle; "off")
 
 BYTE_VOCAB = 256  # prompts are bytes
 
@@ -25,11 +39,15 @@ class Loaded:
     """What a command serves, and how to name it in its report."""
 
     model: Llama
-    heads: MedusaHeads | None  # None: --model without --medusa (only non-speculating policies run)
-    name: str  # "shipped tiny Llama + Medusa", or the directories
+    heads: Any  # MedusaHeads, an OracleDrafter (once `with_oracle` built it), or None: only non-speculating policies
+    name: str  # "shipped tiny Llama + Medusa", the directories, or the shape
+    oracle: tuple[float, ...] | None = None  # --drafter oracle:PROFILE's probabilities (K of them), before the table
+    key: str = ""  # what identifies the weights (the oracle cache's key): the shape, dtype and seed, or the paths
 
     @property
     def num_heads(self) -> int:
+        if self.oracle is not None:
+            return len(self.oracle)
         return 0 if self.heads is None else self.heads.config.num_heads
 
     @property
@@ -37,7 +55,18 @@ class Loaded:
         return self.model.config.max_position_embeddings
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, drafter: bool = False) -> None:
+    parser.add_argument("--model-shape", metavar="NAME[:LAYERS]", default=None,
+                        help=f"serve a real model's shape with random weights (nothing downloaded): one of "
+                             f"{sorted(model_shapes.SHAPES)}, optionally cut to its first LAYERS layers")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the weights' dtype (the KV cache's is its own switch)")
+    parser.add_argument("--weight-seed", type=int, default=0, help="seed of --model-shape's random weights")
+    if drafter:
+        parser.add_argument("--drafter", default="heads", metavar="heads|oracle:PROFILE",
+                            help="what drafts: the Medusa heads, or the oracle drafter at an acceptance PROFILE (a "
+                                 "preset: medusa-1, medusa-2, tiny; or per-depth probabilities 0.8,0.6,...), "
+                                 "needed by --model-shape, whose random weights have no heads")
     parser.add_argument("--model", metavar="DIR", default=None,
                         help="a Hugging Face Llama checkpoint directory (config.json + safetensors); default: the "
                              "shipped tiny Llama, or the base model the --medusa config names")
@@ -47,11 +76,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace) -> Loaded:
-    """The model and heads `args.model` / `args.medusa` name. Raises ValueError (or OSError for a missing file)
-    with a message that names the flag."""
+    """The model and heads `args.model` / `args.medusa` / `args.model_shape` name, in `args.dtype`, with
+    `args.drafter`'s oracle probabilities when it names one. Raises ValueError (or OSError for a missing file) with a
+    message that names the flag."""
+    loaded = _load_model(args)
+    if getattr(args, "dtype", "float32") != "float32":
+        loaded = dataclasses.replace(loaded, model=cast(loaded.model, args.dtype), key=f"{loaded.key} {args.dtype}")
+    drafter = getattr(args, "drafter", "heads")
+    if drafter == "heads":
+        if getattr(args, "model_shape", None) is not None:
+            loaded = dataclasses.replace(loaded, heads=None)
+        return loaded
+    kind, _, profile = drafter.partition(":")
+    if kind != "oracle" or not profile:
+        raise ValueError(f"--drafter must be heads or oracle:PROFILE, got {drafter!r}")
+    from skvs_jax.sim import acceptance_model
+
+    k = draft_len(args, loaded)
+    try:
+        numbers = [float(x) for x in profile.split(",")]
+    except ValueError:
+        numbers = None  # a name: a preset or nothing
+    try:
+        probs = tuple(float(a) for a in acceptance_model.alphas(profile if numbers is None else numbers, k))
+    except ValueError as err:
+        raise ValueError(f"--drafter {drafter}: {err}") from None
+    return dataclasses.replace(loaded, heads=None, oracle=probs,
+                               name=f"{loaded.name}, oracle drafter {profile} (K = {k})")
+
+
+def cast(model: Llama, dtype: str) -> Llama:
+    """`model` with every parameter cast to `dtype` (in place; returned for chaining)."""
+    import jax
+    from flax import nnx
+
+    nnx.update(model, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
+    return model
+
+
+def _load_model(args: argparse.Namespace) -> Loaded:
+    shape = getattr(args, "model_shape", None)
+    if shape is not None:
+        if args.model is not None or args.medusa is not None:
+            raise ValueError("--model-shape serves random weights of a named shape: pass it without --model / --medusa")
+        return random_model(shape, args.weight_seed, getattr(args, "dtype", "float32"))
     if args.model is None and args.medusa is None:
         model, heads = checkpoint.load_shipped()
-        return Loaded(model, heads, "shipped tiny Llama + Medusa")
+        return Loaded(model, heads, "shipped tiny Llama + Medusa", key="shipped")
     heads = None
     model_dir = args.model
     if args.medusa is not None:
@@ -72,7 +143,47 @@ def load(args: argparse.Namespace) -> Loaded:
         raise ValueError(f"--medusa {args.medusa}: heads for hidden size {heads.config.hidden_size} and vocabulary "
                          f"{heads.config.vocab_size}, but the model has {cfg.hidden_size} and {cfg.vocab_size}")
     name = f"{model_dir}" + ("" if heads is None else f" + Medusa {args.medusa} ({heads.config.num_heads} heads)")
-    return Loaded(model, heads, name)
+    return Loaded(model, heads, name, key=f"{pathlib.Path(model_dir).absolute()}")
+
+
+def random_model(spec: str, seed: int, dtype: str = "float32") -> Loaded:
+    """--model-shape: the named shape (NAME or NAME:LAYERS) with random weights from `seed`, created in `dtype` on
+    the default device (no float32 copy of a bfloat16 model is made)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from reference_models.llama import LlamaConfig
+
+    try:
+        name, layers = model_shapes.parse(spec)
+    except ValueError as err:
+        raise ValueError(f"--model-shape: {err}") from None
+    config = LlamaConfig.from_hf_dict(model_shapes.hf_config(name, layers))
+    model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.dtype(dtype))
+    cut = "" if layers is None else f", {layers} of {model_shapes.SHAPES[name]['num_hidden_layers']} layers"
+    return Loaded(model, None, f"{name}{cut} ({config.num_params / 1e9:.2f}B parameters, random weights, seed {seed}, "
+                               f"{dtype})", key=f"shape {spec} seed {seed} {dtype}")
+
+
+def oracle_table(loaded: Loaded, requests: list[tuple[int, list[int], int]], make_engine,
+                 environ=os.environ) -> tuple[np.ndarray, str]:
+    """The oracle's reference table for `requests` ((id, prompt, max new tokens), ...): read from the cache, or made
+    by serving them greedily on `make_engine()` (an engine without speculation) and stored. Returns (table, where it
+    came from). The cache key is the weights' key and the requests; SKVS_ORACLE_CACHE=off (or a directory) sets
+    where it lives."""
+    from skvs_jax.serve import oracle_drafter
+
+    where = environ.get(ORACLE_CACHE_ENV, str(pathlib.Path("~/.cache/skvs_jax/oracle").expanduser()))
+    digest = hashlib.sha256(json.dumps([loaded.key, requests]).encode()).hexdigest()[:24]
+    path = None if where.strip().lower() == "off" else pathlib.Path(where) / f"{digest}.npy"
+    if path is not None and path.exists():
+        return np.load(path), f"reference pass read from {path}"
+    table = oracle_drafter.reference_table(make_engine(), requests)
+    if path is None:
+        return table, "reference pass served now (cache off)"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, table)
+    return table, f"reference pass served now, kept in {path}"
 
 
 def draft_len(args: argparse.Namespace, loaded: Loaded, default_without_heads: int = 4) -> int:
@@ -84,6 +195,7 @@ def draft_len(args: argparse.Namespace, loaded: Loaded, default_without_heads: i
 
 def check_speculation(policy, loaded: Loaded, flag: str = "--policy") -> None:
     """A speculating policy needs heads: say so by the flags, before an engine refuses it."""
-    if policy.speculation and loaded.heads is None:
-        raise ValueError(f"{flag} {policy.name} speculates, which needs Medusa heads: pass --medusa DIR_OR_FILE "
-                         "(or serve vllm_default only)")
+    if policy.speculation and loaded.heads is None and loaded.oracle is None:
+        other = ", or --drafter oracle:PROFILE" if "random weights" in loaded.name else ""
+        raise ValueError(f"{flag} {policy.name} speculates, which needs Medusa heads: pass --medusa DIR_OR_FILE"
+                         f"{other} (or serve vllm_default only)")

@@ -1,6 +1,6 @@
 """`skvs gpu-check`: the project's one GPU script. Every GPU figure in docs/ comes from it.
 
-Sections (`--only a,b`), each with a time budget; the whole script stays under eight minutes with compilation:
+Sections (`--only a,b`), each with a time budget (9.5 minutes in all, compilation included):
 
   kernels   the Pallas kernels against their references, then timed against jax's own Pallas paged attention,
             the XLA path and the device's copy bandwidth (`pallas_kernels.gpu_check`)
@@ -17,6 +17,15 @@ Sections (`--only a,b`), each with a time budget; the whole script stays under e
             (fused) against its halves (schedule_only, model_only) with the step's data-dependent while/cond
             count (host round trips, counted in the program: the floor a profile would show); then the simulator
             (`skvs micro simulate`: one run's steps per second and a vmapped sweep of 64 lanes)
+  tune      the paged-attention kernel's launch parameters swept (`pallas_kernels.gpu_check.tune`: pages per step,
+            splits, Triton warps and stages, at most 24 configs per shape, each checked against the reference) for
+            decode and verification at the Llama-3.1-8B shape, contexts 512 / 2,048 / 8,192: default vs best time,
+            KV GB/s against the HBM peak and the copy bandwidth, verification / decode; its rows are what
+            `pallas_kernels.tuning.TUNED` is filled from, by hand
+
+A section returns ok, or (ok, rows) with rows a list of JSON-serialisable dicts (kernels and tune do): every
+section's rows go into one file, `--out` (default gpu-check.json here), as {"device", "jax", "sections": {name:
+rows}}, written after the last section when any section returned rows.
 
 XLA's GPU command buffers can run `while` and `cond` on the device: `--command-buffers` sets
 XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL before the
@@ -31,13 +40,15 @@ the device and the versions it prints first.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import time
 
 import jax
 import numpy as np
 
-SECTIONS = ("kernels", "serving", "program")
-BUDGET_S = {"kernels": 120.0, "serving": 150.0, "program": 180.0}
+SECTIONS = ("kernels", "serving", "program", "tune")
+BUDGET_S = {"kernels": 120.0, "serving": 150.0, "program": 180.0, "tune": 120.0}
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 
 
@@ -48,15 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                       "with N = 1 (an int, or auto)")
     parser.add_argument("--command-buffers", action="store_true",
                         help=f"set XLA_FLAGS={COMMAND_BUFFERS} before the backend starts")
+    parser.add_argument("--out", default="gpu-check.json",
+                        help="JSON file for the sections' rows (kernels, tune), default gpu-check.json")
 
 
-def _kernels(smoke: bool) -> bool:
+def _kernels(smoke: bool) -> tuple[bool, list[dict]]:
     from pallas_kernels import gpu_check as kernel_check
 
     rng = np.random.default_rng(0)
     ok = kernel_check.check_correctness(rng, interpret=smoke, small=smoke)
-    kernel_check.benchmark(rng, smoke, smoke, 2 if smoke else 20)
-    return ok
+    return ok, kernel_check.benchmark(rng, smoke, smoke, 2 if smoke else 20)
+
+
+def _tune(smoke: bool) -> tuple[bool, list[dict]]:
+    """The sweep within the section's budget; fails if a configuration gave a wrong result (a kernel bug, not a
+    slow config) or a shape has no configuration that ran."""
+    from pallas_kernels import gpu_check as kernel_check
+
+    rows = kernel_check.tune(np.random.default_rng(0), interpret=smoke, small=smoke, repeats=2 if smoke else 20,
+                             budget_s=BUDGET_S["tune"])
+    wrong = any(e["correct"] is False for r in rows for e in r["configs"])
+    return bool(rows) and not wrong and all(r["best"] is not None for r in rows), rows
 
 
 def control_flow(jaxpr) -> dict[str, int]:
@@ -160,6 +183,25 @@ def _program(smoke: bool) -> bool:
     return ok & (micro_simulate.run(sim) == 0)
 
 
+def _json_safe(x):
+    """x with NaN / inf floats as None (strict JSON has neither) and numpy scalars as Python numbers."""
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def write_rows(path: str, sections: dict[str, list[dict]]) -> None:
+    """The sections' rows, with the device kind and jax version, as one JSON file at `path`."""
+    doc = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "sections": _json_safe(sections)}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False)
+        f.write("\n")
+
+
 def run(args: argparse.Namespace) -> int:
     only = [s for s in args.only.split(",") if s]
     unknown = sorted(set(only) - set(SECTIONS))
@@ -179,17 +221,22 @@ def run(args: argparse.Namespace) -> int:
     if not on_gpu and not args.cpu_smoke:
         print("no GPU visible: nothing checked (--cpu-smoke exercises this script on the CPU)")
         return 2
-    ok, t_all = True, time.perf_counter()
+    ok, t_all, rows = True, time.perf_counter(), {}
     for section in only:
         t0 = time.perf_counter()
         print(f"\n== {section} (budget {BUDGET_S[section]:.0f} s)")
         run_section = {"kernels": lambda: _kernels(args.cpu_smoke), "serving": lambda: _serving(args.cpu_smoke, chosen),
-                       "program": lambda: _program(args.cpu_smoke)}[section]
+                       "program": lambda: _program(args.cpu_smoke), "tune": lambda: _tune(args.cpu_smoke)}[section]
         good = run_section()
+        if isinstance(good, tuple):  # (ok, rows): the rows go to --out
+            good, rows[section] = good
         took = time.perf_counter() - t0
         over = "" if took <= BUDGET_S[section] or args.cpu_smoke else f"  OVER BUDGET ({BUDGET_S[section]:.0f} s)"
         print(f"== {section}: {'ok' if good else 'FAILED'} in {took:.0f} s{over}")
         ok &= good
+    if rows:
+        write_rows(args.out, rows)
+        print(f"\nrows of {sorted(rows)} written to {args.out}")
     print(f"\nskvs gpu-check: {'all sections passed' if ok else 'SOME SECTIONS FAILED'} in "
           f"{time.perf_counter() - t_all:.0f} s")
     return 0 if ok else 1
