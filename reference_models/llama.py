@@ -485,8 +485,8 @@ class Llama(nnx.Module):
         """hidden [..., Dm] (after the final norm) -> logits [..., V] float32."""
         return jnp.einsum("...d,vd->...v", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
 
-    def _trunk(self, tokens: Array, positions: Array, attend: AttendFn, kv: Any,
-               scan: bool) -> tuple[Array, Array, Any]:
+    def _trunk(self, tokens: Array, positions: Array, attend: AttendFn, kv: Any, scan: bool,
+               logits_at: Array | None = None) -> tuple[Array, Array, Any]:
         check_token_ids(tokens, self.config.vocab_size)
         cos, sin = rope_cos_sin(self.config, positions)
         x = self.embed_tokens(tokens)
@@ -504,7 +504,10 @@ class Llama(nnx.Module):
             for i in range(self.config.num_layers):
                 (x, kv), _ = body((x, kv), (index[i], jax.tree.map(lambda w, i=i: w[i], stacked)))
         hidden = self.norm(x)
-        return self.logits(hidden), hidden, kv
+        if logits_at is None:
+            return self.logits(hidden), hidden, kv
+        at = jnp.clip(logits_at, 0, hidden.shape[1] - 1)
+        return self.logits(jnp.take_along_axis(hidden, at[:, :, None], axis=1)), hidden, kv
 
     def forward_dense(
         self, tokens: Array, positions: Array | None = None, mask: Array | None = None, *, scan: bool = True
@@ -534,6 +537,7 @@ class Llama(nnx.Module):
         *,
         impl: str = "auto",
         scan: bool = True,
+        logits_at: Array | None = None,
     ) -> tuple[Array, Array, KVCache]:
         """Paged prefill (a prompt chunk) or multi-query decode / verification.
 
@@ -546,7 +550,11 @@ class Llama(nnx.Module):
         path (per token and KV head, new scales kept in the returned cache) and dequantised when attended.
         Each layer writes and reads its pool through `layer_pages` / `layer_tables`: the kernels see one page
         axis of N * L rows, and the scan carries the cache, so the writes stay in place.
-        Returns (logits [B, Q, V] float32, hidden [B, Q, Dm], new cache of the same dtype and structure).
+        logits_at int32[B, R] (query slots, clipped to [0, Q)) or None: the LM head runs only at those slots, and
+        logits are [B, R, V] (a serving step samples at K + 1 slots per row, not at every prompt token: at a
+        128k vocabulary the head is most of a small model's FLOPs).
+        Returns (logits [B, Q, V] or [B, R, V] float32, hidden [B, Q, Dm], new cache of the same dtype and
+        structure).
         """
         b, q_len = tokens.shape
         qlens = jnp.full((b,), q_len, jnp.int32) if query_lens is None else query_lens
@@ -570,5 +578,5 @@ class Llama(nnx.Module):
             unflat = lambda x: None if x is None else x.reshape((n, num_layers) + x.shape[1:])  # noqa: E731
             return out, KVCache(unflat(k_pages), unflat(v_pages), unflat(k_scales), unflat(v_scales))
 
-        logits, hidden, cache = self._trunk(tokens, positions, attend, cache, scan)
+        logits, hidden, cache = self._trunk(tokens, positions, attend, cache, scan, logits_at)
         return logits, hidden, cache

@@ -79,3 +79,14 @@ class MedusaHeads(nnx.Module):
         """Greedy chain of drafts: hidden [B, Dm] at the last committed position t -> tokens [B, heads] int32,
         draft j for position t + 2 + j."""
         return jnp.argmax(self(hidden), axis=-1).T.astype(jnp.int32)
+
+
+def untrained_heads(lm_head: Array, num_heads: int = 4, dtype=jnp.float32) -> MedusaHeads:
+    """Heads as Medusa initialises them before training: identity blocks and copies of the base model's LM head
+    `lm_head` [V, Dm], in `dtype` (float32 or bfloat16). For a model of a real shape with random weights: they
+    accept next to nothing, but a step that runs them pays what trained heads cost."""
+    v, d = lm_head.shape
+    heads = MedusaHeads(MedusaConfig(hidden_size=int(d), vocab_size=int(v), num_heads=num_heads), lm_head_init=lm_head)
+    if jnp.dtype(dtype) != jnp.float32:
+        nnx.update(heads, jax.tree.map(lambda x: x.astype(dtype), nnx.state(heads, nnx.Param)))
+    return heads

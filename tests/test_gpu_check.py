@@ -53,6 +53,21 @@ def test_the_tune_section_sweeps_and_writes_its_rows(capsys, tmp_path):
     assert rows[0]["verify_over_decode"] is None and rows[1]["verify_over_decode"] > 0
 
 
+def test_the_engine_section_serves_the_three_presets_and_the_simulators_prediction(capsys, tmp_path):
+    """The 8B-shape section at its smoke size (the tiny shape cut to 2 layers, 6 requests): every preset served
+    with the oracle drafter, its outputs those of the reference pass, the simulated schedule the engine's (same
+    steps, no counter differs), and the rows in the --out file."""
+    out_file = tmp_path / "check.json"
+    assert commands.main(["gpu-check", "--cpu-smoke", "--only", "engine", "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "== engine: ok" in out and "skvs / naive_spec" in out and "simulator priced as cpu-measured" in out
+    rows = json.loads(out_file.read_text())["sections"]["engine"]
+    assert [r["policy"] for r in rows] == ["vllm_default", "naive_spec", "skvs"]
+    for r in rows:
+        assert r["outputs_as_reference"] == r["requests"] == 6 and r["counters_differ"] == {}
+        assert r["real"]["steps"] == r["simulated"]["steps"] > 0 and r["simulated"]["throughput"] > 0
+
+
 def test_the_sweep_times_at_most_24_configs_per_gpu_shape_with_the_default_first():
     for ctx in kernel_check.TUNE_CONTEXTS:
         d = kernel_check.TUNE_DIMS

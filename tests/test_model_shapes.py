@@ -32,3 +32,16 @@ def test_a_shape_cut_to_fewer_layers_and_bad_specs():
                       ("llama-3.2-1b:x", "NAME:LAYERS")):
         with pytest.raises(ValueError, match=says):
             model_shapes.parse(bad)
+
+
+def test_skvs_simulate_prices_the_shape_bench_serves():
+    import argparse
+
+    from skvs_jax.commands import simulate
+
+    spec = simulate.model_spec(argparse.Namespace(model="llama-3.1-8b", model_shape="llama-3.2-1b:2"))
+    assert (spec.name, spec.num_layers, spec.hidden_size, spec.num_medusa_heads) == ("llama-3.2-1b:2", 2, 2048, 4)
+    assert simulate.model_spec(argparse.Namespace(model="tiny", model_shape="llama-3.1-8b")) is specs.MODELS[
+        "llama-3.1-8b"]
+    with pytest.raises(SystemExit, match="skvs simulate: --model-shape: model shape must be one of"):
+        simulate.model_spec(argparse.Namespace(model="tiny", model_shape="gpt-9"))

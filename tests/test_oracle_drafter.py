@@ -68,6 +68,16 @@ def test_the_draw_is_fresh_per_position_and_frequencies_match_the_profile():
     assert (other != out).mean() > 0.1  # another seed, other draws
 
 
+def test_rejected_drafts_are_the_proposals_where_they_differ_from_the_truth():
+    table = np.arange(40, dtype=np.int32).reshape(2, 20)
+    site = _site([0, 1], [3, 5])
+    proposals = jnp.asarray([[3, 99, 5, 98], [7, 8, 9, 10]], jnp.int32)  # row 0: depths 0 and 2 propose the truth
+    out = np.asarray(oracle_drafter.draft_tokens(jnp.asarray(table), site, (0.0,) * 4, 0, V, proposals))
+    assert out[0, 1] == 99 and out[0, 3] == 98
+    assert out[0, 0] != 3 and out[0, 2] != 5  # the truth is never a rejected draft
+    assert out[1].tolist() == [7, 8, 9, 10]
+
+
 def test_bad_drafters_are_refused_by_name():
     table = np.zeros((2, 4), np.int32)
     with pytest.raises(ValueError, match="probs"):
@@ -92,12 +102,15 @@ def served(shipped):
     return model, cache, requests, table
 
 
-@pytest.mark.parametrize("profile", ["medusa-1", "medusa-2", "tiny", "0.95,0.2,0.9,0.5"])
-def test_oracle_drafts_keep_greedy_output_and_follow_the_profile(served, profile):
+@pytest.mark.parametrize("profile", ["medusa-1", "medusa-2", "tiny", "0.95,0.2,0.9,0.5", "medusa-1+heads"])
+def test_oracle_drafts_keep_greedy_output_and_follow_the_profile(served, shipped, profile):
+    """Every profile; "+heads" runs the shipped Medusa heads beside the oracle (their cost; their proposals are the
+    rejected drafts where they differ from the truth), which changes no acceptance decision."""
     model, cache, requests, table = served
+    profile, _, with_heads = profile.partition("+")
     probs = (tuple(float(x) for x in profile.split(",")) if "," in profile
              else tuple(acceptance_model.alphas(profile, 4).tolist()))
-    drafter = oracle_drafter.OracleDrafter(probs, table, seed=11)
+    drafter = oracle_drafter.OracleDrafter(probs, table, seed=11, heads=shipped[1] if with_heads else None)
     e = engine.Engine(model, drafter, policies.naive_spec(4), cache, token_budget=128, prefill_chunk=32)
     for rid, prompt, max_new in requests:
         e.add_request(prompt, engine.SamplingParams(max_tokens=max_new), request_id=rid, arrival_time=0.0)

@@ -239,7 +239,7 @@ def setup(args: argparse.Namespace):
                             max_blocks_per_seq=blocks_per_seq)
         trace = make_trace(args)
         if loaded.oracle is not None:
-            heads = _oracle_drafter(loaded, model, trace, cache, args)
+            heads = _oracle_drafter(loaded, model, heads, trace, cache, args)
         # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
         # (its widths + `schedule`) decide the serving groups (`bench_serving.serving_groups`).
         args.programs = {n: len(eng.Engine(model, heads, p, cache, **serving.engine_kwargs(p, args)).picker.widths) + 1
@@ -249,9 +249,10 @@ def setup(args: argparse.Namespace):
     return specs, _verify_budget(args.verify_budget), model, heads, trace, cache
 
 
-def _oracle_drafter(loaded, model, trace, cache, args):
+def _oracle_drafter(loaded, model, heads, trace, cache, args):
     """--drafter oracle:PROFILE: the reference pass (the trace served greedily by vllm_default on the same engine
-    options; cached, `checkpoints.oracle_table`) and the drafter made from it. Keeps the table in args.oracle_table,
+    options; cached, `checkpoints.oracle_table`) and the drafter made from it, running `heads` (their cost, and
+    their proposals as its rejected drafts). Keeps the table in args.oracle_table,
     against which every policy's outputs are checked."""
     from skvs_jax.serve import oracle_drafter
 
@@ -261,7 +262,7 @@ def _oracle_drafter(loaded, model, trace, cache, args):
         loaded, requests, lambda: eng.Engine(model, None, ref, cache, **serving.engine_kwargs(ref, args)))
     print(f"oracle drafter: {where}")
     args.oracle_table, args.oracle_probs = table, loaded.oracle
-    return oracle_drafter.OracleDrafter(loaded.oracle, table, seed=args.seed)
+    return oracle_drafter.OracleDrafter(loaded.oracle, table, seed=args.seed, heads=heads)
 
 
 def run(args: argparse.Namespace) -> int:

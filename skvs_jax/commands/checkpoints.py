@@ -27,6 +27,7 @@ import numpy as np
 
 from reference_models import checkpoint
 from reference_models.llama import Llama
+from reference_models.medusa import MedusaHeads
 from skvs_jax import model_shapes
 
 ORACLE_CACHE_ENV = "SKVS_ORACLE_CACHE"  # where reference passes are kept (default ~/.cache/skvs_jax/oracle; "off")
@@ -39,7 +40,7 @@ class Loaded:
     """What a command serves, and how to name it in its report."""
 
     model: Llama
-    heads: Any  # MedusaHeads, an OracleDrafter (once `with_oracle` built it), or None: only non-speculating policies
+    heads: Any  # MedusaHeads (random ones for --model-shape), an OracleDrafter (bench builds it), or None
     name: str  # "shipped tiny Llama + Medusa", the directories, or the shape
     oracle: tuple[float, ...] | None = None  # --drafter oracle:PROFILE's probabilities (K of them), before the table
     key: str = ""  # what identifies the weights (the oracle cache's key): the shape, dtype and seed, or the paths
@@ -84,8 +85,6 @@ def load(args: argparse.Namespace) -> Loaded:
         loaded = dataclasses.replace(loaded, model=cast(loaded.model, args.dtype), key=f"{loaded.key} {args.dtype}")
     drafter = getattr(args, "drafter", "heads")
     if drafter == "heads":
-        if getattr(args, "model_shape", None) is not None:
-            loaded = dataclasses.replace(loaded, heads=None)
         return loaded
     kind, _, profile = drafter.partition(":")
     if kind != "oracle" or not profile:
@@ -101,11 +100,10 @@ def load(args: argparse.Namespace) -> Loaded:
         probs = tuple(float(a) for a in acceptance_model.alphas(profile if numbers is None else numbers, k))
     except ValueError as err:
         raise ValueError(f"--drafter {drafter}: {err}") from None
-    return dataclasses.replace(loaded, heads=None, oracle=probs,
-                               name=f"{loaded.name}, oracle drafter {profile} (K = {k})")
+    return dataclasses.replace(loaded, oracle=probs, name=f"{loaded.name}, oracle drafter {profile} (K = {k})")
 
 
-def cast(model: Llama, dtype: str) -> Llama:
+def cast(model, dtype: str):
     """`model` with every parameter cast to `dtype` (in place; returned for chaining)."""
     import jax
     from flax import nnx
@@ -161,8 +159,16 @@ def random_model(spec: str, seed: int, dtype: str = "float32") -> Loaded:
     config = LlamaConfig.from_hf_dict(model_shapes.hf_config(name, layers))
     model = Llama(config, rngs=nnx.Rngs(seed), dtype=jnp.dtype(dtype))
     cut = "" if layers is None else f", {layers} of {model_shapes.SHAPES[name]['num_hidden_layers']} layers"
-    return Loaded(model, None, f"{name}{cut} ({config.num_params / 1e9:.2f}B parameters, random weights, seed {seed}, "
-                               f"{dtype})", key=f"shape {spec} seed {seed} {dtype}")
+    return Loaded(model, random_heads(model, dtype), f"{name}{cut} ({config.num_params / 1e9:.2f}B parameters, random "
+                  f"weights, seed {seed}, {dtype}; 4 Medusa heads to match)", key=f"shape {spec} seed {seed} {dtype}")
+
+
+def random_heads(model: Llama, dtype: str = "float32", num_heads: int = 4) -> MedusaHeads:
+    """Medusa heads of the model's shape (`reference_models.medusa.untrained_heads`). They accept next to nothing;
+    the oracle drafter runs them so a drafting step pays their cost (`serve.oracle_drafter`)."""
+    from reference_models.medusa import untrained_heads
+
+    return untrained_heads(model.lm_head_weight(), num_heads, dtype)
 
 
 def oracle_table(loaded: Loaded, requests: list[tuple[int, list[int], int]], make_engine,
@@ -196,6 +202,5 @@ def draft_len(args: argparse.Namespace, loaded: Loaded, default_without_heads: i
 def check_speculation(policy, loaded: Loaded, flag: str = "--policy") -> None:
     """A speculating policy needs heads: say so by the flags, before an engine refuses it."""
     if policy.speculation and loaded.heads is None and loaded.oracle is None:
-        other = ", or --drafter oracle:PROFILE" if "random weights" in loaded.name else ""
-        raise ValueError(f"{flag} {policy.name} speculates, which needs Medusa heads: pass --medusa DIR_OR_FILE"
-                         f"{other} (or serve vllm_default only)")
+        raise ValueError(f"{flag} {policy.name} speculates, which needs Medusa heads: pass --medusa DIR_OR_FILE "
+                         "(or serve vllm_default only)")

@@ -1,6 +1,6 @@
 """`skvs gpu-check`: the project's one GPU script. Every GPU figure in docs/ comes from it.
 
-Sections (`--only a,b`), each with a time budget (9.5 minutes in all, compilation included):
+Sections (`--only a,b`), each with a time budget (13.5 minutes in all, compilation included: two device calls):
 
   kernels   the Pallas kernels against their references, then timed against jax's own Pallas paged attention,
             the XLA path and the device's copy bandwidth (`pallas_kernels.gpu_check`)
@@ -22,6 +22,15 @@ Sections (`--only a,b`), each with a time budget (9.5 minutes in all, compilatio
             decode and verification at the Llama-3.1-8B shape, contexts 512 / 2,048 / 8,192: default vs best time,
             KV GB/s against the HBM peak and the copy bandwidth, verification / decode; its rows are what
             `pallas_kernels.tuning.TUNED` is filled from, by hand
+  engine    the article's regime on the real engine: Llama-3.1-8B's shape (bf16, random weights) serving a trace of
+            48 requests on 32 slots under memory pressure (160 KV blocks of 16: vllm_default preempts), the three
+            presets with the oracle drafter at medusa-1 running 4 untrained Medusa heads (so drafting pays their
+            cost; `sim.fidelity`); then the simulator's prediction of the same runs priced by the device's
+            datasheet (h100-sxm / h200), simulated / real per policy, and the real skvs / naive_spec and
+            skvs / vllm_default throughput (the headline)
+
+The five budgets add to more than one device call may take (600 s): run `--only kernels,tune,engine`
+and `--only serving,program` as two calls.
 
 A section returns ok, or (ok, rows) with rows a list of JSON-serialisable dicts (kernels and tune do): every
 section's rows go into one file, `--out` (default gpu-check.json here), as {"device", "jax", "sections": {name:
@@ -47,8 +56,8 @@ import time
 import jax
 import numpy as np
 
-SECTIONS = ("kernels", "serving", "program", "tune")
-BUDGET_S = {"kernels": 120.0, "serving": 150.0, "program": 180.0, "tune": 120.0}
+SECTIONS = ("kernels", "serving", "program", "tune", "engine")
+BUDGET_S = {"kernels": 120.0, "serving": 150.0, "program": 180.0, "tune": 120.0, "engine": 240.0}
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 
 
@@ -69,6 +78,38 @@ def _kernels(smoke: bool) -> tuple[bool, list[dict]]:
     rng = np.random.default_rng(0)
     ok = kernel_check.check_correctness(rng, interpret=smoke, small=smoke)
     return ok, kernel_check.benchmark(rng, smoke, smoke, 2 if smoke else 20)
+
+
+ENGINE_NAMES = ("vllm_default", "naive_spec", "skvs")
+
+
+def _engine(smoke: bool) -> tuple[bool, list[dict]]:
+    from skvs_jax import workloads
+    from skvs_jax.sim import fidelity, specs
+
+    if smoke:
+        s = fidelity.build("tiny:2", "medusa-1", max_seqs=4, kv_blocks=33, block_size=8, max_output=8, heads=True)
+        trace = workloads.tiny_model_trace("system_prompts", 6, seed=0, max_output_len=8)
+    else:
+        s = fidelity.build("llama-3.1-8b", "medusa-1", dtype="bfloat16", max_seqs=32, kv_blocks=161, block_size=16,
+                           max_output=96, token_budget=512, prefill_chunk=128, heads=True)
+        trace = workloads.tiny_model_trace("system_prompts", 48, seed=0, max_output_len=96)
+    kind = jax.devices()[0].device_kind
+    label = "h200" if "H200" in kind else "h100-sxm" if "H100" in kind else "cpu-measured"
+    print(f"{s.spec.name} ({s.model.config.num_params / 1e9:.2f}B, random {s.options['kv_dtype']} weights and KV), "
+          f"oracle drafter medusa-1, {len(trace.requests)} requests, {s.cache.max_seqs} slots, KV "
+          f"{s.cache.usable_blocks} blocks x {s.cache.block_size}; simulator priced as {label}", flush=True)
+    table, served = fidelity.serve_all(s, list(ENGINE_NAMES), trace, print)
+    rows = fidelity.compare(s, served, table, trace, {label: specs.DEVICES[label]})
+    print(fidelity.format_rows(rows, [label], len(trace.requests)))
+    real = {n: r["real"]["throughput"] for n, r in rows.items()}
+    print("real throughput: " + ", ".join(f"{n} {t:.0f} tok/s" for n, t in real.items())
+          + f"; skvs / naive_spec {real['skvs'] / real['naive_spec']:.3f}x, skvs / vllm_default "
+          f"{real['skvs'] / real['vllm_default']:.3f}x")
+    out = [{"policy": n, "real": r["real"], "simulated": r[label], "device": label, "counters_differ": r["differs"],
+            "outputs_as_reference": r["outputs_as_reference"], "requests": len(trace.requests)}
+           for n, r in rows.items()]
+    return all(r["real"]["steps"] > 0 for r in rows.values()), out
 
 
 def _tune(smoke: bool) -> tuple[bool, list[dict]]:
@@ -226,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         print(f"\n== {section} (budget {BUDGET_S[section]:.0f} s)")
         run_section = {"kernels": lambda: _kernels(args.cpu_smoke), "serving": lambda: _serving(args.cpu_smoke, chosen),
-                       "program": lambda: _program(args.cpu_smoke), "tune": lambda: _tune(args.cpu_smoke)}[section]
+                       "program": lambda: _program(args.cpu_smoke), "tune": lambda: _tune(args.cpu_smoke),
+                       "engine": lambda: _engine(args.cpu_smoke)}[section]
         good = run_section()
         if isinstance(good, tuple):  # (ok, rows): the rows go to --out
             good, rows[section] = good

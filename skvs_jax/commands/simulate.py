@@ -39,7 +39,11 @@ SCHEMA_VERSION = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(cost_model.MODELS))
+    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(cost_model.MODELS),
+                        help="the model priced (a name of sim.specs.MODELS; --model-shape says the same, and cuts)")
+    parser.add_argument("--model-shape", metavar="NAME[:LAYERS]", default=None,
+                        help="the model priced, as `skvs bench --model-shape` serves it: a shape of "
+                             "skvs_jax.model_shapes, optionally its first LAYERS layers (bf16, 4 Medusa heads)")
     parser.add_argument("--device", default="a100-80gb", choices=sorted(cost_model.DEVICES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices per replica)")
     parser.add_argument("--cost-mode", default="auto", choices=cost_model.COST_MODES,
@@ -148,8 +152,8 @@ def geometry(args, cost: cost_model.CostModel, k: int) -> CacheConfig:
         except ValueError as err:
             raise SystemExit(f"skvs simulate: --device {args.device}: {err}; pass --kv-blocks") from None
         if blocks < m:
-            raise SystemExit(f"skvs simulate: {args.model} on {args.tp} x {args.device} leaves room for {blocks} KV "
-                             f"blocks, fewer than one request needs ({m})")
+            raise SystemExit(f"skvs simulate: {cost.model.name} on {args.tp} x {args.device} leaves room for {blocks} "
+                             f"KV blocks, fewer than one request needs ({m})")
     if blocks < m:
         raise SystemExit(f"skvs simulate: --kv-blocks {blocks} holds fewer blocks than one request can need ({m} "
                          f"of {s} tokens for --max-prompt-len + --max-output-len + drafts)")
@@ -168,7 +172,7 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float
             trace = workloads.make(args.workload or "sharegpt", args.requests, seed=seed, **kw)
             # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
             sims.append(simulate.make_trace(trace, cfg, alphas=per_request, seed=seed,
-                                            vocab_size=cost_model.MODELS[args.model].vocab_size))
+                                            vocab_size=model_spec(args).vocab_size))
     return sweep.stack(sims)
 
 
@@ -219,10 +223,27 @@ def _specs(args, verify_budget: int | None) -> dict[str, policies.PolicySpec]:
 KV_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
 
 
+def model_spec(args) -> cost_model.ModelSpec:
+    """--model-shape's spec (the registry's config, cut to its layers; bf16; the article's 4 Medusa heads), else
+    --model's."""
+    if getattr(args, "model_shape", None) is None:
+        return cost_model.MODELS[args.model]
+    from skvs_jax import model_shapes
+
+    try:
+        name, layers = model_shapes.parse(args.model_shape)
+    except ValueError as err:
+        raise SystemExit(f"skvs simulate: --model-shape: {err}") from None
+    if layers is None:
+        return cost_model.MODELS[name]
+    return cost_model.ModelSpec.from_hf_config(args.model_shape, model_shapes.hf_config(name, layers),
+                                               {"medusa_num_heads": 4, "medusa_num_layers": 1})
+
+
 def _cost(args) -> cost_model.CostModel:
     """The cost model; --kv-precision prices the KV cache in that dtype ("by_draft_len": bf16 for --draft-len >= 6,
     fp8 below) for every policy, and sizes the default KV budget with it."""
-    model = cost_model.MODELS[args.model]
+    model = model_spec(args)
     if args.kv_precision is not None:
         dtype = policies.resolve_kv_dtype(args.kv_precision, args.draft_len)
         model = dataclasses.replace(model, kv_dtype_bytes=KV_BYTES[dtype])

@@ -97,7 +97,7 @@ class Engine:
             raise TypeError("heads must be MedusaHeads (or an OracleDrafter) when the policy speculates")
         options = EngineOptions.of(options, overrides)
         if isinstance(heads, oracle_drafter.OracleDrafter):
-            runner, params = LlamaMedusaRunner.create(model, None)
+            runner, params = LlamaMedusaRunner.create(model, heads.heads if policy.speculation else None)
             if policy.speculation:
                 runner, params = oracle_drafter.wrap(runner, params, heads)
         else:

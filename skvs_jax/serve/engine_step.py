@@ -136,11 +136,12 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     view = _home_view(batch, width) if split_rows else batch
     queries = _assemble_queries(runner, params, st.hidden, rows, context, st.sched.seqs, view, cfg=cfg,
                                 width=width)
+    at = _sampling_slots(view, cfg)
     if split_rows:
         logits, hidden, cache, fits = _forward_split(runner, params, queries, cache, batch, view,
-                                                     st.sched.seqs.tokens, rows=split_rows, impl=cfg.impl)
+                                                     st.sched.seqs.tokens, at, rows=split_rows, impl=cfg.impl)
     else:
-        logits, hidden, cache = _forward(runner, params, queries, cache, batch, impl=cfg.impl)
+        logits, hidden, cache = _forward(runner, params, queries, cache, batch, at, impl=cfg.impl)
         fits = _widest_query(batch) <= width
     targets = _process_targets(logits, queries, view, rows, context, cfg=cfg)
     accepted, path, path_tokens, bonus = _verify_drafts(targets, queries, view, rows, cfg=cfg)
@@ -299,12 +300,21 @@ def _split_rows(start: jax.Array, off: jax.Array, width: int, rows: int) -> _Spl
                       need=end[-1].astype(i32))
 
 
+def _sampling_slots(batch: sc.Batch, cfg: EngineConfig) -> jax.Array:
+    """int32[B, slots]: the query slot of each row's sampling slots, num_query - 1 + u for node u of the draft tree
+    (a chain: u = 0..K; no speculation: the last query token alone). The forward computes logits there only."""
+    k = cfg.sched.policy.draft_len
+    r = cfg.tree.num_slots if k > 0 and cfg.tree is not None else k + 1
+    return jnp.maximum(batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :], 0)
+
+
 def _forward_split(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, view: sc.Batch,
-                   seq_tokens: jax.Array, *, rows: int, impl: str):
+                   seq_tokens: jax.Array, at: jax.Array, *, rows: int, impl: str):
     """The paged forward of the split branch: the B home rows (`_home_view`'s queries) and `rows` extra rows
     holding the head of every long prompt chunk, in one [B + rows, Q] call. Exact: each layer writes every row's
     K/V before any row attends (`ModelRunner.forward`), so a home row sees its chunk's head in the extra rows
-    through the shared block table, and an extra row the extra rows before it. Returns (logits float[B, Q, V],
+    through the shared block table, and an extra row the extra rows before it. at int32[B, slots]: the home rows'
+    sampling slots (`_sampling_slots`; the extra rows sample nothing). Returns (logits float[B, slots, V] and
     hidden float[B, Q, Dm] of the home rows, cache, fits bool[]: every row fit, i.e. the extra rows sufficed)."""
     b, width = queries.tokens.shape
     ex = _split_rows(batch.start, view.start - batch.start, width, rows)
@@ -322,49 +332,49 @@ def _forward_split(runner: ModelRunner, params, queries: _Queries, cache, batch:
     if tree_mask is not None:  # extra rows hold known tokens only: causal
         causal = jnp.broadcast_to(slot.T >= slot, (rows, width, width))
         tree_mask = jnp.concatenate([tree_mask, causal])
+    logits_at = jnp.concatenate([at, jnp.zeros((rows, at.shape[1]), i32)])
     logits, hidden, cache = runner.forward(params, tokens, positions, cache, tables, context_lens, query_lens,
-                                           impl=impl, tree_mask=tree_mask)
+                                           impl=impl, tree_mask=tree_mask, logits_at=logits_at)
     fits = (ex.need <= rows) & (_widest_query(view) <= width)
     return logits[:b], hidden[:b], cache, fits
 
 
-def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, *, impl: str):
+def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, at: jax.Array, *,
+             impl: str):
     """The paged forward over all B rows at once: prefill chunks and decode / verification rows in one [B, Q] call.
 
     Row b's query_lens[b] tokens go into the cache at positions start[b] + j through batch.block_table
-    (int32[B, M]); rows with query_lens 0 write nothing. Returns (logits float[B, Q, V], hidden float[B, Q, Dm],
-    cache)."""
+    (int32[B, M]); rows with query_lens 0 write nothing. Returns (logits float[B, slots, V] at the sampling slots
+    `at` int32[B, slots], hidden float[B, Q, Dm], cache)."""
     return runner.forward(params, queries.tokens, queries.positions, cache, batch.block_table,
                           batch.start + queries.query_lens, queries.query_lens, impl=impl,
-                          tree_mask=queries.tree_mask)
+                          tree_mask=queries.tree_mask, logits_at=at)
 
 
 @struct.dataclass
 class _Targets:
     """The target's distributions at each row's K + 1 sampling slots (`slots`) (the root, then node u at query slot
-    num_query - 1 + u), processed per row, and the [B, Q] views verification reads."""
+    num_query - 1 + u), processed per row: what verification reads, slot u of each array standing for query slot
+    num_query - 1 + u (the forward computed logits there only, `_sampling_slots`)."""
 
     raw: jax.Array  # float32[B, slots, V] raw logits at the sampling slots (logprobs read these)
-    logits: jax.Array  # float32[B, Q, V] the forward's logits with the sampling slots' replaced by processed ones
+    logits: jax.Array  # float32[B, slots, V] the processed logits at the sampling slots
     temperature: jax.Array  # float32[B] effective temperature of the processed logits: 1 sampled, 0 greedy
-    target: jax.Array  # int32[B, Q] the target's token after each sampling slot, from the row's stream
+    target: jax.Array  # int32[B, slots] the target's token after each sampling slot, from the row's stream
     rule_keys: jax.Array  # typed keys [B] for the acceptance rule's own draws (the row's stream at its root)
     siblings: tuple  # `sampling.sibling_tokens` at the root: (int32[B, MAX_N - 1], float32[B, MAX_N - 1])
 
 
 def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows,
                      context: _PenaltyContext, *, cfg: EngineConfig) -> _Targets:
-    """Process the target's logits at every sampling slot with its row's parameters (`sampling.process`; node u's
-    penalties count the drafts on its path) and draw its token from the row's stream at the position it lands at
-    (start + num_query + depth(u)). Slots past the query are dropped from the [B, Q] views."""
-    b, width, vocab = logits.shape
+    """Process the target's logits at every sampling slot (logits float[B, slots, V], `_sampling_slots`) with its
+    row's parameters (`sampling.process`; node u's penalties count the drafts on its path) and draw its token from
+    the row's stream at the position it lands at (start + num_query + depth(u))."""
+    b, _, vocab = logits.shape
     k = cfg.sched.policy.draft_len
     tree = cfg.tree if k > 0 else None
     depth = jnp.asarray(tree.depth if tree is not None else [0], i32)  # [slots]
-    r = depth.shape[0]
-    at = batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :]  # [B, slots] query slot of each node
-    b_idx = jnp.arange(b, dtype=i32)[:, None]
-    raw = logits[b_idx, jnp.clip(at, 0, width - 1)].astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
     if tree is not None:
         drafted = sampling.path_counts(queries.nodes, jnp.asarray(tree.mask), vocab)
     else:
@@ -373,12 +383,10 @@ def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows
     pos0 = batch.start + batch.num_query  # where the root's token lands
     drawn = sampling.sample(sampling.position_keys(rows.stream, pos0[:, None] + depth[None, :], sampling.TARGET),
                             processed, temp)
-    into = jnp.where((at >= 0) & (at < width), at, width)  # out of range: dropped
-    full = logits.astype(jnp.float32).at[b_idx, into].set(processed, mode="drop")
-    target = jnp.zeros((b, width), i32).at[b_idx, into].set(drawn, mode="drop")
     rule_keys = sampling.position_keys(rows.stream, pos0[:, None], sampling.RULE)[:, 0]
     siblings = sampling.sibling_tokens(processed[:, 0], temp, raw[:, 0], rows, pos0)
-    return _Targets(raw=raw, logits=full, temperature=temp, target=target, rule_keys=rule_keys, siblings=siblings)
+    return _Targets(raw=raw, logits=processed, temperature=temp, target=drawn, rule_keys=rule_keys,
+                    siblings=siblings)
 
 
 def _verify_drafts(targets: _Targets, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows, *,
@@ -392,16 +400,15 @@ def _verify_drafts(targets: _Targets, queries: _Queries, batch: sc.Batch, rows: 
     bonus is the target's token after the row's last query token.
     """
     k = cfg.sched.policy.draft_len
-    num_query = batch.num_query
-    if k > 0:
-        v = spec.verify(cfg.tree, targets.logits, queries.nodes, num_query, batch.num_drafts, targets.rule_keys,
+    if k > 0:  # the targets hold the sampling slots alone: the root (query slot num_query - 1) is slot 0
+        root = jnp.ones_like(batch.num_query)
+        v = spec.verify(cfg.tree, targets.logits, queries.nodes, root, batch.num_drafts, targets.rule_keys,
                         targets.temperature, rule=cfg.acceptance, draft_logits=queries.draft_logits,
                         posterior_threshold=cfg.posterior_threshold, posterior_alpha=cfg.posterior_alpha,
                         target=targets.target)
         return v.accepted, v.path_nodes, v.path_tokens, v.next_token
-    b, width = targets.target.shape
-    bonus = jnp.take_along_axis(targets.target, jnp.clip(num_query - 1, 0, width - 1)[:, None], axis=1)[:, 0]
-    return jnp.zeros((b,), i32), jnp.zeros((b, 1), i32), jnp.zeros((b, 1), i32), bonus
+    b = targets.target.shape[0]
+    return jnp.zeros((b,), i32), jnp.zeros((b, 1), i32), jnp.zeros((b, 1), i32), targets.target[:, 0]
 
 
 def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Array, rows: sampling.SamplingRows,

@@ -45,13 +45,15 @@ class ModelRunner(Protocol):
         """An empty paged KV cache pytree whose arrays lead with the block axis N (block 0 = null block)."""
 
     def forward(self, params: Any, tokens: jax.Array, positions: jax.Array, cache: Any, block_tables: jax.Array,
-                context_lens: jax.Array, query_lens: jax.Array, *, impl: str,
-                tree_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
+                context_lens: jax.Array, query_lens: jax.Array, *, impl: str, tree_mask: jax.Array | None = None,
+                logits_at: jax.Array | None = None) -> tuple[jax.Array, jax.Array, Any]:
         """tokens, positions int32[B, Q]; block_tables int32[B, M]; context_lens, query_lens int32[B] (the Q
         query tokens of row b are stored at cache positions context_lens - query_lens + j, j < query_lens; rows
         with query_lens 0 write nothing); tree_mask bool[B, Q, Q] or None (causal): with a mask, query i sees
         the cache before the Q query slots plus slot j iff tree_mask[b, i, j] (positions carry each node's
-        depth). Returns (logits float[B, Q, V], hidden float[B, Q, Dm], cache)."""
+        depth); logits_at int32[B, R] or None: the query slots whose logits are wanted (the engine asks for each
+        row's sampling slots). Returns (logits float[B, Q, V], or float[B, R, V] with logits_at; hidden
+        float[B, Q, Dm]; cache)."""
 
     def draft(self, params: Any, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         """hidden float[B, Dm] at a row's last accepted position t -> int32[B, num_draft_heads] drafts for
@@ -125,10 +127,10 @@ class LlamaMedusaRunner:
         return KVCache.zeros(self.config, num_blocks, block_size, dtype)
 
     def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str,
-                tree_mask=None):
+                tree_mask=None, logits_at=None):
         model = nnx.merge(self.graphdef, params[0])
         return model.forward_paged(tokens, positions, cache, block_tables, context_lens, query_lens=query_lens,
-                                   tree_mask=tree_mask, impl=impl)
+                                   tree_mask=tree_mask, impl=impl, logits_at=logits_at)
 
     def draft(self, params, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         return jnp.argmax(self.draft_logits(params, hidden), axis=-1).astype(jnp.int32)

@@ -18,7 +18,10 @@ no longer predicts it.
 
 `OracleDrafter` is what `Engine(model, drafter, ...)` takes in place of `MedusaHeads`; the engine wraps the model's
 runner in an `OracleRunner`, whose params carry the table. The runner sees each row's request id and first draft
-position through `model_runner.DraftSite`.
+position through `model_runner.DraftSite`. With `heads` (Medusa heads, e.g. random ones of the model's shape) the
+runner also runs them every drafting step and a rejected draft is the heads' own proposal where that differs from
+the true token: the step then pays what Medusa's heads cost (at 8B, four vocabulary projections per row, ~13% of
+a token's FLOPs), which a free oracle would leave out of every comparison with speculation off.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class OracleDrafter:
     probs: tuple[float, ...]
     table: Any  # int32[R, P], device or host array
     seed: int = 0
+    heads: Any = None  # MedusaHeads run every drafting step (their cost, and their proposals as rejected drafts)
 
     def __post_init__(self) -> None:
         probs = tuple(self.probs)
@@ -77,9 +81,11 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def draft_tokens(table: jax.Array, site: DraftSite, probs: Sequence[float], seed: int, vocab_size: int) -> jax.Array:
+def draft_tokens(table: jax.Array, site: DraftSite, probs: Sequence[float], seed: int, vocab_size: int,
+                 proposals: jax.Array | None = None) -> jax.Array:
     """int32[B, K] drafts for positions site.position + d: the table's token with probability probs[d], else
-    another token (never the table's). Pure, jittable; table int32[R, P]."""
+    another token (never the table's): proposals[b, d] (int32[B, >= K], e.g. the heads' argmax) where that differs
+    from the table's, else a hashed shift of it. Pure, jittable; table int32[R, P]."""
     r, p = table.shape
     k = len(probs)
     depth = jnp.arange(k, dtype=i32)[None, :]  # [1, K]
@@ -92,7 +98,10 @@ def draft_tokens(table: jax.Array, site: DraftSite, probs: Sequence[float], seed
     u = (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)  # uniform in [0, 1)
     keep = (u < jnp.asarray(probs, jnp.float32)[None, :]) & (true >= 0)
     shift = 1 + (_mix(h) % u32(max(vocab_size - 1, 1))).astype(i32)  # in [1, V - 1]: never the true token
-    return jnp.where(keep, true, (jnp.maximum(true, 0) + shift) % vocab_size).astype(i32)
+    wrong = (jnp.maximum(true, 0) + shift) % vocab_size
+    if proposals is not None:
+        wrong = jnp.where(proposals[:, :k] != true, proposals[:, :k], wrong)
+    return jnp.where(keep, true, wrong).astype(i32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +132,15 @@ class OracleRunner:
         return self.base.init_cache(num_blocks, block_size, dtype)
 
     def forward(self, params, tokens, positions, cache, block_tables, context_lens, query_lens, *, impl: str,
-                tree_mask=None):
+                tree_mask=None, logits_at=None):
         return self.base.forward(params[0], tokens, positions, cache, block_tables, context_lens, query_lens,
-                                 impl=impl, tree_mask=tree_mask)
+                                 impl=impl, tree_mask=tree_mask, logits_at=logits_at)
 
     def draft(self, params, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         if site is None:
             raise ValueError("the oracle drafter needs each row's DraftSite (request id and first draft position)")
-        return draft_tokens(params[1], site, self.probs, self.seed, self.vocab_size)
+        proposals = self.base.draft(params[0], hidden) if self.base.num_draft_heads else None
+        return draft_tokens(params[1], site, self.probs, self.seed, self.vocab_size, proposals)
 
     def draft_logits(self, params, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         """A point mass on each draft (0 there, -1e4 elsewhere): float32[B, K, V]."""
@@ -149,9 +159,12 @@ class OracleRunner:
 
 
 def wrap(runner: ModelRunner, params, drafter: OracleDrafter) -> tuple[OracleRunner, Any]:
-    """`runner` (one without draft heads) drafting with `drafter`: (OracleRunner, (params, table))."""
+    """`runner` (with `drafter.heads` as its draft heads, or none) drafting with `drafter`: (OracleRunner, (params,
+    table))."""
     if drafter.table.shape[1] < 1:
         raise ValueError("the oracle table must hold at least one position")
+    if runner.num_draft_heads and runner.num_draft_heads < drafter.num_heads:
+        raise ValueError(f"the oracle drafts {drafter.num_heads} deep but its heads are {runner.num_draft_heads}")
     return OracleRunner(runner, drafter.probs, int(drafter.seed)), (params, jnp.asarray(drafter.table, i32))
 
 
@@ -182,3 +195,24 @@ def reference_table(engine, requests: Sequence[tuple[int, Sequence[int], int]]) 
         prompts[rid] = prompt
     outputs = engine.run()
     return table_from_outputs(prompts, outputs, engine.cfg.sched.max_len)
+
+
+def accept_runs(table: np.ndarray, probs: Sequence[float], seed: int, vocab_size: int,
+                request_ids: Sequence[int], width: int) -> dict[int, np.ndarray]:
+    """What greedy verification accepts of the oracle's drafts: request id -> int32[width], entry n = the leading
+    drafts of a row with n known tokens (its drafts at positions n, n + 1, ...) that equal the table. The engine
+    accepts exactly this much (capped by the drafts it offers) while its outputs equal the table, so a simulated
+    schedule replayed with these runs (`sim.simulate.make_trace(accept_runs=...)`) meets the same acceptance."""
+    ids = np.asarray(list(request_ids), np.int32)
+    k = len(probs)
+    rid = np.repeat(ids, width)
+    pos = np.tile(np.arange(width, dtype=np.int32), len(ids))
+    drafts = np.asarray(draft_tokens(jnp.asarray(table, i32), DraftSite(jnp.asarray(rid), jnp.asarray(pos)), probs,
+                                     seed, vocab_size))  # [R * width, K]
+    r, p = table.shape
+    cols = pos[:, None] + np.arange(k)[None, :]
+    truth = np.where((cols < p) & (rid[:, None] >= 0) & (rid[:, None] < r),
+                     table[np.clip(rid, 0, r - 1)[:, None], np.clip(cols, 0, p - 1)], MISS)
+    match = (drafts == truth) & (truth >= 0)
+    runs = np.cumprod(match, axis=1).sum(axis=1).astype(np.int32).reshape(len(ids), width)
+    return {int(i): runs[j] for j, i in enumerate(ids)}

@@ -13,6 +13,7 @@
 * `sweep`: many simulations of one policy in one compiled call (knobs, KV budget, arrival rate, trace as data),
   vmapped or mapped per device, and split over a `dp` mesh axis.
 * `calibrate`: fits the `cpu-measured` device and checks fidelity against the engine.
+* `fidelity`: the simulator against the engine at a real model's shape (oracle drafter, refit device, out of sample).
 * `scenarios`: the named workloads `skvs claims` runs through the simulator (the article's settings, KV-starved
   sweeps, pressure), each a function of its parameters.
 
