@@ -40,8 +40,10 @@ Assumptions (each one a simplification a reader should know about):
 - All weights count as read once per step, the embedding table included, though a step really gathers only T
   of its rows. This is the convention of the issue's 7.9 ms roofline (16.06 GB / 2.039 TB/s) and of the bandwidth
   efficiency fitted to it; for Llama-3.1-8B it charges 1.05 GB (6.5%) that a gather does not read.
-- The LM head runs on every token of the step (an engine computes logits for the last prompt token only; at
-  128k vocab the LM head is 7% of Llama-3.1-8B's matmul FLOPs, so prefill compute is overstated by <= 7%).
+- The LM head runs on the step's logit rows only, as the engine computes them: every decode / verification
+  token and one row per prefilling sequence (mean-field: one, when the step has prefill tokens; the measured
+  mode counts the same rows). A device with a finite `logit_elements_per_s` (the fitted CPU) also pays for the
+  vocabulary-sized work around them, (logit rows + R * Medusa heads) * V elements, added to the step.
 - Activations, logits, norms, rotary embeddings and sampling move bytes and FLOPs we ignore: at small T they
   are tiny next to the weights, at large T the step is compute-bound and the matmuls dominate.
 - Tensor parallelism (Megatron-style) splits weights, FLOPs and Medusa heads t ways and KV heads min(t, Hkv)
@@ -249,17 +251,21 @@ class CostModel:
         queries_per_seq = tokens / jnp.maximum(b, 1.0)  # T / B
         attention_pairs = queries_per_seq * c + tokens * (queries_per_seq + 1.0) / 2.0
         drafting = r > 0.0
-        flops = (tokens * (2.0 * m.matmul_params / t)
+        head_params = m.vocab_size * m.hidden_size
+        logit_rows = d + jnp.where(p > 0.0, 1.0, 0.0)  # the engine's sampling rows (module docstring)
+        flops = (tokens * (2.0 * (m.matmul_params - head_params) / t) + logit_rows * (2.0 * head_params / t)
                  + attention_pairs * (m.attention_flops_per_pair / t)
                  + r * (m.medusa_flops_per_row / t))
+        logit_elements = (logit_rows + r * m.num_medusa_heads) * float(m.vocab_size)
         nbytes = (m.weight_bytes / t
                   + jnp.where(drafting, m.medusa_weight_bytes / t, 0.0)
                   + (c + tokens) * self.kv_bytes_per_token_per_device)
         compute_s = flops / self._flops_per_s
         memory_s = nbytes / self._bytes_per_s
         roofline_s = compute_s + memory_s - self.device.compute_memory_overlap * jnp.minimum(compute_s, memory_s)
-        return {"flops": flops, "bytes": nbytes, "compute_s": compute_s, "memory_s": memory_s,
-                "roofline_s": roofline_s}
+        roofline_s = roofline_s + logit_elements / self.device.logit_elements_per_s  # 0 for an unpriced inf
+        return {"flops": flops, "bytes": nbytes, "logit_elements": logit_elements, "compute_s": compute_s,
+                "memory_s": memory_s, "roofline_s": roofline_s}
 
     def _measured_terms(self, p, d, c, b, r) -> dict[str, jax.Array]:
         """Vidur's composition of a step (`ExecutionTime`): per layer, the non-attention operators at the step's
@@ -420,11 +426,12 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
     """Fit a device to measured engine steps of `model`: the `cpu-measured` device.
 
     Model fitted, per step (additive: on the CPU engine compute and memory traffic do not overlap):
-        seconds ~ host_overhead + flops / flops_per_s + bytes / bytes_per_s
-    where flops and bytes are exactly what `CostModel` computes for the step (matmuls, attention pairs and
-    Medusa rows; weights, KV read and KV written). It is affine in the step's tokens and KV bytes: a per-step
-    overhead, a per-token cost and a per-KV-byte cost. The three constants are fitted by least squares under the
-    constraint that each is >= 0 (a zero rate maps to an infinite speed). The returned device has both efficiencies
+        seconds ~ host_overhead + flops / flops_per_s + bytes / bytes_per_s + logit_elements / logit_elements_per_s
+    where flops, bytes and logit elements are exactly what `CostModel` computes for the step (matmuls, attention
+    pairs and Medusa rows; weights, KV read and KV written; the vocabulary-sized work of its logit rows). It is
+    affine in the step's tokens, KV bytes and logit rows: a per-step overhead, a per-token cost, a per-KV-byte cost
+    and a per-logit-element cost. The four constants are fitted by least squares under the constraint that each
+    is >= 0 (a zero rate maps to an infinite speed). The returned device has both efficiencies
     1, `compute_memory_overlap` 0 and tp 1, so `CostModel(model, fit_cpu_device(samples, model))` reproduces the
     fit. Steps with no tokens are skipped (the cost model gives them 0).
 
@@ -448,14 +455,16 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
                       allreduce_latency_s=0.0, compute_memory_overlap=0.0)
     columns = [np.asarray([getattr(s, f) for s in rows]) for f in StepSample._fields]
     terms = CostModel(model, unit, tp=1).breakdown(*(columns[i] for i in (0, 1, 2, 4, 5)))
-    a = np.stack([np.ones(len(rows)), np.asarray(terms["flops"], np.float64), np.asarray(terms["bytes"], np.float64)],
-                 axis=1)
+    a = np.stack([np.ones(len(rows)), np.asarray(terms["flops"], np.float64), np.asarray(terms["bytes"], np.float64),
+                  np.asarray(terms["logit_elements"], np.float64)], axis=1)
     y = np.asarray(columns[3], np.float64)
     if not np.all(np.isfinite(y)) or np.any(y < 0):
         raise ValueError("samples' seconds must be finite and >= 0")
     scale = np.linalg.norm(a, axis=0)  # equilibrate columns (1, ~1e9 FLOPs, ~1e6 bytes) before solving
-    overhead, s_per_flop, s_per_byte = nnls(a / scale, y) / scale
+    overhead, s_per_flop, s_per_byte, s_per_logit = nnls(a / np.where(scale > 0, scale, 1.0), y) / np.where(
+        scale > 0, scale, 1.0)
     return DeviceSpec(name, peak_flops_per_s=1.0 / s_per_flop if s_per_flop > 0 else math.inf,
+                      logit_elements_per_s=1.0 / s_per_logit if s_per_logit > 0 else math.inf,
                       hbm_bytes_per_s=1.0 / s_per_byte if s_per_byte > 0 else math.inf,
                       hbm_capacity_bytes=memory_bytes, compute_efficiency=1.0, bandwidth_efficiency=1.0,
                       link_bytes_per_s=math.inf, allreduce_latency_s=0.0, tp_degree=1,

@@ -197,7 +197,8 @@ def format_report(result: dict, s: Setup, check_trace: workloads.Trace) -> str:
     d = result["device"]
     return "\n".join([
         f"refit device on {result['samples']} steps of the fit trace: {d.host_overhead_s * 1e3:.2f} ms/step + "
-        f"{d.peak_flops_per_s / 1e9:.1f} GFLOP/s + {d.hbm_bytes_per_s / 1e9:.2f} GB/s",
+        f"{d.peak_flops_per_s / 1e9:.1f} GFLOP/s + {d.hbm_bytes_per_s / 1e9:.2f} GB/s + "
+        f"{d.logit_elements_per_s / 1e9:.2f} G logit elements/s (inf: the fit found no separate cost)",
         format_rows(result["rows"], ["refit", "preset"], len(check_trace.requests)),
         "real: the engine on this CPU, the check trace; sim: the simulator of the same runs priced by the refit "
         "device and by the preset cpu-measured (fitted on the shipped tiny model)"])

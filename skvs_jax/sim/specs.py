@@ -242,6 +242,10 @@ class DeviceSpec:
       fitted: the constants are fitted to measured step times (`fit_cpu_device`), not datasheet peaks times
         assumed efficiencies: a `CostModel` on it is in the "measured" mode (see `COST_MODES`).
       host_link: the link its swaps cross to host memory, a name in `HOST_LINKS` (a `CostModel` may override it).
+      logit_elements_per_s: the vocabulary-sized work of a step outside its matmuls (processing, sampling and
+        verifying the target's logits, the drafts' logits), in logit elements per second; inf: not priced (the
+        datasheet devices: at 8B it is a small share of a GPU step); `fit_cpu_device` fits it on this CPU, where
+        at a 128k vocabulary it is a large one.
     """
 
     name: str
@@ -257,6 +261,7 @@ class DeviceSpec:
     compute_memory_overlap: float = 1.0
     fitted: bool = False
     host_link: str = "pcie-gen4-x16"
+    logit_elements_per_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -268,6 +273,7 @@ class DeviceSpec:
         check_float("allreduce_latency_s", self.allreduce_latency_s, 0.0, 1.0)
         check_float("host_overhead_s", self.host_overhead_s, 0.0, 1e3)
         check_float("compute_memory_overlap", self.compute_memory_overlap, 0.0, 1.0)
+        check_float("logit_elements_per_s", self.logit_elements_per_s, 0.0, open_low=True)
         check_int("tp_degree", self.tp_degree, 1)
         if not isinstance(self.fitted, bool):
             raise ValueError(f"fitted must be a bool, got {self.fitted!r}")
