@@ -53,6 +53,7 @@ def test_the_tune_section_sweeps_and_writes_its_rows(capsys, tmp_path):
     assert rows[0]["verify_over_decode"] is None and rows[1]["verify_over_decode"] > 0
 
 
+@pytest.mark.slow  # the default run's time budget (docs: `pytest -m slow`); tests/test_sim_fidelity.py covers its parts
 def test_the_engine_section_serves_the_three_presets_and_the_simulators_prediction(capsys, tmp_path):
     """The 8B-shape section at its smoke size (the tiny shape cut to 2 layers, 6 requests): every preset served
     with the oracle drafter, its outputs those of the reference pass, the simulated schedule the engine's (same
