@@ -92,7 +92,8 @@ def _engine(smoke: bool) -> tuple[bool, list[dict]]:
         trace = workloads.tiny_model_trace("system_prompts", 6, seed=0, max_output_len=8)
     else:
         s = fidelity.build("llama-3.1-8b", "medusa-1", dtype="bfloat16", max_seqs=32, kv_blocks=161, block_size=16,
-                           max_output=96, token_budget=512, prefill_chunk=128, heads=True)
+                           max_output=96, token_budget=512, prefill_chunk=128, heads=True,
+                           steps_per_dispatch="auto")
         trace = workloads.tiny_model_trace("system_prompts", 48, seed=0, max_output_len=96)
     kind = jax.devices()[0].device_kind
     label = "h200" if "H200" in kind else "h100-sxm" if "H100" in kind else "cpu-measured"

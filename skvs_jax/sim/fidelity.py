@@ -56,10 +56,12 @@ class Setup:
 
 def build(shape: str, profile: str, *, k: int = 4, weight_seed: int = 0, dtype: str = "float32", max_seqs: int = 8,
           kv_blocks: int = 65, block_size: int = 8, max_output: int = 32, token_budget: int = 128,
-          prefill_chunk: int = 32, impl: str = "auto", heads: bool = False) -> Setup:
+          prefill_chunk: int = 32, impl: str = "auto", heads: bool = False,
+          steps_per_dispatch: int | str = 1) -> Setup:
     """The shape (NAME or NAME:LAYERS) with random weights of `dtype` (the KV cache too), its ModelSpec, a cache of
     `kv_blocks` blocks (tight enough by default that vllm_default preempts), and the profile's K probabilities.
-    heads: the oracle runs K untrained Medusa heads (priced in the spec too), else it drafts for free."""
+    heads: the oracle runs K untrained Medusa heads (priced in the spec too), else it drafts for free.
+    steps_per_dispatch: the engines' (1 by default, so every step is timed alone: see `Setup`'s options)."""
     name, layers = model_shapes.parse(shape)
     hf = model_shapes.hf_config(name, layers)
     model = Llama(LlamaConfig.from_hf_dict(hf), rngs=nnx.Rngs(weight_seed), dtype=jnp.dtype(dtype))
@@ -74,8 +76,11 @@ def build(shape: str, profile: str, *, k: int = 4, weight_seed: int = 0, dtype: 
     except ValueError:
         numbers = None  # a preset's name
     probs = tuple(float(a) for a in acceptance_model.alphas(profile if numbers is None else numbers, k))
+    # One step per dispatch by default: a dispatch of several steps is timed as a whole and its time spread over
+    # its steps in proportion to the step cost's guess (`Engine`'s step log), which would fit the device to that
+    # guess. The GPU script serves with the engine's default instead: it compares request-level metrics only.
     return Setup(model, spec, cache, dict(token_budget=token_budget, prefill_chunk=prefill_chunk, impl=impl,
-                                          kv_dtype=dtype), probs, weight_seed,
+                                          kv_dtype=dtype, steps_per_dispatch=steps_per_dispatch), probs, weight_seed,
                  untrained_heads(model.lm_head_weight(), k, dtype) if heads else None)
 
 
