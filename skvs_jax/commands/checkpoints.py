@@ -93,11 +93,7 @@ def load(args: argparse.Namespace) -> Loaded:
 
     k = draft_len(args, loaded)
     try:
-        numbers = [float(x) for x in profile.split(",")]
-    except ValueError:
-        numbers = None  # a name: a preset or nothing
-    try:
-        probs = tuple(float(a) for a in acceptance_model.alphas(profile if numbers is None else numbers, k))
+        probs = acceptance_model.parse_profile(profile, k)
     except ValueError as err:
         raise ValueError(f"--drafter {drafter}: {err}") from None
     return dataclasses.replace(loaded, oracle=probs, name=f"{loaded.name}, oracle drafter {profile} (K = {k})")

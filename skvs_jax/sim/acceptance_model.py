@@ -65,6 +65,16 @@ def alphas(spec: str | Sequence[float], k: int) -> np.ndarray:
     return np.asarray(values[: int(k)], np.float32)
 
 
+def parse_profile(text: str, k: int) -> tuple[float, ...]:
+    """A profile as a command line writes it, a preset name ("medusa-1") or probabilities ("0.8,0.6,0.5,0.4"),
+    as K floats (`alphas`); ValueError naming what is wrong."""
+    try:
+        values = [float(x) for x in str(text).split(",")]
+    except ValueError:
+        values = None  # a preset's name
+    return tuple(float(a) for a in alphas(text if values is None else values, k))
+
+
 def tokens_per_step(alphas: Sequence[float]) -> float:
     """Expected tokens from one verification of the full chain: 1 + sum_i prod_{j<=i} alphas[j]."""
     return 1.0 + float(np.sum(np.cumprod(np.asarray(alphas, np.float64))))

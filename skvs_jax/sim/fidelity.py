@@ -71,11 +71,7 @@ def build(shape: str, profile: str, *, k: int = 4, weight_seed: int = 0, dtype: 
     max_len = -(-(workloads.TINY_PROMPT_LEN + max_output) // block_size) * block_size
     cache = CacheConfig(num_blocks=kv_blocks, block_size=block_size, max_seqs=max_seqs,
                         max_blocks_per_seq=max_len // block_size)
-    try:
-        numbers = [float(x) for x in profile.split(",")]
-    except ValueError:
-        numbers = None  # a preset's name
-    probs = tuple(float(a) for a in acceptance_model.alphas(profile if numbers is None else numbers, k))
+    probs = acceptance_model.parse_profile(profile, k)
     # One step per dispatch by default: a dispatch of several steps is timed as a whole and its time spread over
     # its steps in proportion to the step cost's guess (`Engine`'s step log), which would fit the device to that
     # guess. The GPU script serves with the engine's default instead: it compares request-level metrics only.
