@@ -7,7 +7,8 @@ Medusa heads, `paths` and `depth` for a draft tree, `prompt_len`).
 Modules (each reads top to bottom):
   llama       LlamaConfig, Llama (dense forward; paged prefill / multi-query on `pallas_kernels`), KVCache
   medusa      MedusaConfig, MedusaHeads (Medusa-1: residual SiLU block + own LM head per head)
-  checkpoint  load/save in the HF Llama and FasterDecoding/Medusa safetensors layouts; `load_shipped`
+  checkpoint  load/save in the HF Llama and the FasterDecoding / vLLM Medusa safetensors layouts, in the
+              checkpoint's dtype or a chosen one; `load_shipped`
   generate    greedy decoding (dense reference, paged) and Medusa chain verification
   medusa_tree Medusa tree verification (DraftTree, tree mask, K/V compaction of the accepted path)
   corpus      the shipped training text (CPython stdlib docstrings, PSF licence)

@@ -12,6 +12,7 @@ Dimensions: Dm model width, V vocab, `heads` the Medusa heads (K of them draft a
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +36,13 @@ class MedusaConfig:
 
 
 class ResBlock(nnx.Module):
-    """x + SiLU(W x + b); W [Dm, Dm] stored [out, in]. Zero-initialised, so a fresh block is the identity."""
+    """x + SiLU(W x + b); W [Dm, Dm] stored [out, in], b [Dm], both `dtype`. Zero-initialised, so a fresh block is
+    the identity."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, dtype: Any = jnp.float32):
         self.linear = nnx.Module()
-        self.linear.weight = nnx.Param(jnp.zeros((hidden_size, hidden_size), jnp.float32))
-        self.linear.bias = nnx.Param(jnp.zeros((hidden_size,), jnp.float32))
+        self.linear.weight = nnx.Param(jnp.zeros((hidden_size, hidden_size), dtype))
+        self.linear.bias = nnx.Param(jnp.zeros((hidden_size,), dtype))
 
     def __call__(self, x: Array) -> Array:  # [..., Dm] -> [..., Dm]
         y = jnp.einsum("...i,oi->...o", x, self.linear.weight[...])
@@ -48,10 +50,10 @@ class ResBlock(nnx.Module):
 
 
 class MedusaHead(nnx.Module):
-    def __init__(self, config: MedusaConfig, lm_head_init: Array):
-        self.blocks = nnx.List([ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+    def __init__(self, config: MedusaConfig, lm_head_init: Array, dtype: Any = jnp.float32):
+        self.blocks = nnx.List([ResBlock(config.hidden_size, dtype) for _ in range(config.num_layers)])
         self.lm_head = nnx.Module()
-        self.lm_head.weight = nnx.Param(jnp.array(lm_head_init, jnp.float32, copy=True))  # [V, Dm], own buffer
+        self.lm_head.weight = nnx.Param(jnp.array(lm_head_init, dtype, copy=True))  # [V, Dm], own buffer
 
     def __call__(self, hidden: Array) -> Array:  # [..., Dm] -> [..., V]
         for block in self.blocks:
@@ -60,16 +62,18 @@ class MedusaHead(nnx.Module):
 
 
 class MedusaHeads(nnx.Module):
-    """All heads. `lm_head_init` [V, Dm] (usually the base model's LM head, as Medusa does) or None (zeros)."""
+    """All heads. `lm_head_init` [V, Dm] (usually the base model's LM head, as Medusa does) or None (zeros).
+    `dtype` is the parameters' dtype (float32 or bfloat16; `lm_head_init` is cast to it); the logits follow the
+    parameters' and the hidden state's dtypes."""
 
-    def __init__(self, config: MedusaConfig, lm_head_init: Array | None = None):
+    def __init__(self, config: MedusaConfig, lm_head_init: Array | None = None, dtype: Any = jnp.float32):
         self.config = config
         if lm_head_init is None:
-            lm_head_init = jnp.zeros((config.vocab_size, config.hidden_size), jnp.float32)
+            lm_head_init = jnp.zeros((config.vocab_size, config.hidden_size), dtype)
         if tuple(lm_head_init.shape) != (config.vocab_size, config.hidden_size):
             raise ValueError(f"lm_head_init must be [V, Dm] = {(config.vocab_size, config.hidden_size)}, "
                              f"got {tuple(lm_head_init.shape)}")
-        self.heads = nnx.List([MedusaHead(config, lm_head_init) for _ in range(config.num_heads)])
+        self.heads = nnx.List([MedusaHead(config, lm_head_init, dtype) for _ in range(config.num_heads)])
 
     def __call__(self, hidden: Array) -> Array:
         """hidden [..., Dm] (base model, after the final norm) -> logits [heads, ..., V]; head i predicts t + 2 + i."""
@@ -86,7 +90,5 @@ def untrained_heads(lm_head: Array, num_heads: int = 4, dtype=jnp.float32) -> Me
     `lm_head` [V, Dm], in `dtype` (float32 or bfloat16). For a model of a real shape with random weights: they
     accept next to nothing, but a step that runs them pays what trained heads cost."""
     v, d = lm_head.shape
-    heads = MedusaHeads(MedusaConfig(hidden_size=int(d), vocab_size=int(v), num_heads=num_heads), lm_head_init=lm_head)
-    if jnp.dtype(dtype) != jnp.float32:
-        nnx.update(heads, jax.tree.map(lambda x: x.astype(dtype), nnx.state(heads, nnx.Param)))
-    return heads
+    config = MedusaConfig(hidden_size=int(d), vocab_size=int(v), num_heads=num_heads)
+    return MedusaHeads(config, lm_head_init=lm_head, dtype=dtype)
