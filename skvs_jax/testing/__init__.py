@@ -9,6 +9,7 @@
   program            `heavy` / `by_source` / `kernels`: what a step program costs a GPU (launches, host round
                      trips), counted on any backend
   engines            `assert_same_serving`: two engines served the same requests alike (tokens, logprobs, counts)
+  text_checkpoint    `make_checkpoint`: a tiny random Llama + Medusa with a real byte-level BPE tokenizer
 
 `from skvs_jax import testing` gives the allocator kit's names and the strategies at the top level
 (`testing.check_invariants`, `testing.cache_configs`, ...). The strategies are imported on first use, so the
