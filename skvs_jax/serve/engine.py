@@ -157,7 +157,7 @@ class Engine:
         self._default_rows = jax.device_get(sampling_mod.default_rows(cache.max_seqs))
         self._host_backend = opt.mesh is None and jax.default_backend() == "cpu"  # `_fetch`
         self.state = self._empty_state()
-        self.table = RequestTable(cache.max_seqs, runner.vocab_size, scfg.max_len)
+        self.table = RequestTable(cache.max_seqs, runner.vocab_size, scfg.max_len, opt.tokenizer, opt.detokenize)
         self.clock, self.t0 = opt.clock, opt.clock()
         self.step_log: list[dict] = []
         self.compiled: set[tuple[int, bool]] = set()
@@ -298,6 +298,12 @@ class Engine:
         the slot held for it, and is never forked). True when some output ended."""
         self._ready += self._drain()  # the slot table must be exact before the host writes to the device
         ended, slots = self.table.abort(request_id)
+        self._abort_slots(slots)
+        return ended
+
+    def _abort_slots(self, slots: list[int]) -> None:
+        """Empty these slots on the device now (`scheduler.abort`: blocks and host-tier copies released); no
+        dispatch may be in flight."""
         if slots:
             mask = np.zeros(self.cfg.sched.cache.max_seqs, bool)
             mask[slots] = True
@@ -305,7 +311,6 @@ class Engine:
         for slot in slots:
             if self.tiers is not None and slot in self.handles:
                 self.tiers.release(self.handles.pop(slot))
-        return ended
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (`kv.manager.reset_prefix`): later requests find no hit in what was cached
@@ -345,8 +350,8 @@ class Engine:
         k = self._flight
         self._flight = self._dispatch(k.width, None, exact=True)
         results += self._read(k)
-        if self._last_stop not in (dispatch_mod.BOUND, dispatch_mod.FIRST_TOKEN):
-            results += self._drain()  # k + 1 ran no step: the host acts first
+        if self._last_stop not in (dispatch_mod.BOUND, dispatch_mod.FIRST_TOKEN) or self.table.host_stopped:
+            results += self._drain()  # k + 1 ran no step, or a stop string ended a request: the host acts first
         return results
 
     def wait(self) -> None:
@@ -368,6 +373,7 @@ class Engine:
         """The host's work between dispatches, with none in flight: the step the last dispatch left to the host
         (a swap), else admissions. Returns that step's results, [] when there is nothing to dispatch, or None when
         a dispatch should follow."""
+        self._abort_slots(self.table.take_host_stops())  # requests a stop string ended leave their slots
         if self._last_stop == dispatch_mod.SWAP:
             return self._swap_step()
         self._admit_queue()

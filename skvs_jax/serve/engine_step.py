@@ -26,7 +26,7 @@ from flax import struct
 import pallas_kernels as pk
 from skvs_jax import scheduler as sc
 from skvs_jax.arrays import i32
-from skvs_jax.serve import sampling
+from skvs_jax.serve import constraints, sampling
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import DraftSite, ModelRunner
@@ -143,7 +143,7 @@ def model_step(runner: ModelRunner, params, st: EngineState, batch: sc.Batch, kn
     else:
         logits, hidden, cache = _forward(runner, params, queries, cache, batch, at, impl=cfg.impl)
         fits = _widest_query(batch) <= width
-    targets = _process_targets(logits, queries, view, rows, context, cfg=cfg)
+    targets = _process_targets(logits, queries, view, rows, context, st.sched.seqs, cfg=cfg)
     accepted, path, path_tokens, bonus = _verify_drafts(targets, queries, view, rows, cfg=cfg)
     new_tokens, accepted, next_token, stop = _truncate_at_stop(accepted, path_tokens, bonus, rows,
                                                                st.sched.seqs, view, k=k)
@@ -203,18 +203,35 @@ def _with_drafts(context: _PenaltyContext, drafted: jax.Array) -> tuple[jax.Arra
     return context.seen[:, None] | (drafted > 0), context.out_counts[:, None] + drafted
 
 
-def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context: _PenaltyContext, pos0: jax.Array,
-                   *, skip: bool = True) -> tuple[jax.Array, jax.Array]:
+def _constraint(rows: sampling.SamplingRows, seqs: sc.SeqTable, pos0: jax.Array, nodes: jax.Array | None,
+                tree: spec.DraftTree | None, vocab: int, *, skip: bool = True) -> jax.Array:
+    """`constraints.term` at the tree's sampling slots (float32[B, slots, V]; the root alone without a tree);
+    computed only when some row has a constraint (zeros otherwise), or always when skip=False."""
+    def compute(_):
+        ctx = constraints.contexts(seqs.tokens, seqs.prompt_len, pos0, nodes, tree)
+        return constraints.term(rows, *ctx, vocab)
+
+    if not skip:
+        return compute(None)
+    slots = 1 if tree is None else tree.num_slots
+    return jax.lax.cond(constraints.active(rows), compute,
+                        lambda _: jnp.zeros((pos0.shape[0], slots, vocab), jnp.float32), None)
+
+
+def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context: _PenaltyContext, seqs: sc.SeqTable,
+                   pos0: jax.Array, *, skip: bool = True) -> tuple[jax.Array, jax.Array]:
     """A chain of drafts sampled from the heads' distributions processed like the target's (each draft's
-    penalties count the drafts before it). head_logits float32[B, K, V]; pos0 int32[B] the first draft's position.
-    Returns (drafts int32[B, K], processed draft logits float32[B, K, V]: what `acceptance.lossless` takes as q,
-    at the effective temperature `sampling.process` gives)."""
+    penalties and constraints count the drafts before it). head_logits float32[B, K, V]; pos0 int32[B] the first
+    draft's position. Returns (drafts int32[B, K], processed draft logits float32[B, K, V]: what
+    `acceptance.lossless` takes as q, at the effective temperature `sampling.process` gives)."""
     b, k, v = head_logits.shape
     drafts, processed = [], []
     drafted = jnp.zeros((b, v), i32)
     for i in range(k):  # K is static and small; draft i's penalties depend on drafts < i
         seen, out = _with_drafts(context, drafted[:, None])
-        logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows, skip=skip)
+        so_far = jnp.stack(drafts + [jnp.zeros((b,), i32)] * (k - i), axis=1)  # drafts < i, then padding
+        term = _constraint(rows, seqs, pos0, so_far, spec.chain(k), v, skip=skip)[:, i: i + 1]
+        logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows, skip=skip, constraint=term)
         keys = sampling.position_keys(rows.stream, (pos0 + i)[:, None], sampling.DRAFT)
         draft = sampling.sample(keys, logits_i, temp)[:, 0]
         drafted = drafted + jax.nn.one_hot(draft, v, dtype=i32)
@@ -242,7 +259,7 @@ def _assemble_queries(runner: ModelRunner, params, hidden: jax.Array, rows: samp
         site = DraftSite(request_id=seqs.request_id, position=batch.start + num_query)
         head_logits = runner.draft_logits(params, hidden, site)  # [B, draft heads, V] for positions n + 1, n + 2, ...
         if cfg.sample_drafts:
-            nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, batch.start + num_query,
+            nodes, draft_logits = _sample_drafts(head_logits[:, :k], rows, context, seqs, batch.start + num_query,
                                                  skip=cfg.sched.skip)
         else:
             nodes = spec.node_tokens(head_logits, cfg.tree)  # [B, K] in slot order
@@ -366,7 +383,7 @@ class _Targets:
 
 
 def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows: sampling.SamplingRows,
-                     context: _PenaltyContext, *, cfg: EngineConfig) -> _Targets:
+                     context: _PenaltyContext, seqs: sc.SeqTable, *, cfg: EngineConfig) -> _Targets:
     """Process the target's logits at every sampling slot (logits float[B, slots, V], `_sampling_slots`) with its
     row's parameters (`sampling.process`; node u's penalties count the drafts on its path) and draw its token from
     the row's stream at the position it lands at (start + num_query + depth(u))."""
@@ -379,8 +396,11 @@ def _process_targets(logits: jax.Array, queries: _Queries, batch: sc.Batch, rows
         drafted = sampling.path_counts(queries.nodes, jnp.asarray(tree.mask), vocab)
     else:
         drafted = jnp.zeros((b, 1, vocab), i32)
-    processed, temp = sampling.process(raw, *_with_drafts(context, drafted), rows, skip=cfg.sched.skip)
     pos0 = batch.start + batch.num_query  # where the root's token lands
+    term = _constraint(rows, seqs, pos0, queries.nodes if tree is not None else None, tree, vocab,
+                       skip=cfg.sched.skip)
+    processed, temp = sampling.process(raw, *_with_drafts(context, drafted), rows, skip=cfg.sched.skip,
+                                       constraint=term)
     drawn = sampling.sample(sampling.position_keys(rows.stream, pos0[:, None] + depth[None, :], sampling.TARGET),
                             processed, temp)
     rule_keys = sampling.position_keys(rows.stream, pos0[:, None], sampling.RULE)[:, 0]
@@ -415,7 +435,8 @@ def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Ar
                       seqs: sc.SeqTable, batch: sc.Batch, *, k: int
                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The step's new tokens (path_tokens[:accepted], then bonus), cut at the first one that ends a stop sequence
-    (a stop token id, or a stop string's last token; matched on output tokens, the earlier ones included).
+    (a stop token id, or a stop string's last token; matched on output tokens, the earlier ones included) once
+    the output holds min_tokens tokens (vLLM's rule: a stop ending earlier is ignored).
 
     accepted int32[B]; path_tokens int32[B, K] (int32[B, 1] if K = 0); bonus int32[B]. Returns (new_tokens
     int32[B, K + 1], of which the first accepted + 1 are new; accepted int32[B], lowered to the index of the
@@ -429,7 +450,9 @@ def _truncate_at_stop(accepted: jax.Array, path_tokens: jax.Array, bonus: jax.Ar
     before = pos0[:, None] - (w - 1) + jnp.arange(w - 1, dtype=i32)[None, :]  # [B, stop_len - 1]
     history = jnp.take_along_axis(seqs.tokens, jnp.clip(before, 0, seqs.tokens.shape[1] - 1), axis=1)
     history_ok = (before >= seqs.prompt_len[:, None]) & (before >= 0)
-    is_stop = sampling.stop_hits(history, history_ok, new, kk <= accepted[:, None], rows)
+    counts = pos0[:, None] + kk + 1 - seqs.prompt_len[:, None]  # output tokens once new token i is emitted
+    is_stop = (sampling.stop_hits(history, history_ok, new, kk <= accepted[:, None], rows)
+               & (counts > rows.min_tokens[:, None]))  # vLLM: no stop until the output holds more than min_tokens
     first_stop = jnp.argmax(is_stop, axis=1).astype(i32)
     stop = jnp.any(is_stop, axis=1)
     accepted = jnp.where(stop, first_stop, accepted)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -58,6 +59,11 @@ class EngineOptions:
       swap_blocks, disk_blocks, disk_dir: the host tier's blocks, the disk tier's behind it, and its folder (None:
         a temporary one), for `preemption="swap"`.
       mesh: a `jax.sharding.Mesh` with a "tp" axis: weights and KV cache sharded over KV heads (None: one device).
+    Text:
+      tokenizer: what stop strings and bad words are tokenised with, and whose EOS ids end a request unless
+        ignore_eos (`serve.tokenizer`: an `HFTokenizer`, or None for bytes, the shipped model's).
+      detokenize: every request keeps its text (`RequestLog.text`, incrementally); without it only requests with
+        stop strings matched on text do.
     The host:
       steps_per_dispatch: engine steps one jitted program runs before the host reads its outputs (an int in
         [1, 64], or "auto": from 1, doubling with each dispatch sent while no request arrives, up to
@@ -87,6 +93,8 @@ class EngineOptions:
     disk_blocks: int = 0
     disk_dir: str | None = None
     mesh: jax.sharding.Mesh | None = None
+    tokenizer: Any = None
+    detokenize: bool = False
     steps_per_dispatch: int | str = "auto"
     seed: int = 0
     clock: Callable[[], float] = time.perf_counter
@@ -128,6 +136,12 @@ class EngineOptions:
         if self.tree is not None and not isinstance(self.tree, spec.DraftTree):
             raise TypeError(f"tree must be a DraftTree, got {type(self.tree).__name__}")
         check_custom_rule(self.victim)
+        if self.tokenizer is not None and not all(hasattr(self.tokenizer, a) for a in
+                                                  ("encode", "decode", "exact_stop", "eos_token_ids", "detokenizer")):
+            raise TypeError(f"tokenizer must be a serve.tokenizer.Tokenizer (ByteTokenizer, HFTokenizer) or None, got "
+                            f"{type(self.tokenizer).__name__}")
+        if not isinstance(self.detokenize, bool):
+            raise TypeError(f"detokenize must be a bool, got {type(self.detokenize).__name__}")
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 

@@ -18,6 +18,7 @@ import hashlib
 import math
 import numbers
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,7 +26,8 @@ import numpy as np
 from skvs_jax import checks
 from skvs_jax.serve import engine_step
 from skvs_jax.serve import sampling as sampling_mod
-from skvs_jax.serve.sampling_params import SamplingParams, stop_bytes
+from skvs_jax.serve.sampling_params import SamplingParams
+from skvs_jax.serve.tokenizer import ByteTokenizer
 
 
 @dataclasses.dataclass
@@ -53,18 +55,117 @@ class RequestLog:
     sample_index: int = 0  # which of the prompt's n outputs this is (output 0: the request itself)
     sample_ids: tuple[int, ...] = ()  # output 0 of n > 1: the ids of the n outputs in order (consecutive)
     cache_salt: str | None = None  # the tenant's salt: its prompt shares cached blocks only with this salt
+    plan: Plan | None = None  # the sampling as the device and the host match it (`plan`)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once ended (vLLM's)
+    stop_reason: int | str | None = None  # the stop id or stop string that ended it (None: EOS, or no stop)
+    stop_cut: int = 0  # tokens of a device-matched stop string at the end of `tokens` (`output_tokens` drops them)
+    detokenizer: Any = None  # the text so far (`tokenizer.IncrementalDetokenizer`), when the table keeps text
+    text_cut: int | None = None  # a host-matched stop string ended the text here (None: no cut)
 
     @property
     def output_tokens(self) -> list[int]:
-        """The output as a vLLM user reads it: `tokens` without a stop string that ended it (unless
-        include_stop_str_in_output); stop token ids stay."""
-        tail = self.tokens
-        if self.finished and not self.sampling.include_stop_str_in_output:
-            for stop in self.sampling.stop:
-                seq = list(stop_bytes(stop))
-                if len(tail) >= len(seq) and tail[len(tail) - len(seq):] == seq:
-                    return tail[: len(tail) - len(seq)]
-        return list(tail)
+        """The output as a vLLM user reads it: `tokens` without a device-matched stop string that ended it (unless
+        include_stop_str_in_output); stop token ids and EOS stay."""
+        return list(self.tokens[: len(self.tokens) - self.stop_cut])
+
+    @property
+    def text(self) -> str | None:
+        """The output's text (None when the table keeps no text): without the stop string that ended it unless
+        include_stop_str_in_output, as vLLM cuts it."""
+        if self.detokenizer is None:
+            return None
+        text = self.detokenizer.text
+        if self.text_cut is not None:
+            return text[: self.text_cut]
+        if self.stop_cut and isinstance(self.stop_reason, str) and text.endswith(self.stop_reason):
+            return text[: len(text) - len(self.stop_reason)]
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A request's stops and constraints as token ids, given the engine's tokenizer (`plan`)."""
+
+    stop_ids: tuple[int, ...]  # SamplingParams.stop_token_ids
+    eos: tuple[int, ...]  # the model's EOS ids that end it (none under ignore_eos)
+    device_strings: tuple[tuple[str | bytes, tuple[int, ...]], ...]  # stop strings the device matches, as tokens
+    host_strings: tuple[str, ...]  # stop strings matched on the text (no exact token sequence)
+    bad_words: tuple[tuple[int, ...], ...]  # bad words as token sequences
+
+    def sequences(self) -> list[tuple[int, ...]]:
+        """Every device stop sequence: the stop ids, EOS ids (not already stop ids), the stop strings' tokens."""
+        return ([(t,) for t in self.stop_ids] + [(t,) for t in self.eos if t not in self.stop_ids]
+                + [seq for _, seq in self.device_strings])
+
+    def banned_early(self) -> tuple[int, ...]:
+        """What min_tokens bans (vLLM's): the stop ids and EOS."""
+        return self.stop_ids + tuple(t for t in self.eos if t not in self.stop_ids)
+
+    def ends(self, tokens: Sequence[int], min_tokens: int) -> tuple[int | str | bytes | None, int] | None:
+        """How a device stop ended `tokens` (the finished output): (stop reason, tokens of a stop string to cut),
+        or None when no stop ended it. vLLM's order: EOS (reason None), a stop id, then a stop string."""
+        if len(tokens) <= min_tokens or not tokens:
+            return None
+        last = tokens[-1]
+        if last in self.eos and last not in self.stop_ids:
+            return None, 0
+        if last in self.stop_ids:
+            return last, 0
+        for text, seq in self.device_strings:
+            if len(tokens) >= len(seq) and tuple(tokens[len(tokens) - len(seq):]) == seq:
+                return text, len(seq)
+        return None
+
+
+def plan(sampling: SamplingParams, tokenizer, vocab: int) -> Plan:
+    """`sampling`'s stops and bad words as token ids under `tokenizer` (`serve.tokenizer`); ValueError naming the
+    field when they exceed the device's bounds (`sampling.MAX_*`) or the vocabulary.
+
+    A stop string the tokenizer spells one way only (`exact_stop`) is matched on the device, where speculation
+    cuts the output at it losslessly; any other is matched on the text by the host (`RequestTable.collect`). Bad
+    words are tokenised as vLLM does: the word, and the word after a space where that is a different sequence
+    of the same length."""
+    eos = () if sampling.ignore_eos else tuple(tokenizer.eos_token_ids)
+    device, host = [], []
+    for stop in sampling.stop:
+        if isinstance(stop, bytes):
+            if not isinstance(tokenizer, ByteTokenizer):
+                raise ValueError(f"sampling.stop: a bytes stop {stop!r} needs the byte tokenizer; give a str")
+            seq: tuple[int, ...] | None = tuple(stop)
+        else:
+            seq = tokenizer.exact_stop(stop)
+            if seq is not None and len(seq) > 1 and sampling.skip_special_tokens and tokenizer.special_ids:
+                seq = None  # a special token emitted inside it would vanish from the text but break the id match
+        if seq is not None and len(seq) <= sampling_mod.MAX_STOP_LEN:
+            device.append((stop, tuple(seq)))
+        elif isinstance(stop, bytes):
+            raise ValueError(f"sampling.stop: a bytes stop holds at most {sampling_mod.MAX_STOP_LEN} bytes")
+        else:
+            host.append(stop)
+    bad: list[tuple[int, ...]] = []
+    for word in sampling.bad_words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        bad.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            bad.append(spaced)
+    if len(bad) > sampling_mod.MAX_BAD_WORDS:
+        raise ValueError(f"sampling.bad_words: {len(bad)} token sequences, at most {sampling_mod.MAX_BAD_WORDS}")
+    if any(len(b) > sampling_mod.MAX_BAD_LEN for b in bad):
+        raise ValueError(f"sampling.bad_words: a word spans more than {sampling_mod.MAX_BAD_LEN} tokens")
+    result = Plan(stop_ids=sampling.stop_token_ids, eos=eos, device_strings=tuple(device), host_strings=tuple(host),
+                  bad_words=tuple(bad))
+    if len(result.sequences()) > sampling_mod.MAX_STOPS:
+        raise ValueError(f"sampling: stop_token_ids, the model's EOS ids ({len(eos)}) and the stop strings matched on "
+                         f"the device make {len(result.sequences())} stops, at most {sampling_mod.MAX_STOPS}")
+    for name, ids in (("stop_token_ids", sampling.stop_token_ids),
+                      ("stop", [t for _, seq in device for t in seq]),
+                      ("allowed_token_ids", sampling.allowed_token_ids or ()),
+                      ("logit_bias", sampling.logit_bias or ())):
+        if any(t >= vocab for t in ids):
+            raise ValueError(f"sampling.{name} must lie in this model's vocabulary [0, {vocab}), got "
+                             f"{max(ids)}")
+    return result
 
 
 def salt_id(cache_salt: str | None) -> int:
@@ -83,8 +184,11 @@ class RequestTable:
     """Requests by id; the queue; slot <-> request; the empty slots after the next `schedule` (`free_slots`); the
     n > 1 requests not forked yet (`unforked`: id -> empty slots held for its outputs 1..)."""
 
-    def __init__(self, max_seqs: int, vocab_size: int, max_len: int):
+    def __init__(self, max_seqs: int, vocab_size: int, max_len: int, tokenizer=None, keep_text: bool = False):
         self.max_seqs, self.vocab_size, self.max_len = max_seqs, vocab_size, max_len
+        self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+        self.keep_text = keep_text  # every request keeps its text (else only those with stops matched on text)
+        self.host_stopped: dict[int, int] = {}  # id -> slot: ended by a stop string on the host, slot not freed yet
         self.requests: dict[int, RequestLog] = {}
         self.queue: list[int] = []  # arrived, not yet in a slot
         self.slot_of: dict[int, int] = {}
@@ -104,7 +208,12 @@ class RequestTable:
         sampling = sampling or SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.prompt_logprobs is not None or sampling.logprobs == -1:
+            raise ValueError("sampling: prompt_logprobs and logprobs=-1 come from a scoring pass that skvs_jax.LLM "
+                             "runs; the engine returns the top logprobs.logprobs <= "
+                             f"{sampling_mod.MAX_LOGPROBS} of each emitted token")
         prompt = self._check_prompt(prompt_tokens, sampling)
+        request_plan = plan(sampling, self.tokenizer, self.vocab_size)
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)):
             raise TypeError(f"arrival_time must be a number (seconds on the engine's clock) or None, got "
                             f"{type(arrival_time).__name__} {arrival_time!r}")
@@ -126,10 +235,13 @@ class RequestTable:
         self.next_id = max(self.next_id, rid + n)
         arrival = now if arrival_time is None else float(arrival_time)
         self.requests[rid] = RequestLog(rid, prompt, sampling, arrival, sample_ids=ids if n > 1 else (),
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, plan=request_plan)
         for i in range(1, n):  # forked off output 0 once it has sampled its first token
             self.requests[rid + i] = RequestLog(rid + i, prompt, sampling, arrival, sample_index=i,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, plan=request_plan)
+        for i in ids:
+            if self.keep_text or request_plan.host_strings:
+                self.requests[i].detokenizer = self.tokenizer.detokenizer(sampling.skip_special_tokens)
         if n > 1:
             self.unforked[rid] = 0  # slots held for its outputs 1.. (set at admission)
         self.queue.append(rid)
@@ -148,11 +260,6 @@ class RequestTable:
         vocab = self.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"prompt_tokens must lie in [0, {vocab})")
-        if any(t >= vocab for t in sampling.stop_token_ids):
-            raise ValueError(f"sampling.stop_token_ids must lie in [0, {vocab}), got {sampling.stop_token_ids}")
-        if any(t >= vocab for seq in sampling.stop_sequences() for t in seq):
-            raise ValueError(f"sampling.stop strings are UTF-8 bytes, which must lie in this model's vocabulary "
-                             f"[0, {vocab})")
         if len(prompt) + sampling.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"{self.max_len} tokens a sequence can hold (max_blocks_per_seq * block_size)")
@@ -223,6 +330,10 @@ class RequestTable:
             if rid < 0:
                 continue
             r = self.requests[rid]
+            if rid in self.host_stopped:  # ended on the host; the device runs it until the engine aborts it
+                if out.finished[slot]:
+                    self._leave(rid, slot)
+                continue
             if out.admitted[slot]:  # looked up: the prompt and, after a recompute, the output so far
                 if not r.admissions:
                     r.first_cached_tokens = int(out.hit_tokens[slot])
@@ -233,20 +344,82 @@ class RequestTable:
             r.drafted += int(out.num_drafts[slot])
             r.accepted += int(out.accepted[slot])
             n = int(out.num_new[slot])
-            if n:
-                new = out.new_tokens[slot, :n].tolist()
+            new = out.new_tokens[slot, :n].tolist()
+            finished = bool(out.finished[slot])
+            if r.detokenizer is not None:  # text, and stop strings matched on it: the output may end earlier
+                new, stopped = self._extend_text(r, new)
+                if stopped and not finished:
+                    self.host_stopped[rid] = slot
+                finished |= stopped
+            if new:
                 if not r.tokens:
                     r.first_token_time = end
                 r.tokens.extend(new)
                 if r.sampling.logprobs is not None:
                     _record_logprobs(r, out, slot, new)
-            if out.finished[slot]:
-                r.finished, r.finish_time = True, end
-                self.request_in[slot] = -1
-                del self.slot_of[rid]
-            if n or out.finished[slot]:
-                results.append((rid, r.tokens[len(r.tokens) - n:], bool(out.finished[slot])))
+            if finished:
+                self._finish(r, end)
+                if rid not in self.host_stopped:
+                    self._leave(rid, slot)
+            if new or finished:
+                results.append((rid, list(new), finished))
         return results
+
+    def _leave(self, rid: int, slot: int) -> None:
+        self.request_in[slot] = -1
+        del self.slot_of[rid]
+        self.host_stopped.pop(rid, None)
+
+    def _extend_text(self, r: RequestLog, new: list[int]) -> tuple[list[int], bool]:
+        """Detokenise `new` one token at a time, matching the host's stop strings on the text as vLLM does (after
+        min_tokens; the stops in order, each searched in the new text and the stop's length before it). Returns
+        (the tokens kept: up to the one that completed a stop, whether one did)."""
+        stops = r.plan.host_strings
+        for i, token in enumerate(new):
+            before = len(r.detokenizer.text)
+            r.detokenizer.add([token])
+            if not stops or len(r.tokens) + i + 1 <= r.sampling.min_tokens:
+                continue
+            hit = check_stop_strings(r.detokenizer.text, len(r.detokenizer.text) - before, stops,
+                                     r.sampling.include_stop_str_in_output)
+            if hit is not None:
+                r.finish_reason, r.stop_reason = "stop", hit[0]
+                r.text_cut = None if hit[1] == -1 else hit[1]
+                return new[: i + 1], True
+        return new, False
+
+    def _finish(self, r: RequestLog, end: float) -> None:
+        r.finished, r.finish_time = True, end
+        if r.finish_reason is None:
+            self._finish_reason(r)
+        if r.detokenizer is not None:
+            r.detokenizer.flush()  # the held-back end of the text (an unfinished character as U+FFFD)
+
+    def _finish_reason(self, r: RequestLog) -> None:
+        """Why the device ended `r` (vLLM's order: the length cap first, then EOS, a stop id, a stop string)."""
+        if len(r.tokens) >= r.sampling.max_tokens:
+            r.finish_reason = "length"
+            ended = r.plan.ends(r.tokens, r.sampling.min_tokens)  # a stop string at the cap is still cut
+            if ended is not None and isinstance(ended[0], (str, bytes)) and not r.sampling.include_stop_str_in_output:
+                r.stop_cut = ended[1]
+            return
+        ended = r.plan.ends(r.tokens, r.sampling.min_tokens)
+        if ended is None:
+            r.finish_reason = "length"  # the sequence's capacity (`RequestTable.add` keeps it above max_tokens)
+            return
+        r.finish_reason, r.stop_reason = "stop", ended[0]
+        if isinstance(ended[0], (str, bytes)) and not r.sampling.include_stop_str_in_output:
+            r.stop_cut = ended[1]
+
+    def take_host_stops(self) -> list[int]:
+        """The slots of requests a host-matched stop string ended, to abort on the device now (no dispatch in
+        flight); their slots are free from here on."""
+        slots = []
+        for rid, slot in list(self.host_stopped.items()):
+            self._leave(rid, slot)
+            self.free_slots += 1
+            slots.append(slot)
+        return slots
 
     def fork_plan(self, out: engine_step.StepOut, forking: dict[int, int], end: float
                   ) -> tuple[list[Result], list[tuple[int, int, int]]]:
@@ -268,9 +441,11 @@ class RequestTable:
                                                                 out.top_logprobs[slot, 0, :top])}
                     entry[token] = float(out.sibling_logprob[slot, r.sample_index - 1])
                     r.logprobs = [entry]
-                stops = {seq[0] for seq in r.sampling.stop_sequences() if len(seq) == 1}
-                if r.sampling.max_tokens == 1 or token in stops:
-                    r.finished, r.finish_time = True, end
+                ended = r.sampling.max_tokens == 1 or r.plan.ends([token], r.sampling.min_tokens) is not None
+                if r.detokenizer is not None:
+                    ended |= self._extend_text(r, [token])[1]
+                if ended:
+                    self._finish(r, end)
                     results.append((cid, [token], True))
                 else:
                     forks.append((slot, cid, token))
@@ -306,7 +481,7 @@ class RequestTable:
         r = self.requests[rid]
         if r.finished or r.aborted:
             return False, None
-        r.aborted = True
+        r.aborted, r.finish_reason = True, "abort"
         parent = rid - r.sample_index
         if r.sample_index == 0:  # output 0: slots still held for its unforked outputs go back
             self.free_slots += self.unforked.pop(rid, 0)
@@ -352,14 +527,40 @@ def sampling_rows(logs: Sequence[RequestLog], defaults: sampling_mod.SamplingRow
                      "frequency_penalty"):
             getattr(rows, name)[row] = getattr(sp, name)
         rows.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
-        for x, seq in enumerate(sp.stop_sequences()):
+        for x, seq in enumerate(r.plan.sequences()):
             rows.stops[row, x, : len(seq)], rows.stop_len[row, x] = seq[::-1], len(seq)
+        rows.min_tokens[row] = sp.min_tokens
+        early = r.plan.banned_early()
+        rows.min_ban[row, : len(early)] = early
+        if sp.allowed_token_ids is not None:
+            rows.allowed[row, : len(sp.allowed_token_ids)] = sp.allowed_token_ids
+        for x, (token, bias) in enumerate((sp.logit_bias or {}).items()):
+            rows.bias_ids[row, x], rows.bias[row, x] = token, bias
+        for x, word in enumerate(r.plan.bad_words):
+            rows.bad[row, x, : len(word)], rows.bad_len[row, x] = word[::-1], len(word)
         seeds[row] = sp.seed if sp.seed is not None else unseeded(engine_seed, r.request_id - r.sample_index)
         index[row] = r.sample_index
         rows.siblings[row] = sp.n - 1 if r.sample_index == 0 else 0
     if logs:
         rows = rows.replace(stream=np.asarray(sampling_mod.stream_keys(seeds, index)), seed=seeds)
     return rows
+
+
+def check_stop_strings(text: str, new_chars: int, stops: Sequence[str], include: bool) -> tuple[str, int] | None:
+    """vLLM's stop-string check: the first of `stops` (in order) found in the last new_chars characters of text
+    (or straddling them). Returns (the stop, where the text ends now: -1 for no cut), or None."""
+    if not new_chars:
+        return None
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) + 1 - new_chars - len(stop)))
+        if at == -1:
+            continue
+        if include:
+            at += len(stop)
+            if at >= len(text):
+                return stop, -1
+        return stop, at
+    return None
 
 
 def unseeded(engine_seed: int, request_id: int) -> int:

@@ -4,6 +4,8 @@ any mix of requests runs in one compiled program).
 
 The processed distribution of a row (vLLM's order and semantics, docs/sampling.md):
 
+  0. constraints on the raw logits (`serve.constraints`): allowed_token_ids, bad_words and min_tokens ban tokens
+     (-inf), logit_bias adds to them;
   1. penalties on the raw logits: repetition r over every token of prompt + output (a seen token's logit is
      divided by r when positive, multiplied by r otherwise), then presence a and frequency f over the output
      tokens (logit -= a * [count > 0] + f * count);
@@ -41,6 +43,12 @@ MAX_STOPS = 16  # stop sequences per request: stop token ids (length 1) and stop
 MAX_STOP_LEN = 32  # tokens per stop sequence
 MAX_LOGPROBS = 20  # top-N logprobs per emitted token (vLLM's default cap)
 MAX_N = 8  # outputs per prompt (n); each takes a slot
+# Per-request bounds of the constraints (`serve.constraints`): per-row index lists, not dense [B, V] masks, which
+# would cost B * V per step to ship and to build (V = 128K for Llama 3).
+MAX_ALLOWED = 128  # allowed_token_ids
+MAX_BIAS = 64  # logit_bias entries
+MAX_BAD_WORDS = 16  # bad word token sequences (a word may take two: with and without a leading space)
+MAX_BAD_LEN = 8  # tokens per bad word sequence
 TARGET, DRAFT, RULE = 0, 1, 2  # purposes folded into a position's key
 
 
@@ -61,6 +69,13 @@ class SamplingRows:
     logprobs: jax.Array  # int32[B] top-N logprobs wanted per emitted token, -1 = none
     seed: jax.Array  # uint32[B] the request's seed (stream = `stream_keys(seed, sample index)`)
     siblings: jax.Array  # int32[B] outputs 1 .. siblings of the prompt still to fork off this row (n > 1), else 0
+    min_tokens: jax.Array  # int32[B] output tokens before a stop may end the row; 0 = off
+    min_ban: jax.Array  # int32[B, stops] the ids banned until min_tokens (stop ids and EOS), -1 = unused
+    allowed: jax.Array  # int32[B, MAX_ALLOWED] the only ids the row may sample, -1 = unused (all unused: any id)
+    bias_ids: jax.Array  # int32[B, MAX_BIAS] logit_bias token ids, -1 = unused
+    bias: jax.Array  # float32[B, MAX_BIAS] their biases, added to the raw logits
+    bad: jax.Array  # int32[B, MAX_BAD_WORDS, MAX_BAD_LEN] bad word sequences reversed (last token first), -1 past
+    bad_len: jax.Array  # int32[B, MAX_BAD_WORDS] tokens in each, 0 = unused
 
 
 def key_words() -> int:
@@ -74,7 +89,11 @@ def default_rows(b: int) -> SamplingRows:
         min_p=jnp.zeros((b,), f32), repetition_penalty=jnp.ones((b,), f32), presence_penalty=jnp.zeros((b,), f32),
         frequency_penalty=jnp.zeros((b,), f32), stream=jnp.zeros((b, key_words()), jnp.uint32),
         stops=jnp.full((b, MAX_STOPS, MAX_STOP_LEN), -1, i32), stop_len=jnp.zeros((b, MAX_STOPS), i32),
-        logprobs=jnp.full((b,), -1, i32), seed=jnp.zeros((b,), jnp.uint32), siblings=jnp.zeros((b,), i32))
+        logprobs=jnp.full((b,), -1, i32), seed=jnp.zeros((b,), jnp.uint32), siblings=jnp.zeros((b,), i32),
+        min_tokens=jnp.zeros((b,), i32), min_ban=jnp.full((b, MAX_STOPS), -1, i32),
+        allowed=jnp.full((b, MAX_ALLOWED), -1, i32), bias_ids=jnp.full((b, MAX_BIAS), -1, i32),
+        bias=jnp.zeros((b, MAX_BIAS), f32), bad=jnp.full((b, MAX_BAD_WORDS, MAX_BAD_LEN), -1, i32),
+        bad_len=jnp.zeros((b, MAX_BAD_WORDS), i32))
 
 
 def set_rows(rows: SamplingRows, dst: jax.Array, new: SamplingRows) -> SamplingRows:
@@ -169,16 +188,20 @@ def filter_logits(scaled: jax.Array, rows: SamplingRows) -> jax.Array:
     return _masked(scaled, drop)
 
 
-def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows, *, skip: bool = True
-            ) -> tuple[jax.Array, jax.Array]:
+def process(logits: jax.Array, seen: jax.Array, out_counts: jax.Array, rows: SamplingRows, *, skip: bool = True,
+            constraint: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(processed float32[B, slots, V], effective temperature float32[B]): log p of the processed distribution where
     temperature > 0 (effective temperature 1), the penalised logits where it is 0 (greedy, effective 0).
 
     logits float[B, slots, V] raw; seen, out_counts as `penalise`. With every option off this is exactly the old
     pipeline (logits / T on sampled rows, the logits themselves on greedy ones): each step is skipped per row.
     skip (`SchedulerConfig.skip`): penalties are skipped by a `cond` when no row has one; False: they are applied
-    (an identity without penalties) with no cond. Filtering (a sort over the vocabulary) keeps its cond either way."""
+    (an identity without penalties) with no cond. Filtering (a sort over the vocabulary) keeps its cond either way.
+    constraint: float32[B, slots, V] added to the raw logits first (`serve.constraints`: -inf bans, logit biases),
+    before the penalties, as vLLM's logits processors run before them."""
     logits = logits.astype(f32)
+    if constraint is not None:
+        logits = logits + constraint
     any_penalty = jnp.any((rows.repetition_penalty != 1) | (rows.presence_penalty != 0)
                           | (rows.frequency_penalty != 0))
     if skip:

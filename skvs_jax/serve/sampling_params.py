@@ -4,9 +4,10 @@ API boundary) and `stop_bytes`. The semantics are in docs/sampling.md; the devic
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from skvs_jax import checks
 from skvs_jax.serve import engine_step
@@ -33,7 +34,20 @@ class SamplingParams:
     output 0 once it has its first token, sharing the prompt's blocks, each with its own stream). At most
     `engine_step.MAX_STOP` stop ids and strings together, each string of at most `sampling.MAX_STOP_LEN` bytes.
 
-    Fields are normalised to Python types (numpy scalars are accepted); stop ids are checked against the
+    Constraints (`serve.constraints`, lossless under speculation): ignore_eos (the model's EOS ids do not end the
+    output), min_tokens (no stop, EOS included, ends the output before it holds min_tokens tokens; stop ids and EOS
+    are banned until then), logit_bias ({token id: bias} added to the raw logits, at most `sampling.MAX_BIAS`),
+    allowed_token_ids (the only ids sampled, at most `sampling.MAX_ALLOWED`), bad_words (words never emitted:
+    each word's tokens, with and without a leading space, at most `sampling.MAX_BAD_WORDS` sequences of
+    `sampling.MAX_BAD_LEN` tokens once tokenised).
+
+    Text (`skvs_jax.LLM`): logprobs=-1 asks for every token's logprob over the whole vocabulary, prompt_logprobs
+    (None, N, or -1) for the prompt's; both come from a scoring pass of the finished sequence (docs/sampling.md),
+    so only `LLM` serves them. skip_special_tokens: special tokens are left out of the text. output_kind
+    (`RequestOutputKind`): what a streamed `RequestOutput` holds, everything so far (CUMULATIVE), the new part
+    (DELTA), or nothing until the end (FINAL_ONLY).
+
+    Fields are normalised to Python types (numpy scalars are accepted); token ids are checked against the
     model's vocabulary when the request is added.
     """
 
@@ -51,6 +65,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     n: int = 1
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = None  # type: ignore[assignment]  # None: CUMULATIVE (set in __post_init__)
 
     def __post_init__(self) -> None:
         if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
@@ -94,12 +116,14 @@ class SamplingParams:
                              f"{len(stop) + len(self.stop_token_ids)}")
         if not isinstance(self.include_stop_str_in_output, bool):
             raise TypeError("include_stop_str_in_output must be a bool")
-        if self.logprobs is not None and (not checks.is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= sampling_mod.MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an int in [0, {sampling_mod.MAX_LOGPROBS}], got "
-                             f"{self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not checks.is_int(value) or not -1 <= value <= sampling_mod.MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None, -1 (the whole vocabulary) or an int in "
+                                 f"[0, {sampling_mod.MAX_LOGPROBS}], got {value!r}")
         if not checks.is_int(self.n) or not 1 <= self.n <= sampling_mod.MAX_N:
             raise ValueError(f"n must be an int in [1, {sampling_mod.MAX_N}], got {self.n!r}")
+        self._check_constraints()
         for name, value in (("n", int(self.n)), ("seed", None if self.seed is None else int(self.seed)),
                             ("top_k", max(int(self.top_k), 0)), ("top_p", top_p), ("min_p", min_p),
                             ("repetition_penalty", repetition),
@@ -107,9 +131,63 @@ class SamplingParams:
                             ("logprobs", None if self.logprobs is None else int(self.logprobs))):
             object.__setattr__(self, name, value)
 
+    def _check_constraints(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if not checks.is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens = {self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise TypeError(f"logit_bias must be a dict {{token id: bias}} or None, got {type(bias).__name__}")
+            if len(bias) > sampling_mod.MAX_BIAS:
+                raise ValueError(f"logit_bias holds at most {sampling_mod.MAX_BIAS} entries, got {len(bias)}")
+            keys = [int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k for k in bias]  # JSON keys
+            if not all(checks.is_int(k) and k >= 0 for k in keys):
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {sorted(map(str, bias))[:5]}")
+            bias = {int(k): _real(f"logit_bias[{k}]", v, -math.inf, math.inf) for k, v in zip(keys, bias.values())}
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, (str, bytes)) or not isinstance(allowed, Iterable):
+                raise TypeError(f"allowed_token_ids must be a sequence of ints or None, got {type(allowed).__name__}")
+            allowed = tuple(allowed)
+            if not allowed or not all(checks.is_int(t) and t >= 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty sequence of ids >= 0, got {allowed[:8]!r}")
+            if len(set(allowed)) > sampling_mod.MAX_ALLOWED:
+                raise ValueError(f"allowed_token_ids holds at most {sampling_mod.MAX_ALLOWED} ids, got "
+                                 f"{len(set(allowed))}")
+            allowed = tuple(sorted({int(t) for t in allowed}))
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not isinstance(words, Iterable) or isinstance(words, bytes):
+            raise TypeError(f"bad_words must be a sequence of non-empty strings, got {self.bad_words!r}")
+        words = tuple(words)
+        if not all(isinstance(w, str) and w.strip() for w in words):
+            raise TypeError(f"bad_words must be a sequence of non-empty strings, got {words!r}")
+        kind = RequestOutputKind.CUMULATIVE if self.output_kind is None else self.output_kind
+        if not isinstance(kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        for name, value in (("min_tokens", int(self.min_tokens)), ("logit_bias", bias), ("allowed_token_ids", allowed),
+                            ("bad_words", words), ("output_kind", kind)):
+            object.__setattr__(self, name, value)
+
+    def __hash__(self) -> int:  # logit_bias is a dict: hash its items
+        fields = dataclasses.astuple(dataclasses.replace(self, logit_bias=None))
+        return hash((fields, None if self.logit_bias is None else tuple(sorted(self.logit_bias.items()))))
+
     def stop_sequences(self) -> list[tuple[int, ...]]:
         """Every stop as token ids: each stop id alone, then each stop string's UTF-8 bytes."""
         return [(t,) for t in self.stop_token_ids] + [tuple(stop_bytes(x)) for x in self.stop]
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed `RequestOutput` of a request holds (vLLM's): everything so far, only what is new since
+    the last one, or nothing until the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def stop_bytes(stop: str | bytes) -> bytes:
