@@ -28,9 +28,10 @@ and, in the scheduler and the KV manager:
   X    a flat list of block ids of any length
 
 Modules (the layers, lowest first; docs/design.md): `config`, `arrays`, `checks`, `vmap_flow`, `victims`,
-`policies`; `kv` (the allocator, prefix cache, tiers and their facade); `scheduler`; `serve` (the engine) and `sim`
-(the simulator), beside `metrics`, `workloads`, `distributed` and `model_shapes` (the named model shapes the engine
-serves and the simulator prices); `testing` (oracles and strategies); `commands` (the `skvs` command line).
+`policies`; `kv` (the allocator, prefix cache, tiers and their facade); `scheduler`; `serve` (the engine and its
+`LLM` front) and `sim` (the simulator), beside `metrics`, `workloads`, `distributed`, `model_shapes` (the named
+model shapes the engine serves and the simulator prices) and `compile_cache` (the persistent XLA cache the
+commands and `LLM` use); `testing` (oracles and strategies); `commands` (the `skvs` command line).
 
 State is data (pytrees of fixed-shape arrays); capacities and switches are static config
 (`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`. The design, the
@@ -43,5 +44,19 @@ from skvs_jax.kv import allocator, manager, prefix_cache, tiers
 
 __version__ = "0.1.0"
 
+# The serving front, imported on first use: `import skvs_jax` stays light (no model, no tokenizer, no cache set).
+_FRONT = {"LLM": "skvs_jax.serve.llm", "SamplingParams": "skvs_jax.serve.sampling_params",
+          "RequestOutputKind": "skvs_jax.serve.sampling_params", "RequestOutput": "skvs_jax.serve.outputs",
+          "CompletionOutput": "skvs_jax.serve.outputs", "Logprob": "skvs_jax.serve.outputs"}
+
+
+def __getattr__(name: str):
+    if name in _FRONT:
+        import importlib
+
+        return getattr(importlib.import_module(_FRONT[name]), name)
+    raise AttributeError(f"module 'skvs_jax' has no attribute {name!r}")
+
+
 __all__ = ["allocator", "config", "manager", "metrics", "policies", "prefix_cache", "scheduler", "tiers", "workloads",
-           "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__"]
+           "CacheConfig", "SpecConfig", "NULL_BLOCK", "__version__", *_FRONT]
