@@ -206,6 +206,10 @@ def setup(args: argparse.Namespace):
         loaded = checkpoints.load(args)
     except (ValueError, OSError) as err:
         raise SystemExit(f"skvs bench: {err}") from None
+    args.dtype = loaded.dtype  # what "auto" resolved to, for the report
+    if loaded.model.config.vocab_size < checkpoints.BYTE_VOCAB:
+        raise SystemExit(f"skvs bench: the model's vocabulary has {loaded.model.config.vocab_size} tokens; the "
+                         f"bench's prompts are bytes, which need {checkpoints.BYTE_VOCAB}")
     nodes = speculation.SMALL_TREE.num_slots - 1
     if args.draft_len is None:
         args.draft_len = nodes if args.tree == "small" else checkpoints.draft_len(args, loaded)

@@ -1,16 +1,18 @@
 """The model a command serves: `--model DIR` (a Hugging Face Llama directory) and `--medusa DIR_OR_FILE` (Medusa
 heads), or `--model-shape NAME[:LAYERS]` (a real model's shape from `skvs_jax.model_shapes` with random weights
 initialised from `--weight-seed`, nothing downloaded), or the shipped tiny Llama and its heads when none is given;
-shared by `skvs generate` and `skvs bench`. `--dtype` is the weights' dtype (float32 or bfloat16).
+shared by `skvs generate` and `skvs bench`. `--dtype` is the weights' dtype: auto (a checkpoint's own; float32 for
+--model-shape and the shipped model, which are float32), float32 or bfloat16.
 
 `--drafter oracle:PROFILE` (bench) drafts with `serve.oracle_drafter` instead of Medusa heads: PROFILE is a preset of
 `sim.acceptance_model.PRESETS` or per-depth probabilities "0.8,0.6,..."; the oracle's reference pass (the trace
 served without speculation) is cached on disk by the model and the trace (`oracle_table`).
 
 A Medusa checkpoint alone brings its base model when its config.json's `base_model_name_or_path` is a local
-directory (`reference_models.checkpoint.medusa_base_model`). Prompts stay bytes (token = byte), so the model's
-vocabulary must hold 256 tokens; a checkpoint's own tokenizer is not used. The draft length defaults to the
-heads' count, and the longest sequence to the model's `max_position_embeddings`.
+directory (`reference_models.checkpoint.medusa_base_model`). `skvs generate` encodes text with the checkpoint's
+tokenizer (bytes without one); `skvs bench` serves byte prompts, so it needs a vocabulary of 256 tokens
+(`BYTE_VOCAB`). The draft length defaults to the heads' count, and the longest sequence to the model's
+`max_position_embeddings`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from skvs_jax import model_shapes
 
 ORACLE_CACHE_ENV = "SKVS_ORACLE_CACHE"  # where reference passes are kept (default ~/.cache/skvs_jax/oracle; "off")
 
-BYTE_VOCAB = 256  # prompts are bytes
+BYTE_VOCAB = 256  # `skvs bench`'s prompts are bytes (text of the shipped corpus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Loaded:
     name: str  # "shipped tiny Llama + Medusa", the directories, or the shape
     oracle: tuple[float, ...] | None = None  # --drafter oracle:PROFILE's probabilities (K of them), before the table
     key: str = ""  # what identifies the weights (the oracle cache's key): the shape, dtype and seed, or the paths
+    dtype: str = "float32"  # the weights' dtype as loaded (what --dtype auto resolved to)
 
     @property
     def num_heads(self) -> int:
@@ -60,8 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, drafter: bool = False) -> 
     parser.add_argument("--model-shape", metavar="NAME[:LAYERS]", default=None,
                         help=f"serve a real model's shape with random weights (nothing downloaded): one of "
                              f"{sorted(model_shapes.SHAPES)}, optionally cut to its first LAYERS layers")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="the weights' dtype (the KV cache's is its own switch)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the weights' dtype: auto is a --model / --medusa checkpoint's own (float16 loads as "
+                             "float32), and float32 for --model-shape and the shipped model; float32 or bfloat16 "
+                             "casts (the KV cache's dtype is its own switch)")
     parser.add_argument("--weight-seed", type=int, default=0, help="seed of --model-shape's random weights")
     if drafter:
         parser.add_argument("--drafter", default="heads", metavar="heads|oracle:PROFILE",
@@ -72,17 +77,23 @@ def add_arguments(parser: argparse.ArgumentParser, *, drafter: bool = False) -> 
                         help="a Hugging Face Llama checkpoint directory (config.json + safetensors); default: the "
                              "shipped tiny Llama, or the base model the --medusa config names")
     parser.add_argument("--medusa", metavar="DIR_OR_FILE", default=None,
-                        help="Medusa heads: a directory (config.json + medusa_lm_head.safetensors) or the "
-                             "safetensors file; default: the shipped heads when --model is not given either")
+                        help="Medusa heads: a directory (config.json + medusa_lm_head.safetensors, or vLLM's "
+                             "model.safetensors) or the safetensors file; default: the shipped heads when --model "
+                             "is not given either")
 
 
 def load(args: argparse.Namespace) -> Loaded:
     """The model and heads `args.model` / `args.medusa` / `args.model_shape` name, in `args.dtype`, with
     `args.drafter`'s oracle probabilities when it names one. Raises ValueError (or OSError for a missing file) with a
     message that names the flag."""
+    import jax
+    from flax import nnx
+
     loaded = _load_model(args)
-    if getattr(args, "dtype", "float32") != "float32":
-        loaded = dataclasses.replace(loaded, model=cast(loaded.model, args.dtype), key=f"{loaded.key} {args.dtype}")
+    dtype = checkpoint.majority_dtype(jax.tree.leaves(nnx.state(loaded.model, nnx.Param))).name
+    loaded = dataclasses.replace(loaded, dtype=dtype)
+    if dtype != "float32":  # the weights differ from the float32 ones the key names
+        loaded = dataclasses.replace(loaded, key=f"{loaded.key} {dtype}")
     drafter = getattr(args, "drafter", "heads")
     if drafter == "heads":
         return loaded
@@ -110,17 +121,18 @@ def cast(model, dtype: str):
 
 def _load_model(args: argparse.Namespace) -> Loaded:
     shape = getattr(args, "model_shape", None)
+    dtype = getattr(args, "dtype", "auto")
     if shape is not None:
         if args.model is not None or args.medusa is not None:
             raise ValueError("--model-shape serves random weights of a named shape: pass it without --model / --medusa")
-        return random_model(shape, args.weight_seed, getattr(args, "dtype", "float32"))
+        return random_model(shape, args.weight_seed, "float32" if dtype == "auto" else dtype)
     if args.model is None and args.medusa is None:
-        model, heads = checkpoint.load_shipped()
+        model, heads = checkpoint.load_shipped(dtype)
         return Loaded(model, heads, "shipped tiny Llama + Medusa", key="shipped")
     heads = None
     model_dir = args.model
     if args.medusa is not None:
-        heads = checkpoint.load_medusa(args.medusa)
+        heads = checkpoint.load_medusa(args.medusa, dtype)
         if model_dir is None:
             model_dir = checkpoint.medusa_base_model(args.medusa)
             if model_dir is None:
@@ -128,11 +140,8 @@ def _load_model(args: argparse.Namespace) -> Loaded:
                                  "(base_model_name_or_path); pass --model DIR")
     if not pathlib.Path(model_dir).is_dir():
         raise ValueError(f"--model {model_dir}: not a directory")
-    model = checkpoint.load_llama(model_dir)
+    model = checkpoint.load_llama(model_dir, dtype)
     cfg = model.config
-    if cfg.vocab_size < BYTE_VOCAB:
-        raise ValueError(f"--model {model_dir}: its vocabulary has {cfg.vocab_size} tokens; prompts are bytes, "
-                         f"which need {BYTE_VOCAB}")
     if heads is not None and (heads.config.hidden_size, heads.config.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
         raise ValueError(f"--medusa {args.medusa}: heads for hidden size {heads.config.hidden_size} and vocabulary "
                          f"{heads.config.vocab_size}, but the model has {cfg.hidden_size} and {cfg.vocab_size}")
