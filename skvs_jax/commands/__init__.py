@@ -4,6 +4,7 @@
   skvs bench             vllm_default vs naive_spec vs skvs on one trace (the shipped tiny model, or --model-shape)
   skvs claims            every claim of the article with our figure and a verdict (docs/claims.md)
   skvs generate TEXT     stream a continuation, showing accepted drafts (--model / --medusa: your checkpoint)
+  skvs serve             an OpenAI-compatible HTTP server over the model (needs the serve extra)
   skvs gpu-check         the one GPU script: kernels, their tuning sweep, serving, the step program (--cpu-smoke)
   skvs micro allocator   one batched allocator step vs the plain-Python oracle and a sequential JAX search
   skvs micro attention   paged decode attention (XLA path) vs dense attention over contiguous KV
@@ -17,13 +18,13 @@
   skvs simulate          the three policies simulated for a large model on a GPU (cost model), optionally swept
 
 Each command's module: `bench` (with `bench_serving` and `bench_report`), `simulate`, `claims`, `generate`,
-`gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
+`serve`, `gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
 `micro_buckets`, `micro_host`, `micro_program`, `micro_compile`.
 Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
 `micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
 folder). Commands are dispatched by one table, `COMMANDS`.
 
-generate, bench and simulate keep compiled programs in a persistent XLA cache (`commands.startup`:
+generate, serve, bench and simulate keep compiled programs in a persistent XLA cache (`skvs_jax.compile_cache`:
 --compile-cache DIR|off, SKVS_COMPILE_CACHE, default ~/.cache/skvs_jax/xla).
 """
 
@@ -43,6 +44,7 @@ COMMANDS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("claims",), "claims",
      "the article's claims, each with our figure and a verdict (writes docs/claims.md's report)"),
     (("generate",), "generate", "stream a continuation from the shipped tiny model, or --model / --medusa"),
+    (("serve",), "serve", "an OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)"),
     (("micro", "allocator"), "micro_allocator", "one batched allocator step vs Python oracle and sequential search"),
     (("micro", "scheduler"), "micro_scheduler", "one scheduler step (schedule + update) vs the Python oracle"),
     (("micro", "precision"), "micro_precision", "Medusa acceptance vs KV-cache dtype (fp32/bf16/fp8/int8)"),

@@ -2,6 +2,8 @@
 
   llm           `LLM`: vLLM's offline front (checkpoint folder in, text and `RequestOutput`s out, streaming)
   outputs       `RequestOutput`, `CompletionOutput`, `Logprob`, `RequestMetrics`: what `LLM` returns
+  async_llm     `AsyncLLM`: an asyncio front over one `LLM`, its engine on a thread of its own (servers)
+  openai_server the OpenAI-compatible HTTP server over an `AsyncLLM` (FastAPI; `skvs serve`)
   engine        `Engine`: requests in, tokens out; the device state and the host loop around one jitted step
   options       `EngineOptions`: the engine's options, one frozen validated dataclass; the draft tree's checks
   requests      the request table: logs, queue, slots, n > 1 forks, aborts (host only); `RequestLog`

@@ -99,6 +99,8 @@ class LLM:
         self._by_engine_id: dict[int, str] = {}
         self._next_id = 0
         self._aborted: list[str] = []  # aborted since the last `step`
+        self._collect: set[str] = set()  # ids `generate` waits for: their final output is kept in `_finals`
+        self._finals: dict[str, out_mod.RequestOutput] = {}
         self._scorer = None
 
     def _cache(self, max_model_len, max_num_seqs, block_size, num_blocks) -> CacheConfig:
@@ -116,9 +118,10 @@ class LLM:
 
     # ---------------------------------------------------------------------------------------------- requests
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
-                    ) -> str:
-        """Queue one prompt (text, token ids, or a {"prompt"} / {"prompt_token_ids"} dict); returns its id."""
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                    *, cache_salt: str | None = None) -> str:
+        """Queue one prompt (text, token ids, or a {"prompt"} / {"prompt_token_ids"} dict); returns its id.
+        cache_salt: the tenant's prefix-cache salt (`Engine.add_request`; None: unsalted)."""
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
@@ -131,7 +134,7 @@ class LLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt(prompt)
         engine_sp = dataclasses.replace(sp, logprobs=None if sp.logprobs == -1 else sp.logprobs, prompt_logprobs=None)
-        eid = self.engine.add_request(ids, engine_sp)
+        eid = self.engine.add_request(ids, engine_sp, cache_salt=cache_salt)
         req = _Request(request_id, eid, text, ids, sp, sent_tokens=[0] * sp.n, sent_text=[0] * sp.n)
         if sp.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(ids, sp.prompt_logprobs)
@@ -174,9 +177,15 @@ class LLM:
                 touched.append(rid)
         outs = []
         for rid in touched:
-            o = self._output(self._requests[rid], delta=True)
+            req = self._requests[rid]
+            o = self._output(req, delta=True)
             if o is not None:
                 outs.append(o)
+            if req.done:  # its last output is out: forget it, so a long-running front does not grow
+                if rid in self._collect:
+                    self._finals[rid] = self._output(req, final=True)
+                del self._requests[rid], self._by_engine_id[req.engine_id]
+                self.engine.table.forget(req.engine_id)
         return outs
 
     def _parent(self, eid: int) -> int:
@@ -190,9 +199,13 @@ class LLM:
         """Serve the prompts to the end; one finished `RequestOutput` per prompt, in order (vLLM's
         `LLM.generate`). prompts: one prompt or a list (a flat list of ints is one token prompt)."""
         ids = self._add_all(prompts, sampling_params)
-        for _ in self._drive():
-            pass
-        return [self._output(self._requests[i], final=True) for i in ids]
+        self._collect.update(ids)
+        try:
+            for _ in self._drive():
+                pass
+        finally:
+            self._collect.difference_update(ids)
+        return [self._finals.pop(i) for i in ids]
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True) -> list[out_mod.RequestOutput]:

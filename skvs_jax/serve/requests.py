@@ -189,6 +189,7 @@ class RequestTable:
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         self.keep_text = keep_text  # every request keeps its text (else only those with stops matched on text)
         self.host_stopped: dict[int, int] = {}  # id -> slot: ended by a stop string on the host, slot not freed yet
+        self.forgetting: set[int] = set()  # ended ids to forget once their slots are freed (`forget`)
         self.requests: dict[int, RequestLog] = {}
         self.queue: list[int] = []  # arrived, not yet in a slot
         self.slot_of: dict[int, int] = {}
@@ -269,6 +270,19 @@ class RequestTable:
         """The outputs of a request in order: its n outputs (`SamplingParams.n`), each as `RequestLog.output_tokens`."""
         r = self.requests[request_id]
         return [self.requests[i].output_tokens for i in (r.sample_ids or (request_id,))]
+
+    def forget(self, request_id: int) -> None:
+        """Drop an ended request's logs (all n outputs), so a long-running front does not keep every request;
+        one a stop string ended whose slot the device still holds goes when it leaves (`take_host_stops`).
+        ValueError when some output has not ended."""
+        ids = self.requests[request_id].sample_ids or (request_id,)
+        if not all(self.requests[i].finished or self.requests[i].aborted for i in ids):
+            raise ValueError(f"request {request_id} has not ended: it cannot be forgotten")
+        if any(i in self.slot_of or i in self.host_stopped for i in ids):
+            self.forgetting.add(request_id)
+            return
+        for i in ids:
+            del self.requests[i]
 
     def has_work(self) -> bool:
         return bool(self.queue) or any(r >= 0 for r in self.request_in)
@@ -419,6 +433,9 @@ class RequestTable:
             self._leave(rid, slot)
             self.free_slots += 1
             slots.append(slot)
+        for rid in list(self.forgetting):
+            self.forgetting.discard(rid)
+            self.forget(rid)
         return slots
 
     def fork_plan(self, out: engine_step.StepOut, forking: dict[int, int], end: float
