@@ -265,3 +265,15 @@ def test_exact_stops_never_miss(bpe, stop, with_specials):
             assert now - before == ends_with, (ids[:n], seq)
             hits, before = hits + ends_with, now
     assert hits > 50
+
+
+def test_the_shipped_models_tokenizer_json_is_the_byte_tokenizer(tmp_path):
+    """`text_checkpoint.shipped_checkpoint`'s tokenizer.json encodes and decodes as `ByteTokenizer` (ids = bytes),
+    through our loader and through transformers, so HF tools count the shipped model's tokens exactly."""
+    folder = text_checkpoint.shipped_checkpoint(tmp_path / "shipped")
+    tok, ref = load_tokenizer(folder), ByteTokenizer()
+    for text in ["Return the number of ", "héllo wörld ✓\n\n  x", "".join(map(chr, range(1, 600, 7)))]:
+        assert tok.encode(text) == ref.encode(text) and tok.decode(tok.encode(text)) == text
+    assert tok.vocab_size == 256 and tok.eos_token_ids == () and tok.exact_stop("\n\n") == (10, 10)
+    transformers = pytest.importorskip("transformers")
+    assert transformers.AutoTokenizer.from_pretrained(str(folder))("héllo ✓")["input_ids"] == ref.encode("héllo ✓")

@@ -99,3 +99,31 @@ def make_checkpoint(directory: str | pathlib.Path, *, vocab_size: int = 384, see
     # resolve to some other folder that happens to hold a config.json
     checkpoint.save_medusa(heads, directory / "medusa", base_model=str(directory.resolve()))
     return directory
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A tokenizer.json for the shipped byte-level model: id = byte value (no merges, no special tokens), so HF
+    tools (transformers' AutoTokenizer, a load generator) count and encode exactly what `ByteTokenizer` does."""
+    from skvs_jax.serve.tokenizer import byte_level_chars
+
+    vocab = {char: byte for char, byte in byte_level_chars().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def shipped_checkpoint(directory: str | pathlib.Path) -> pathlib.Path:
+    """The shipped tiny Llama and its Medusa heads (in `directory/medusa`) saved as a Hugging Face folder with
+    `byte_tokenizer()`'s tokenizer.json: the shipped model for tools that need a tokenizer file (`skvs serve
+    --model DIR` under a load generator)."""
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model, heads = checkpoint.load_shipped()
+    checkpoint.save_llama(model, directory)
+    checkpoint.save_medusa(heads, directory / "medusa", base_model=str(directory.resolve()))
+    byte_tokenizer().save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+              "model_max_length": model.config.max_position_embeddings}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
