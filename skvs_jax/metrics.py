@@ -1,41 +1,66 @@
 """Benchmark metrics, computed exactly as docs/design.md ("Metrics") defines them, from plain event logs.
 
 Users compare our numbers with vLLM, SGLang and TensorRT-LLM, so every metric is one formula over two logs that
-the engine (wall-clock seconds) and the simulator (simulated seconds) both fill; numpy only, no framework.
+the engine (wall-clock seconds) and the simulator (simulated seconds) both fill; numpy only, no framework. The
+serving metrics are those `vllm bench serve` prints (mean, median, P90, P99 of TTFT, TPOT, ITL and end-to-end
+latency; request and output-token throughput), with its definitions.
 
 Logs:
   RequestRecord  one per finished or aborted request (times in seconds, token counts).
   StepRecord     equal-length arrays, one entry per engine step; `StepLog` appends a step at a time and
                  freezes into a StepRecord.
 
-Metrics returned by `summarize` (keys; times in seconds, rates as fractions in [0, 1]). "finished" means
-records with `aborted=False`; sums over steps run over every step of the StepRecord:
-  throughput               sum(num_output_tokens of finished) / wall_time                            [tok/s]
-                           wall_time = max(finish_time) - min(arrival_time) over all records unless passed;
-                           aborted requests' tokens are not counted (as vLLM's benchmark_serving does).
-  ttft_p50, ttft_p99       percentiles of first_token_time - arrival_time, finished with a first token
-  tpot_p50, tpot_p99       percentiles of (finish_time - first_token_time) / (num_output_tokens - 1),
-                           finished with >= 2 output tokens
-  e2e_p50, e2e_p99         percentiles of finish_time - arrival_time, finished
-  kv_hit_rate              sum(num_cached_prompt_tokens) / sum(num_admitted_prompt_tokens), all records
-  kv_hit_rate_first        sum(num_first_cached_prompt_tokens) / sum(num_prompt_tokens), over records admitted
-                           at least once (num_admitted_prompt_tokens > 0): first admissions only
-  memory_utilisation       mean over steps of blocks_used / blocks_total
-  spec_token_waste         (sum(num_drafted) - sum(num_accepted)) / sum(num_drafted), over steps
-  spec_kv_waste            mean over steps of spec_waste_blocks / blocks_total
-  oom_rate                 steps with oom / steps
+Two vocabularies of the same numbers:
+  `summarize`   the summary in SI units, keys without units (times in seconds, rates as fractions in [0, 1]):
+                what the library and the simulator (`sim.simulate.summarize`, `sim.scenarios`, `skvs claims`)
+                read.
+  `with_units`  the same summary as the commands report it (bench.json, simulate.json, the tables): every key
+                of a quantity with a unit says it, `_ms` for latencies, `_s` for durations, `_per_s` for rates
+                (`UNITS` maps one to the other); fractions and counts keep their names.
+
+Metrics of `summarize` (key [unit] -> reported key). "finished" means records with `aborted=False`; STAT is mean,
+p50, p90 and p99 (reported as mean, median, p90, p99, vLLM's names: `median_ttft_ms`); sums over steps run over
+every step of the StepRecord:
+  throughput           sum(num_output_tokens of finished) / wall_time [tok/s]           -> output_tokens_per_s
+  request_throughput   finished requests / wall_time [req/s]                              -> requests_per_s
+                       wall_time = max(finish_time) - min(arrival_time) over all records unless passed;
+                       aborted requests' tokens are not counted (as vLLM's benchmark_serving does).
+  ttft_STAT [s]        first_token_time - arrival_time, finished with a first token    -> STAT_ttft_ms
+  tpot_STAT [s]        (finish_time - first_token_time) / (num_output_tokens - 1), one value per finished
+                       request with >= 2 output tokens (so the mean is vLLM's mean TPOT) -> STAT_tpot_ms
+  itl_STAT [s]         inter-token latency, over every gap of every finished request with token_times, pooled
+                       (as vLLM pools them): see "ITL" below                           -> STAT_itl_ms
+  e2e_STAT [s]         finish_time - arrival_time, finished (vLLM's "e2el")             -> STAT_e2e_ms
+  kv_hit_rate          sum(num_cached_prompt_tokens) / sum(num_admitted_prompt_tokens), all records
+  kv_hit_rate_first    sum(num_first_cached_prompt_tokens) / sum(num_prompt_tokens), over records admitted
+                       at least once (num_admitted_prompt_tokens > 0): first admissions only
+  memory_utilisation   mean over steps of blocks_used / blocks_total
+  spec_token_waste     (sum(num_drafted) - sum(num_accepted)) / sum(num_drafted), over steps
+  spec_kv_waste        mean over steps of spec_waste_blocks / blocks_total
+  oom_rate             steps with oom / steps
   preemptions_per_request  sum(num_preemptions) / records
-  acceptance_rate          sum(num_accepted) / sum(num_drafted), over steps
-  mean_accepted_length     sum(num_accepted) / sum(num_verifications), over steps: accepted drafts per
-                           (sequence, step) verification, *excluding* the bonus token, so greedy decoding
-                           emits mean_accepted_length + 1 tokens per verification (Medusa's "acceleration")
-  scheduler_time_per_step  mean over steps of scheduler_time                                          [s]
-  scheduler_time_share     sum(scheduler_time) / sum(duration), over steps
-Context keys, not metrics: num_requests, num_aborted, num_steps, output_tokens, wall_time.
+  acceptance_rate      sum(num_accepted) / sum(num_drafted), over steps
+  mean_accepted_length sum(num_accepted) / sum(num_verifications), over steps: accepted drafts per
+                       (sequence, step) verification, *excluding* the bonus token, so greedy decoding
+                       emits mean_accepted_length + 1 tokens per verification (Medusa's "acceleration")
+  scheduler_time_per_step  mean over steps of scheduler_time [s]                         -> scheduler_time_per_step_ms
+  scheduler_time_share sum(scheduler_time) / sum(duration), over steps
+Context keys, not metrics: num_requests, num_aborted, num_steps, output_tokens, wall_time [s] (-> wall_time_s).
+
+ITL: the gaps between the times at which a request's consecutive output tokens were produced, one gap per
+*chunk*: tokens with the same time in `token_times` came out of one engine step, so a step that emits an
+accepted draft run of k tokens gives one gap, not k - 1 gaps of 0. This is vLLM's per-chunk ITL (`vllm bench
+serve` appends one gap per streamed chunk), chosen so that our ITL compares with what vLLM users read. Per-token
+gaps with zeros would put the median ITL at 0 as soon as half the tokens are accepted drafts; SGLang's
+bench_serving instead spreads a chunk's gap evenly over its tokens (which makes the mean ITL equal the TPOT).
+With speculation the mean ITL exceeds the mean TPOT: ITL is the time between steps, TPOT the time per token.
+A record without `token_times` (the simulator knows only each request's first and last token times) adds no
+gap; with none anywhere every itl_STAT is NaN, while TTFT, TPOT and end-to-end latency need only those two
+times and stay exact.
 
 Conventions:
   - Percentiles are numpy's default "linear" method (Hyndman & Fan type 7), the one vLLM's benchmark_serving
-    uses via np.percentile: P50 of (1, 2, 3, 4) is 2.5, not a sample.
+    uses via np.percentile: P50 of (1, 2, 3, 4) is 2.5, not a sample; the median is P50.
   - Aborted requests are excluded from throughput and latency (their latency is undefined or truncated) but
     count in hit rate and preemptions, which describe the cache and scheduler, not the client.
   - KV hit rate counts *every admission*: a request re-admitted after preemption looks up its tokens again
@@ -137,6 +162,8 @@ class RequestRecord:
         if self.token_times and len(self.token_times) != self.num_output_tokens:
             raise ValueError(f"token_times has {len(self.token_times)} entries, num_output_tokens is "
                              f"{self.num_output_tokens} (request {self.request_id})")
+        if any(later < earlier for earlier, later in zip(self.token_times, self.token_times[1:])):
+            raise ValueError(f"token_times must be non-decreasing (request {self.request_id})")
         if self.finish_time < self.arrival_time:  # False when either is NaN
             raise ValueError(f"finish_time ({self.finish_time}) precedes arrival_time ({self.arrival_time}) "
                              f"(request {self.request_id})")
@@ -259,15 +286,26 @@ class StepLog:
 
 PERCENTILE_METHOD = "linear"
 
-# (key, table label, factor from the summary's unit to the table's), in table order.
+LATENCIES = ("ttft", "tpot", "itl", "e2e")  # the per-request latencies, each summarised by every STAT
+STATS = (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99"))  # (summary, reported) names
+_LATENCY_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "end-to-end"}
+_STAT_LABELS = {"mean": "mean", "median": "median", "p90": "P90", "p99": "P99"}
+
+# summary key -> (reported key, factor from the summary's unit to the reported one): `with_units`.
+UNITS: dict[str, tuple[str, float]] = {
+    "request_throughput": ("requests_per_s", 1.0),
+    "throughput": ("output_tokens_per_s", 1.0),
+    **{f"{name}_{stat}": (f"{shown}_{name}_ms", 1e3) for name in LATENCIES for stat, shown in STATS},
+    "scheduler_time_per_step": ("scheduler_time_per_step_ms", 1e3),
+    "wall_time": ("wall_time_s", 1.0),
+}
+
+# (reported key, table label, factor from the reported unit to the table's), in table order.
 METRICS: tuple[tuple[str, str, float], ...] = (
-    ("throughput", "throughput (tok/s)", 1.0),
-    ("ttft_p50", "TTFT P50 (ms)", 1e3),
-    ("ttft_p99", "TTFT P99 (ms)", 1e3),
-    ("tpot_p50", "TPOT P50 (ms)", 1e3),
-    ("tpot_p99", "TPOT P99 (ms)", 1e3),
-    ("e2e_p50", "end-to-end P50 (ms)", 1e3),
-    ("e2e_p99", "end-to-end P99 (ms)", 1e3),
+    ("requests_per_s", "request throughput (req/s)", 1.0),
+    ("output_tokens_per_s", "output throughput (tok/s)", 1.0),
+    *((f"{shown}_{name}_ms", f"{_LATENCY_LABELS[name]} {_STAT_LABELS[shown]} (ms)", 1.0)
+      for name in LATENCIES for _, shown in STATS),
     ("kv_hit_rate", "KV hit rate (%)", 100.0),
     ("kv_hit_rate_first", "KV hit rate, first admissions (%)", 100.0),
     ("memory_utilisation", "memory utilisation (%)", 100.0),
@@ -277,9 +315,13 @@ METRICS: tuple[tuple[str, str, float], ...] = (
     ("preemptions_per_request", "preemptions per request", 1.0),
     ("acceptance_rate", "acceptance rate (%)", 100.0),
     ("mean_accepted_length", "mean accepted length (tok/verification)", 1.0),
-    ("scheduler_time_per_step", "scheduler time per step (ms)", 1e3),
+    ("scheduler_time_per_step_ms", "scheduler time per step (ms)", 1.0),
     ("scheduler_time_share", "scheduler time share (%)", 100.0),
 )
+# The reported keys that depend on the clock; with every arrival at t = 0 the others are reproducible.
+TIMING_KEYS = ("requests_per_s", "output_tokens_per_s", *(f"{shown}_{name}_ms" for name in LATENCIES
+                                                           for _, shown in STATS),
+               "scheduler_time_per_step_ms", "scheduler_time_share", "wall_time_s")
 
 
 def safe_ratio(numerator: float, denominator: float) -> float:
@@ -314,16 +356,35 @@ def _wall_time(columns: dict[str, np.ndarray], wall_time: float | None) -> float
     return float(finish.max() - arrival.min()) if finish.size and arrival.size else math.nan
 
 
-def _latency_metrics(c: dict[str, np.ndarray]) -> dict[str, float]:
-    done = ~c["aborted"]
-    first, finish, arrival = c["first_token_time"], c["finish_time"], c["arrival_time"]
-    outputs = c["num_output_tokens"]
-    ttft = (first - arrival)[done & np.isfinite(first)]
-    has_tpot = done & np.isfinite(first) & np.isfinite(finish) & (outputs >= 2)
-    tpot = (finish - first)[has_tpot] / (outputs[has_tpot] - 1)
-    e2e = (finish - arrival)[done & np.isfinite(finish)]
-    return {f"{name}_p{q}": _percentile(values, q)
-            for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)) for q in (50, 99)}
+def inter_token_latencies(token_times: Sequence[float]) -> np.ndarray:
+    """[chunks - 1] the ITL gaps of one request [s]: between consecutive distinct token times, one per chunk of
+    tokens produced together (the module docstring's "ITL"); empty for fewer than two chunks."""
+    gaps = np.diff(np.asarray(token_times, np.float64))
+    return gaps[gaps > 0]
+
+
+def request_latencies(r: RequestRecord) -> dict[str, float]:
+    """One request's TTFT, TPOT and end-to-end latency [s] (NaN where undefined: aborted, no first token, fewer
+    than two output tokens for TPOT), as `summarize` counts them."""
+    done = not r.aborted
+    has_first = done and math.isfinite(r.first_token_time)
+    tpot = ((r.finish_time - r.first_token_time) / (r.num_output_tokens - 1)
+            if has_first and math.isfinite(r.finish_time) and r.num_output_tokens >= 2 else math.nan)
+    return {"ttft": r.first_token_time - r.arrival_time if has_first else math.nan, "tpot": tpot,
+            "e2e": r.finish_time - r.arrival_time if done and math.isfinite(r.finish_time) else math.nan}
+
+
+def _latency_metrics(requests: Sequence[RequestRecord]) -> dict[str, float]:
+    per_request = [request_latencies(r) for r in requests]
+    samples = {name: np.array([x[name] for x in per_request], np.float64) for name in ("ttft", "tpot", "e2e")}
+    samples = {name: v[np.isfinite(v)] for name, v in samples.items()}
+    gaps = [inter_token_latencies(r.token_times) for r in requests if not r.aborted and r.token_times]
+    samples["itl"] = np.concatenate(gaps) if gaps else np.zeros(0)  # pooled over requests, as vLLM's bench
+    out = {}
+    for name in LATENCIES:
+        out[f"{name}_mean"] = _mean(samples[name])
+        out |= {f"{name}_p{q}": _percentile(samples[name], q) for q in (50, 90, 99)}
+    return out
 
 
 def _step_metrics(s: StepRecord) -> dict[str, float]:
@@ -340,9 +401,18 @@ def _step_metrics(s: StepRecord) -> dict[str, float]:
     }
 
 
+# summarize's keys in order: each metric of the module docstring, then the context keys.
+SUMMARY_KEYS = (
+    "request_throughput", "throughput", *(f"{name}_{stat}" for name in LATENCIES for stat, _ in STATS),
+    "kv_hit_rate", "kv_hit_rate_first", "memory_utilisation", "spec_token_waste", "spec_kv_waste", "oom_rate",
+    "preemptions_per_request", "acceptance_rate", "mean_accepted_length", "scheduler_time_per_step",
+    "scheduler_time_share", "num_requests", "num_aborted", "num_steps", "output_tokens", "wall_time")
+
+
 def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
               wall_time: float | None = None) -> dict[str, float]:
-    """Every metric of the module docstring (keys of METRICS) plus context counts, as Python floats."""
+    """Every metric of the module docstring plus context counts (`SUMMARY_KEYS`, in that order), as Python
+    floats in SI units; `with_units` gives the keys the commands report."""
     requests = tuple(requests)
     for i, r in enumerate(requests):
         if not isinstance(r, RequestRecord):
@@ -355,18 +425,49 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     wall = _wall_time(c, wall_time)
     done = ~c["aborted"]
     output_tokens = float(c["num_output_tokens"][done].sum())
-    out = {"throughput": safe_ratio(output_tokens, wall)}  # NaN when the wall time is 0 or unknown
-    out |= _latency_metrics(c)
+    # NaN when the wall time is 0 or unknown
+    out = {"request_throughput": safe_ratio(float(done.sum()), wall), "throughput": safe_ratio(output_tokens, wall)}
+    out |= _latency_metrics(requests)
     out["kv_hit_rate"] = safe_ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
     admitted = c["num_admitted_prompt_tokens"] > 0
     out["kv_hit_rate_first"] = safe_ratio(c["num_first_cached_prompt_tokens"][admitted].sum(),
-                                      c["num_prompt_tokens"][admitted].sum())
+                                          c["num_prompt_tokens"][admitted].sum())
     out["preemptions_per_request"] = safe_ratio(c["num_preemptions"].sum(), len(requests))
     out |= _step_metrics(steps)
-    out = {key: out[key] for key, _, _ in METRICS}  # table order
     out |= {"num_requests": float(len(requests)), "num_aborted": float(c["aborted"].sum()),
             "num_steps": float(len(steps)), "output_tokens": output_tokens, "wall_time": wall}
+    return {key: out[key] for key in SUMMARY_KEYS}
+
+
+def with_units(summary: Mapping[str, object]) -> dict[str, object]:
+    """A summary (`summarize`'s, or a subset, or one with extra keys) as the commands report it: each key of
+    `UNITS` renamed to its reported key, its value scaled to that unit; every other key (fractions, counts,
+    a lane's rate and seed) as it is."""
+    out = {}
+    for key, value in summary.items():
+        if key in UNITS:
+            name, factor = UNITS[key]
+            out[name] = value * factor if value is not None else None
+        else:
+            out[key] = value
     return out
+
+
+def request_rows(requests: Iterable[RequestRecord]) -> list[dict[str, object]]:
+    """Per request, what bench.json's `requests` records (units in the keys): id, prompt_tokens, output_tokens,
+    arrival_s, ttft_ms, tpot_ms, e2e_ms (NaN where `request_latencies` leaves it undefined), itl_ms (its chunk
+    gaps, `inter_token_latencies`, rounded to 0.1 us; empty without token_times), cached_tokens (every
+    admission's), drafted and accepted, and aborted."""
+    rows = []
+    for r in requests:
+        lat = request_latencies(r)
+        rows.append({"id": r.request_id, "prompt_tokens": r.num_prompt_tokens, "output_tokens": r.num_output_tokens,
+                     "arrival_s": r.arrival_time, "ttft_ms": lat["ttft"] * 1e3, "tpot_ms": lat["tpot"] * 1e3,
+                     "e2e_ms": lat["e2e"] * 1e3,
+                     "itl_ms": [round(g * 1e3, 4) for g in inter_token_latencies(r.token_times).tolist()],
+                     "cached_tokens": r.num_cached_prompt_tokens, "drafted": r.num_drafted,
+                     "accepted": r.num_accepted, "aborted": r.aborted})
+    return rows
 
 
 ATTRIBUTION = ("draft_blocks", "oom_steps_drafts", "preempt_drafts")  # `scheduler.SchedCounters` fields
@@ -400,16 +501,27 @@ def format_value(value: float) -> str:
     return f"{value:.2e}"
 
 
+# The table's ratio columns (a / b), in order; the first whose policies both ran is the run's headline.
+BASELINE_RATIOS: tuple[tuple[str, str], ...] = (("skvs", "naive_spec"), ("skvs", "vllm_default"))
+
+
+def ratio_pairs(names: Iterable[str], baseline_ratios: Sequence[tuple[str, str]] = BASELINE_RATIOS
+                ) -> list[tuple[str, str]]:
+    """The pairs of `baseline_ratios` whose policies are both among `names`, in order (the first: the headline)."""
+    names = set(names)
+    return [(a, b) for a, b in baseline_ratios if a in names and b in names]
+
+
 def format_table(results: Mapping[str, Mapping[str, float]],
-                 baseline_ratios: Sequence[tuple[str, str]] = (("skvs", "naive_spec"), ("skvs", "vllm_default"))
-                 ) -> str:
-    """A Markdown table: one row per metric (units in the label), one column per policy, in `results` order,
-    then a column "a / b" (the plain ratio of the two values, whichever direction is better) for each pair of
-    `baseline_ratios` whose policies are both present. Missing or NaN values print as "n/a"."""
+                 baseline_ratios: Sequence[tuple[str, str]] = BASELINE_RATIOS) -> str:
+    """A Markdown table of reported metrics (`with_units`' keys): one row per metric of METRICS that some policy
+    has (units in the label), one column per policy, in `results` order, then a column "a / b" (the plain ratio
+    of the two values, whichever direction is better) for each of `ratio_pairs`. Missing or NaN values print as
+    "n/a"."""
     if not results:
         raise ValueError("results must hold at least one policy")
     policies = list(results)
-    pairs = [(a, b) for a, b in baseline_ratios if a in results and b in results]
+    pairs = ratio_pairs(policies, baseline_ratios)
     header = ["metric", *policies, *(f"{a} / {b}" for a, b in pairs)]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for key, label, factor in METRICS:

@@ -16,10 +16,16 @@ Kinds (`make(kind, ...)` dispatches by name):
 
 Arrivals are Poisson at `rate` requests per second (exponential gaps, first arrival after one gap); `rate=None`
 or `inf` puts every arrival at t = 0 (the offline setting, as vLLM's benchmark_serving with its default
-request rate of inf). Every generator is a pure function of its arguments: it draws from
+request rate of inf). `burstiness` B makes the gaps Gamma(shape B, mean 1 / rate), as vLLM's benchmark_serving
+does: B = 1 is Poisson (the same draws as without it), B < 1 burstier (gaps with coefficient of variation
+1 / sqrt(B)), B > 1 more even. Every generator is a pure function of its arguments: it draws from
 `np.random.default_rng` children of `SeedSequence(seed)`, one independent stream per purpose (arrivals,
 lengths, text, choices), so e.g. changing `rate` leaves the prompts unchanged, and the global numpy RNG is never
 touched. `Trace.params` holds every argument, so `make(t.kind, seed=t.seed, **t.params) == t`.
+
+Traces from files: `save_jsonl` / `load_jsonl` round-trip a trace exactly; `read_requests` reads a user's request
+file (JSONL, one request per line: a prompt as text or a length, an output length, an arrival time), which
+`skvs bench --trace` and `skvs simulate --trace` serve.
 """
 
 from __future__ import annotations
@@ -142,6 +148,10 @@ def _check_rate(rate: object) -> float | None:
     return _check_float("rate", rate, 0.0, strict=True)
 
 
+def _check_burstiness(burstiness: object) -> float:
+    return _check_float("burstiness", burstiness, 0.0, strict=True)
+
+
 def _check_cap(name: str, value: object) -> int | None:
     return None if value is None else checks.at_least(name, value, 1)
 
@@ -191,9 +201,17 @@ def _lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: flo
     return lengths if cap is None else np.minimum(lengths, cap)
 
 
-def _arrivals(rng: np.random.Generator, n: int, rate: float | None) -> np.ndarray:
-    """[n] float64 Poisson arrival times (cumulated exponential gaps of mean 1 / rate); zeros if rate is None."""
-    return np.zeros(n) if rate is None else np.cumsum(rng.exponential(1.0 / rate, size=n))
+def arrival_gaps(rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
+    """[n] float64 gaps between arrivals: Gamma(shape burstiness, scale 1 / (rate * burstiness)), so their mean is
+    1 / rate whatever the burstiness, and their coefficient of variation 1 / sqrt(burstiness) (vLLM's
+    benchmark_serving `--burstiness`). numpy's Gamma of shape 1 draws its exponential from the same stream, so
+    burstiness 1 gives exactly the Poisson gaps `rng.exponential(1 / rate)` gives."""
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+
+
+def _arrivals(rng: np.random.Generator, n: int, rate: float | None, burstiness: float = 1.0) -> np.ndarray:
+    """[n] float64 arrival times (cumulated `arrival_gaps`, the first after one gap); zeros if rate is None."""
+    return np.zeros(n) if rate is None else np.cumsum(arrival_gaps(rng, n, rate, burstiness))
 
 
 def _check_lengths(scale: object, max_prompt_len: object, max_output_len: object) -> tuple:
@@ -204,7 +222,7 @@ def _check_lengths(scale: object, max_prompt_len: object, max_output_len: object
 # ----------------------------------------------------------------------------------------------- generators
 
 
-def sharegpt(num_requests: int, *, seed: int, rate: float | None = None,
+def sharegpt(num_requests: int, *, seed: int, rate: float | None = None, burstiness: float = 1.0,
              mean_prompt_len: float = SHAREGPT_MEAN_PROMPT_LEN, mean_output_len: float = SHAREGPT_MEAN_OUTPUT_LEN,
              prompt_sigma: float = SHAREGPT_PROMPT_SIGMA, output_sigma: float = SHAREGPT_OUTPUT_SIGMA,
              scale: float = DEFAULT_SCALE, max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
@@ -225,7 +243,8 @@ def sharegpt(num_requests: int, *, seed: int, rate: float | None = None,
     sigmas = [_check_float(k, v, 0.0, strict=False)
               for k, v in (("prompt_sigma", prompt_sigma), ("output_sigma", output_sigma))]
     scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
-    params = {"num_requests": num_requests, "rate": rate, "mean_prompt_len": means[0], "mean_output_len": means[1],
+    params = {"num_requests": num_requests, "rate": rate, "burstiness": _check_burstiness(burstiness),
+              "mean_prompt_len": means[0], "mean_output_len": means[1],
               "prompt_sigma": sigmas[0], "output_sigma": sigmas[1], "scale": scale, "max_prompt_len": max_prompt_len,
               "max_output_len": max_output_len}
 
@@ -233,12 +252,13 @@ def sharegpt(num_requests: int, *, seed: int, rate: float | None = None,
     prompt_lens = _lognormal_lengths(length_rng, num_requests, means[0], sigmas[0], scale, max_prompt_len)
     output_lens = _lognormal_lengths(length_rng, num_requests, means[1], sigmas[1], scale, max_output_len)
     prompts = _spans(text_rng, prompt_lens)
-    times = _arrivals(arrival_rng, num_requests, rate)
+    times = _arrivals(arrival_rng, num_requests, rate, params["burstiness"])
     requests = [Request(i, t, p, o) for i, (t, p, o) in enumerate(zip(times.tolist(), prompts, output_lens.tolist()))]
     return Trace(tuple(requests), seed, "sharegpt", params)
 
 
-def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, num_system_prompts: int = 8,
+def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, burstiness: float = 1.0,
+                   num_system_prompts: int = 8,
                    system_prompt_len: int = 128, zipf_exponent: float = 1.1, scale: float = DEFAULT_SCALE,
                    max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
                    max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
@@ -259,7 +279,8 @@ def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, n
     if max_prompt_len is not None and system_prompt_len >= max_prompt_len:
         raise ValueError(f"system_prompt_len ({system_prompt_len}) must be < max_prompt_len ({max_prompt_len}) "
                          "to leave room for a user suffix")
-    params = {"num_requests": num_requests, "rate": rate, "num_system_prompts": num_system_prompts,
+    params = {"num_requests": num_requests, "rate": rate, "burstiness": _check_burstiness(burstiness),
+              "num_system_prompts": num_system_prompts,
               "system_prompt_len": system_prompt_len, "zipf_exponent": zipf_exponent, "scale": scale,
               "max_prompt_len": max_prompt_len, "max_output_len": max_output_len}
 
@@ -278,19 +299,21 @@ def system_prompts(num_requests: int, *, seed: int, rate: float | None = None, n
     output_lens = _lognormal_lengths(length_rng, num_requests, SHAREGPT_MEAN_OUTPUT_LEN, SHAREGPT_OUTPUT_SIGMA,
                                      scale, max_output_len)
     suffixes = _spans(text_rng, suffix_lens)
-    times = _arrivals(arrival_rng, num_requests, rate)
+    times = _arrivals(arrival_rng, num_requests, rate, params["burstiness"])
     requests = [Request(i, t, systems[k] + s, o)
                 for i, (t, k, s, o) in enumerate(zip(times.tolist(), which.tolist(), suffixes, output_lens.tolist()))]
     return Trace(tuple(requests), seed, "system_prompts", params)
 
 
-def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_turns: float = 3.0,
+def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, burstiness: float = 1.0,
+               mean_turns: float = 3.0,
                max_turns: int = 8, think_time: float = 5.0, scale: float = DEFAULT_SCALE,
                max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
                max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
     """Multi-turn conversations whose later prompts extend earlier ones exactly.
 
-    Conversations start as a Poisson process at `rate` *conversations* per second; each has
+    Conversations start as a Poisson process at `rate` *conversations* per second (Gamma gaps with `burstiness`
+    other than 1; think times stay exponential); each has
     `min(max_turns, 1 + Poisson(mean_turns - 1))` turns. Turn 0's prompt is user text; turn t's prompt is turn
     t-1's prompt + a previous answer (held-out text of turn t-1's `max_new_tokens` length, standing in for the
     recorded answer of a chat log) + new user text. User-text and output lengths follow the ShareGPT fits
@@ -306,7 +329,8 @@ def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_
     max_turns = checks.at_least("max_turns", max_turns, 1)
     think_time = _check_float("think_time", think_time, 0.0, strict=False)
     scale, max_prompt_len, max_output_len = _check_lengths(scale, max_prompt_len, max_output_len)
-    params = {"num_requests": num_requests, "rate": rate, "mean_turns": mean_turns, "max_turns": max_turns,
+    params = {"num_requests": num_requests, "rate": rate, "burstiness": _check_burstiness(burstiness),
+              "mean_turns": mean_turns, "max_turns": max_turns,
               "think_time": think_time, "scale": scale, "max_prompt_len": max_prompt_len,
               "max_output_len": max_output_len}
 
@@ -314,7 +338,7 @@ def multi_turn(num_requests: int, *, seed: int, rate: float | None = None, mean_
     made: list[tuple[float, int, int, tuple[int, ...], int]] = []  # (arrival, conversation, turn, prompt, output)
     conversation, start = 0, 0.0
     while len(made) < num_requests:
-        start = 0.0 if rate is None else start + arrival_rng.exponential(1.0 / rate)
+        start = 0.0 if rate is None else start + float(arrival_gaps(arrival_rng, 1, rate, params["burstiness"])[0])
         turns = min(max_turns, 1 + int(turn_rng.poisson(mean_turns - 1)), num_requests - len(made))
         user_lens = _lognormal_lengths(length_rng, turns, SHAREGPT_MEAN_PROMPT_LEN, SHAREGPT_PROMPT_SIGMA, scale,
                                        max_prompt_len)
@@ -368,7 +392,7 @@ def _split(num_requests: int, weights: list[int]) -> list[int]:
     return counts
 
 
-def phased(num_requests: int, *, seed: int, rate: float | None = 4.0, phases=DEFAULT_PHASES,
+def phased(num_requests: int, *, seed: int, rate: float | None = 4.0, burstiness: float = 1.0, phases=DEFAULT_PHASES,
            scale: float = DEFAULT_SCALE, max_prompt_len: int | None = DEFAULT_MAX_PROMPT_LEN,
            max_output_len: int | None = DEFAULT_MAX_OUTPUT_LEN) -> Trace:
     """ShareGPT requests (`sharegpt`'s lengths and text, the same for the same seed) whose arrival rate changes in
@@ -384,14 +408,16 @@ def phased(num_requests: int, *, seed: int, rate: float | None = 4.0, phases=DEF
     counts = _split(num_requests, [n for n, _ in pairs])
     base = sharegpt(num_requests, seed=seed, rate=None, scale=scale, max_prompt_len=max_prompt_len,
                     max_output_len=max_output_len)
-    params = {"num_requests": num_requests, "rate": rate, "phases": [[c, m] for c, (_, m) in zip(counts, pairs)],
+    params = {"num_requests": num_requests, "rate": rate, "burstiness": _check_burstiness(burstiness),
+              "phases": [[c, m] for c, (_, m) in zip(counts, pairs)],
               "scale": base.params["scale"], "max_prompt_len": base.params["max_prompt_len"],
               "max_output_len": base.params["max_output_len"]}
     if rate is None:
         times = np.zeros(num_requests)
     else:  # the arrival stream sharegpt leaves unused at rate None: unit gaps, each divided by its phase's rate
         multiple = np.repeat([m for _, m in pairs], counts)
-        times = np.cumsum(_streams(seed, 3)[0].exponential(1.0, size=num_requests) / (rate * multiple))
+        unit = arrival_gaps(_streams(seed, 3)[0], num_requests, 1.0, params["burstiness"])
+        times = np.cumsum(unit / (rate * multiple))
     requests = [dataclasses.replace(r, arrival_time=t) for r, t in zip(base.requests, times.tolist())]
     return Trace(tuple(requests), seed, "phased", params)
 
@@ -425,10 +451,11 @@ TINY_SYSTEM_PROMPT_LEN = 48
 
 
 def tiny_model_trace(kind: str = "system_prompts", num_requests: int = 32, *, seed: int = 0,
-                     rate: float | None = None, max_output_len: int = 32) -> Trace:
+                     rate: float | None = None, max_output_len: int = 32, burstiness: float = 1.0) -> Trace:
     """The trace `skvs bench` serves the shipped tiny model by default: prompts capped at 96 bytes (system prompts
     of 48), outputs at `max_output_len`. One builder, so the bench and the acceptance model read the same trace."""
-    kw: dict[str, Any] = dict(rate=rate, max_output_len=max_output_len, max_prompt_len=TINY_PROMPT_LEN)
+    kw: dict[str, Any] = dict(rate=rate, burstiness=burstiness, max_output_len=max_output_len,
+                              max_prompt_len=TINY_PROMPT_LEN)
     if kind == "system_prompts":
         kw |= dict(system_prompt_len=TINY_SYSTEM_PROMPT_LEN)
     return make(kind, num_requests, seed=seed, **kw)
@@ -463,3 +490,67 @@ def load_jsonl(path: str | os.PathLike) -> Trace:
     if len(requests) != header["num_requests"]:
         raise ValueError(f"{path}: header says {header['num_requests']} requests, found {len(requests)}")
     return Trace(tuple(requests), header["seed"], header["kind"], header["params"])
+
+
+# ---------------------------------------------------------------------------------------------- request files
+
+REQUEST_FIELDS = ("prompt", "prompt_len", "output_len", "arrival_s")
+
+
+def read_requests(path: str | os.PathLike, *, seed: int = 0) -> Trace:
+    """A user's request file as a Trace of kind "file": JSONL, one request per non-blank line,
+    `{"prompt": str | "prompt_len": int, "output_len": int, "arrival_s": float}`.
+
+    prompt: text, whose UTF-8 bytes are the prompt's tokens (the shipped model is byte-level); prompt_len instead
+    asks for that many tokens of held-out corpus text (`_spans`, drawn from `seed`, so the same file and seed give
+    the same prompts). output_len: output tokens to generate (>= 1). arrival_s: seconds from the start (finite,
+    >= 0); requests are served in arrival order (a stable sort, so ties keep the file's order), numbered 0..n-1
+    in that order. A line that breaks a rule raises ValueError naming the file, the line number and the field.
+    `Trace.params` holds the path and the seed (a file's trace is not regenerated by `make`)."""
+    seed = checks.at_least("seed", seed, 0)
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                rows.append((number, _request_line(path, number, line)))
+    if not rows:
+        raise ValueError(f"{path}: no requests (expected one JSON object per line)")
+    lengths = [row["prompt_len"] for _, row in rows if "prompt" not in row]
+    drawn = iter(_spans(_streams(seed, 1)[0], np.asarray(lengths, np.int64)))
+    made = []
+    for number, row in rows:
+        prompt = tuple(row["prompt"].encode("utf-8")) if "prompt" in row else next(drawn)
+        made.append((row["arrival_s"], number, prompt, row["output_len"]))
+    made.sort(key=lambda m: m[0])  # stable: equal arrivals keep the file's order
+    requests = [Request(i, t, p, o) for i, (t, _, p, o) in enumerate(made)]
+    return Trace(tuple(requests), seed, "file", {"path": os.fspath(path), "num_requests": len(requests)})
+
+
+def _request_line(path, number: int, line: str) -> dict[str, Any]:
+    """One line of a request file, checked (`read_requests`' rules)."""
+    where = f"{path}: line {number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    unknown = sorted(set(row) - set(REQUEST_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; a request has {list(REQUEST_FIELDS)}")
+    if ("prompt" in row) == ("prompt_len" in row):
+        raise ValueError(f"{where}: give exactly one of 'prompt' (text) and 'prompt_len' (tokens)")
+    if "prompt" in row and not (isinstance(row["prompt"], str) and row["prompt"]):
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {row['prompt']!r}")
+    for name in ("prompt_len", "output_len"):
+        if name in row and not (checks.is_int(row[name]) and row[name] >= 1):
+            raise ValueError(f"{where}: field '{name}' must be an int >= 1, got {row[name]!r}")
+    if "output_len" not in row:
+        raise ValueError(f"{where}: field 'output_len' is missing")
+    if "arrival_s" not in row:
+        raise ValueError(f"{where}: field 'arrival_s' is missing (0 for every request at the start)")
+    arrival = row["arrival_s"]
+    if isinstance(arrival, bool) or not isinstance(arrival, numbers.Real) or not (
+            math.isfinite(arrival) and arrival >= 0):
+        raise ValueError(f"{where}: field 'arrival_s' must be a finite number >= 0, got {arrival!r}")
+    return row | {"arrival_s": float(arrival)}

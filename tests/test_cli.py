@@ -64,7 +64,7 @@ def test_simulate_sweeps_load_per_policy_and_writes_json_and_plot(tmp_path, caps
                      re.MULTILINE)
     doc = json.loads((tmp_path / "simulate.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert set(doc["lanes"]) == {"vllm_default", "skvs"} and len(doc["lanes"]["skvs"]) == 4  # 2 rates x 2 seeds
-    assert {lane["rate"] for lane in doc["lanes"]["skvs"]} == {2.0, 64.0}
+    assert {lane["request_rate_per_s"] for lane in doc["lanes"]["skvs"]} == {2.0, 64.0}
     assert all(lane["num_aborted"] == 0 for lanes in doc["lanes"].values() for lane in lanes)
     assert set(doc["by_rate"]) == {"2.0", "64.0"} and (tmp_path / "simulate.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="unknown policy"):
@@ -166,12 +166,12 @@ def test_simulate_verdict_makes_no_claim_where_tpot_is_undefined():
     from skvs_jax.commands import simulate
 
     nan = math.nan
-    by_rate = {4.0: {"vllm_default": {"tpot_p50": nan, "mean_batch": 1.0},
-                     "naive_spec": {"tpot_p50": nan, "mean_batch": 1.0}}}
+    by_rate = {4.0: {"vllm_default": {"median_tpot_ms": nan, "mean_batch": 1.0},
+                     "naive_spec": {"median_tpot_ms": nan, "mean_batch": 1.0}}}
     (line,) = simulate._verdicts(by_rate, ["vllm_default", "naive_spec"])
     assert "undefined at rate(s) 4" in line and ">= 1.0x" not in line
-    by_rate[8.0] = {"vllm_default": {"tpot_p50": 0.02, "mean_batch": 4.0},
-                    "naive_spec": {"tpot_p50": 0.01, "mean_batch": 4.0}}
+    by_rate[8.0] = {"vllm_default": {"median_tpot_ms": 20.0, "mean_batch": 4.0},
+                    "naive_spec": {"median_tpot_ms": 10.0, "mean_batch": 4.0}}
     lines = simulate._verdicts(by_rate, ["vllm_default", "naive_spec"])
     assert lines[1] == "naive_spec: TPOT speedup over vllm_default >= 1.0x at every rate swept with a TPOT (min 2.00x)"
 
@@ -246,6 +246,40 @@ def test_generate_streams_a_continuation(capsys):
     assert capsys.readouterr().out.startswith("Return \ufffd")
 
 
+def test_generate_speaks_a_checkpoints_text(tmp_path, capsys):
+    """`skvs generate --model DIR` on a checkpoint with a BPE tokenizer.json: the prompt is encoded by it and the
+    stream decoded by it (the printed continuation is the tokenizer's decode of the greedy tokens); `--chat` renders
+    the text through the checkpoint's template; a checkpoint with neither a tokenizer nor 256 tokens is refused."""
+    from reference_models import checkpoint, greedy_generate
+    from skvs_jax.serve.tokenizer import load_tokenizer
+    from skvs_jax.testing import text_checkpoint
+
+    folder = text_checkpoint.make_checkpoint(tmp_path / "bpe")
+    tok = load_tokenizer(folder)
+    model = checkpoint.load_llama(folder)
+    prompt = "Return the list of"
+    ids = tok.encode(prompt)
+    want = greedy_generate(model, np.asarray([ids]), 6)[0, len(ids):].tolist()
+    argv = ["generate", prompt, "--max-tokens", "6", "--plain", "--ignore-eos", "--model", str(folder), "--medusa",
+            str(folder / "medusa")]
+    assert commands.main(argv) == 0
+    body, summary = capsys.readouterr().out.rsplit("\n-- ", 1)
+    assert body.replace("[", "").replace("]", "") == prompt + tok.decode(want)
+    assert summary.startswith("6 tokens in") and "finished: length" in summary
+    assert commands.main([*argv[:-4], "--chat", "--policy", "vllm_default", "--model", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith(prompt + "\n")
+    import dataclasses
+
+    from flax import nnx
+
+    from reference_models.llama import Llama
+
+    small = Llama(dataclasses.replace(model.config, vocab_size=100), rngs=nnx.Rngs(0))  # no tokenizer.json
+    checkpoint.save_llama(small, tmp_path / "bare")
+    assert commands.main(["generate", "hi", "--policy", "vllm_default", "--model", str(tmp_path / "bare")]) == 2
+    assert "no tokenizer.json, and its 100-token vocabulary cannot hold bytes" in capsys.readouterr().err
+
+
 def test_console_script_entry_point_is_installed():
     out = subprocess.run([sys.executable, "-m", "skvs_jax.commands", "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and __version__ in out.stdout
@@ -274,12 +308,12 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
         i = repeats[policy.name] = repeats.get(policy.name, -1) + 1
         stalled = i in (stall or {}).get(policy.name, ())
         m = {key: 0.5 for key, _, _ in metrics.METRICS}
-        m |= {"throughput": 5.0 if stalled else _STUB_THROUGHPUT[policy.name] + (-1.0, 1.0, 0.0)[i % 3],
+        m |= {"output_tokens_per_s": 5.0 if stalled else _STUB_THROUGHPUT[policy.name] + (-1.0, 1.0, 0.0)[i % 3],
               "kv_hit_rate": 0.5 if policy.name == "skvs -spec_pool" else 0.4,
               "spec_kv_waste": 0.1 if policy.name == "naive_spec" else 0.01}
-        m |= {"num_requests": 3.0, "num_aborted": 0.0, "num_steps": 4.0, "output_tokens": 12.0, "wall_time": 0.1}
+        m |= {"num_requests": 3.0, "num_aborted": 0.0, "num_steps": 4.0, "output_tokens": 12.0, "wall_time_s": 0.1}
         outputs = {0: [1, 2, 3], 1: [4, 5] + ([9] if policy.name == differ else [6])}
-        series = {"time": [0.02, 0.04, 2.06, 2.1] if stalled else [0.02, 0.04, 0.06, 0.1],
+        series = {"time_s": [0.02, 0.04, 2.06, 2.1] if stalled else [0.02, 0.04, 0.06, 0.1],
                   "output_tokens": [3] * 4, "blocks_used": [1] * 4,
                   "spec_blocks": [0] * 4}
         counters = {"drafted": 8 if policy.name in ("skvs", "skvs -insert") else 9}
@@ -339,12 +373,17 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert "switches that hurt throughput (skvs is faster without them): release" in out
     assert "switches that change nothing on this trace (schedule identical to skvs's" in out
     assert "skvs vs naive_spec overall: skvs throughput 0.83x naive_spec's (beyond noise)" in out
+    # The headline: the table's skvs / naive_spec throughput, its 95% t-interval over the three rounds' ratios.
+    lo, hi = bench_report.t_interval([99 / 119, 101 / 121, 100 / 120])
+    assert (f"headline: skvs / naive_spec output throughput {100 / 120:.3f}x; over 3 rounds, per-round ratios' "
+            f"geometric mean 0.833x, 95% t-interval {lo:.3f}-{hi:.3f}x (excludes 1: the difference is resolved)") in out
 
     doc = json.loads((tmp_path / "bench.json").read_text())
-    assert doc["schema_version"] == bench.SCHEMA_VERSION == 2 and doc["identical_greedy_outputs"] is True
+    assert doc["schema_version"] == bench.SCHEMA_VERSION == 3 and doc["identical_greedy_outputs"] is True
     assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool", "skvs -insert"]
     assert doc["config"]["policies"] == "naive_spec,skvs,skvs -release,skvs -spec_pool,skvs -insert"
-    assert doc["runs"]["throughput"]["skvs"] == [99.0, 101.0, 100.0]
+    assert doc["runs"]["output_tokens_per_s"]["skvs"] == [99.0, 101.0, 100.0]
+    assert doc["headline"]["ci95"] == pytest.approx([lo, hi]) and doc["headline"]["contains_1"] is False
     a = doc["ablation"]
     assert list(a["rows"]) == ["release", "spec_pool", "insert", "naive_spec"] and a["repeats"] == 3
     release, barrier = a["rows"]["release"], a["rows"]["spec_pool"]
@@ -352,7 +391,7 @@ def test_bench_ablation_decomposes_by_switch(tmp_path, capsys, monkeypatch):
     assert barrier["throughput_effect"] == "helps" and barrier["worse"] == ["kv_hit_rate"] and not barrier["better"]
     assert barrier["metrics"]["kv_hit_rate"] == {"off": 0.5, "skvs": 0.4, "change": pytest.approx(0.1)}
     assert release["share_of_gap"] == pytest.approx((100 - 150) / (100 - 120))
-    assert barrier["metrics"]["throughput"]["paired"][0] is None
+    assert barrier["metrics"]["output_tokens_per_s"]["paired"][0] is None
     assert doc["runs"]["stalled"]["skvs -spec_pool"] == [True, False, False]
     assert not any(doc["runs"]["stalled"]["skvs"])
     assert a["rows"]["naive_spec"]["better"] == ["spec_kv_waste"]
@@ -371,6 +410,8 @@ def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_eac
     assert "throughput / naive_spec's within each round, median [min-max] (95% bootstrap interval of the median; " \
            f"rounds above 1): skvs {(99 / 119 + 100 / 120) / 2:.3f}x [{99 / 119:.3f}-{100 / 120:.3f}] " \
            f"({lo:.3f}-{hi:.3f}; 0 of 2)" in out
+    assert ("headline: skvs / naive_spec output throughput 0.833x (2 rounds, too few for an interval; --repeats 3 "
+            "or more gives its 95% interval)") in out  # the stalled round is left out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["runs"]["paired_to_naive_spec"] == {"skvs": pytest.approx([99 / 119, 100 / 120])}
     assert doc["runs"]["paired_to_naive_spec_ci95"] == {"skvs": pytest.approx([lo, hi])}
@@ -524,16 +565,17 @@ def test_bench_serves_groups_one_after_another_freeing_programs(tmp_path, capsys
     assert list(doc["policies"]) == ["naive_spec", "skvs", "skvs -release", "skvs -spec_pool"]
     # skvs's own runs are the first group's; each variant's rounds pair with the skvs runs of its own group (the
     # stub's skvs: 99, 101, then 100, 99 beside -release, then 101, 100 beside -spec_pool).
-    assert doc["runs"]["throughput"]["skvs"] == [99.0, 101.0]
-    assert doc["runs"]["throughput"]["skvs -release"] == [149.0, 151.0]
+    assert doc["runs"]["output_tokens_per_s"]["skvs"] == [99.0, 101.0]
+    assert doc["runs"]["output_tokens_per_s"]["skvs -release"] == [149.0, 151.0]
     rows = doc["ablation"]["rows"]
-    assert rows["release"]["metrics"]["throughput"]["paired"] == pytest.approx([149 / 100, 151 / 99])
-    assert rows["spec_pool"]["metrics"]["throughput"]["paired"] == pytest.approx([59 / 101, 61 / 100])
-    assert rows["naive_spec"]["metrics"]["throughput"]["paired"] == pytest.approx([119 / 99, 121 / 101])
+    assert rows["release"]["metrics"]["output_tokens_per_s"]["paired"] == pytest.approx([149 / 100, 151 / 99])
+    assert rows["spec_pool"]["metrics"]["output_tokens_per_s"]["paired"] == pytest.approx([59 / 101, 61 / 100])
+    assert rows["naive_spec"]["metrics"]["output_tokens_per_s"]["paired"] == pytest.approx([119 / 99, 121 / 101])
     # The reported ratio too: each reported (upper-median) run against that of the skvs runs of its own group.
-    assert rows["release"]["metrics"]["throughput"]["change"] == pytest.approx(151 / 100)  # not the first's 101
-    assert rows["spec_pool"]["metrics"]["throughput"]["change"] == pytest.approx(61 / 101)
-    assert rows["naive_spec"]["metrics"]["throughput"]["change"] == pytest.approx(121 / 101)
+    release_change = rows["release"]["metrics"]["output_tokens_per_s"]["change"]
+    assert release_change == pytest.approx(151 / 100)  # not the first's 101
+    assert rows["spec_pool"]["metrics"]["output_tokens_per_s"]["change"] == pytest.approx(61 / 101)
+    assert rows["naive_spec"]["metrics"]["output_tokens_per_s"]["change"] == pytest.approx(121 / 101)
 
 
 def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, capsys, monkeypatch, two_ablations):
@@ -543,6 +585,7 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     out = capsys.readouterr().out
     assert "greedy outputs identical across policies: False (4 policies checked)" in out
     assert f"within {bench_report.THROUGHPUT_NOISE:.0%}" in out  # one repeat: the noise band is stated
+    assert f"headline: skvs / naive_spec output throughput {99 / 119:.3f}x (single reading;" in out
     assert "warning: 1 of 1 runs of skvs -release had one step of up to 2.0 s (of 2.1 s in all" in out
     assert "switches that could not be timed (every run stalled, see the warning above): release" in out
     with pytest.raises(SystemExit) as exc:
@@ -572,6 +615,14 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     ("--model-shape llama-9", "--model-shape: model shape must be one of"),
     ("--model-shape tiny:9", "num_layers must be an int in [1, 4]"),
     ("--model-shape tiny --model x", "pass it without --model / --medusa"),
+    ("--request-rate 0", "--request-rate must be > 0"),
+    ("--request-rate 2,x", "--request-rate must be comma-separated numbers or inf"),
+    ("--request-rate 2,2", "--request-rate names a rate twice"),
+    ("--burstiness 0", "--burstiness must be a finite number > 0"),
+    ("--max-concurrency 0", "--max-concurrency must be >= 1"),
+    ("--trace t.jsonl --request-rate 2", "--trace gives every request its arrival time"),
+    ("--ablation --request-rate 1,2", "--ablation serves one --request-rate"),
+    ("--trace /nonexistent/t.jsonl", "--trace: [Errno 2] No such file"),
 ])
 def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
     def no_serve(*args, **kwargs):
@@ -622,7 +673,10 @@ def test_a_corrupt_checkpoint_is_refused_naming_its_file(tmp_path, capsys):
 
 def test_bench_with_the_oracle_drafter_on_a_named_shape(tmp_path, capsys, monkeypatch):
     """--model-shape tiny (random weights) with --drafter oracle:PROFILE: the reference pass is served once and
-    cached, every policy's greedy output equals it, and the acceptance by depth is printed beside the profile."""
+    cached, every policy's greedy output equals it, and the acceptance by depth is printed beside the profile.
+    The second run (the programs compiled by the first: ~1 s) sweeps two request rates under --max-concurrency 2:
+    a report per rate, the sweep's table, bench.json's per-rate sections with every request's record, and never
+    more than two requests in flight."""
     monkeypatch.setenv("SKVS_ORACLE_CACHE", str(tmp_path / "oracle"))
     argv = ["bench", "--quiet", "--no-plot", "--requests", "4", "--max-output", "8", "--model-shape", "tiny",
             "--drafter", "oracle:0.9,0.6,0.3,0.1", "--policies", "naive_spec", "--step-cost", "flat",
@@ -635,8 +689,30 @@ def test_bench_with_the_oracle_drafter_on_a_named_shape(tmp_path, capsys, monkey
     assert re.search(r"naive_spec: acceptance by depth \(accepted / offered\) [0-9.]+ \(\d+/\d+\)", out)
     doc = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert doc["config"]["model_shape"] == "tiny" and doc["config"]["drafter"] == "oracle:0.9,0.6,0.3,0.1"
-    assert commands.main(argv) == 0  # the second run reads the reference pass back
-    assert "oracle drafter: reference pass read from" in capsys.readouterr().out
+    loaded = [a for a in argv if a != "--quiet"] + ["--request-rate", "inf,200", "--max-concurrency", "2"]
+    assert commands.main(loaded) == 0  # the second run reads the reference pass back
+    out, err = capsys.readouterr()
+    assert "oracle drafter: reference pass read from" in out
+    assert "== request rate inf (every request at t = 0) (1/2) ==" in out
+    assert "== request rate 200 req/s (2/2) ==" in out
+    assert "arrivals: 200 req/s, Poisson, on each engine's clock; at most 2 requests in flight" in out
+    assert re.search(r"^\| 200 \| naive_spec \| [0-9.]+ \| [0-9.]+ \|", out, re.MULTILINE)  # the sweep's table
+    assert "compiling naive_spec: width" in err and "served " in err  # the progress bar's words
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert doc["schema_version"] == bench.SCHEMA_VERSION == 3 and "policies" not in doc
+    assert doc["config"]["request_rate_per_s"] == ["inf", 200.0] and doc["config"]["max_concurrency"] == 2
+    sections = bench.sections_of(doc)
+    assert [s["request_rate_per_s"] for s in sections] == ["inf", 200.0]
+    for s in sections:
+        p = s["policies"]["naive_spec"]
+        m, records = p["metrics"], p["requests"]
+        assert {key for key, _, _ in metrics.METRICS} <= set(m) and m["median_itl_ms"] > 0 and m["p99_e2e_ms"] > 0
+        assert [r["id"] for r in records] == [0, 1, 2, 3] and all(r["output_tokens"] == 8 for r in records)
+        gaps = [g for r in records for g in r["itl_ms"]]
+        assert m["mean_itl_ms"] == pytest.approx(np.mean(gaps), abs=1e-3)  # pooled over the requests
+        assert all(1 <= len(r["itl_ms"]) <= 7 for r in records)  # one gap per step that produced tokens
+        spans = [(r["arrival_s"], r["arrival_s"] + r["e2e_ms"] / 1e3) for r in records]
+        assert max(sum(a <= t < b - 1e-9 for a, b in spans) for t, _ in spans) <= 2
 
 
 def test_bench_verify_budget_applies_to_skvs_and_is_ablated():
@@ -665,7 +741,7 @@ def test_bench_ablation_real_engines(tmp_path, capsys, two_ablations):
     assert "greedy outputs identical across policies: True (4 policies checked)" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert list(doc["ablation"]["rows"]) == ["release", "spec_pool", "naive_spec"]
-    assert all(r["metrics"]["throughput"]["off"] > 0 for r in doc["ablation"]["rows"].values())
+    assert all(r["metrics"]["output_tokens_per_s"]["off"] > 0 for r in doc["ablation"]["rows"].values())
 
 
 def test_every_package_ships_in_a_non_editable_install():
@@ -723,8 +799,8 @@ def test_bench_run_with_overrides_records_them_and_both_hit_rates(tmp_path, caps
               rehearsal=False):
         seen[policy.name] = (policy, int(knobs.draft_len))
         m = {key: 0.25 for key, _, _ in metrics.METRICS} | {"kv_hit_rate": 0.3, "kv_hit_rate_first": 0.1}
-        m |= {"num_requests": 2.0, "num_aborted": 0.0, "num_steps": 3.0, "output_tokens": 6.0, "wall_time": 0.1}
-        return {"metrics": m, "outputs": {0: [1, 2]}, "series": {"time": [0.1], "output_tokens": [6],
+        m |= {"num_requests": 2.0, "num_aborted": 0.0, "num_steps": 3.0, "output_tokens": 6.0, "wall_time_s": 0.1}
+        return {"metrics": m, "outputs": {0: [1, 2]}, "series": {"time_s": [0.1], "output_tokens": [6],
                                                                  "blocks_used": [1], "spec_blocks": [0]},
                 "counters": {}, "compiled": []}
 
@@ -913,8 +989,8 @@ def test_simulate_hindsight_picks_the_best_fixed_k_per_group_and_seed():
     from skvs_jax.commands import simulate
 
     def lane(seed, *p99):
-        return {"seed": seed, "phase": [{"tpot_p50": x / 2, "tpot_p99": x, "drafts_per_step": 0.0, "requests": 4.0}
-                                        for x in p99]}
+        return {"seed": seed, "phase": [{"median_tpot_ms": x / 2, "p99_tpot_ms": x, "drafts_per_step": 0.0,
+                                         "requests": 4.0} for x in p99]}
 
     lanes = {"vllm_default": [lane(0, 2.0, 3.0), lane(1, 2.0, 3.0)],
              "naive_spec:1": [lane(0, 1.0, 4.0), lane(1, 3.0, 4.0)],
@@ -923,11 +999,186 @@ def test_simulate_hindsight_picks_the_best_fixed_k_per_group_and_seed():
     fixed = simulate.fixed_names(names, 4)
     assert fixed == {0: "vllm_default", 1: "naive_spec:1"}
     rows = simulate.hindsight(lanes, names, "phase", fixed)
-    assert rows[0]["tpot_p99"]["best_k"] == [1, 0] and rows[1]["tpot_p99"]["best_k"] == [0, 0]
-    assert rows[0]["tpot_p99"]["skvs"]["over_best"] == [1.5, 0.75]
-    assert rows[1]["tpot_p99"]["skvs"]["over_no_spec"] == pytest.approx([1.0, 1.1])
+    assert rows[0]["p99_tpot_ms"]["best_k"] == [1, 0] and rows[1]["p99_tpot_ms"]["best_k"] == [0, 0]
+    assert rows[0]["p99_tpot_ms"]["skvs"]["over_best"] == [1.5, 0.75]
+    assert rows[1]["p99_tpot_ms"]["skvs"]["over_no_spec"] == pytest.approx([1.0, 1.1])
     table = simulate.group_table(lanes, names, "phase", ["a", "b"], fixed)
     assert "| a |" in table and "1.50x" in table.replace("0.75-1.50x", "1.50x")
     assert simulate.parse_phases("96x1,256x12") == [[96, 1.0], [256, 12.0]]
     with pytest.raises(ValueError, match="phases"):
         simulate.parse_phases("96@1")
+
+
+# ------------------------------------------------------------------------------ load controls and one vocabulary
+
+
+def test_bench_serves_a_request_file_at_its_arrivals(tmp_path, capsys, monkeypatch):
+    """--trace FILE: its requests (text as bytes) reach every policy's runs, arriving when the file says; bench.json
+    says so; a bad line and a request longer than the model are refused before anything is served."""
+    served = []
+
+    def serve(model, heads, policy, cache, trace, args, **kwargs):
+        served.append((trace, args.rate))
+        return _stub_serve()(model, heads, policy, cache, trace, args, **kwargs)
+
+    _patch_serve(monkeypatch, serve)
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": "Return the", "output_len": 3, "arrival_s": 0.0}\n'
+                    '{"prompt_len": 12, "output_len": 2, "arrival_s": 0.5}\n')
+    argv = ["bench", "--trace", str(path), "--policy", "naive_spec,skvs", "--quiet", "--no-plot", "--out",
+            str(tmp_path / "out")]
+    assert commands.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"arrivals: as --trace {path} says (4 req/s)" in out
+    trace, rate = served[0]
+    assert [r.prompt for r in trace.requests][0] == tuple(b"Return the") and rate == 4.0
+    assert [r.arrival_time for r in trace.requests] == [0.0, 0.5] and len(trace.requests[1].prompt) == 12
+    doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert doc["trace"]["kind"] == "file" and doc["config"]["trace"] == str(path)
+    assert doc["config"]["request_rate_per_s"] == ["inf"]
+    path.write_text('{"prompt": "a", "output_len": 3}\n')
+    with pytest.raises(SystemExit, match=re.escape(f"skvs bench: --trace: {path}: line 1: field 'arrival_s' is "
+                                                   "missing")):
+        commands.main(argv)
+    path.write_text('{"prompt_len": 2000, "output_len": 3, "arrival_s": 0}\n')
+    with pytest.raises(SystemExit, match="a request of 2003 tokens .* exceeds the model's max_position_embeddings"):
+        commands.main(argv)
+
+
+def test_bench_serving_admits_at_most_max_concurrency_requests(monkeypatch):
+    """`Serving._admit`: arrived requests are added while fewer than --max-concurrency are unfinished; a held-back
+    request arrives when the finish that freed its place happened (vLLM's benchmark starts its clock then)."""
+    class Log:
+        def __init__(self, finish=None):
+            self.finished, self.aborted, self.finish_time = finish is not None, False, finish
+
+    class Engine:
+        def __init__(self):
+            self.requests, self.clock = {}, 1.0
+
+        def now(self):
+            return self.clock
+
+        def add_request(self, prompt, sampling, arrival_time, request_id):
+            self.requests[request_id] = Log()
+            self.added = getattr(self, "added", []) + [(request_id, arrival_time)]
+
+    run = object.__new__(bench_serving.Serving)
+    run.e, run.max_concurrency = Engine(), 2
+    run.args = argparse.Namespace(temperature=0.0)
+    run.pending = [workloads.Request(i, 0.1 * i, (1,), 1) for i in range(4)]
+    run._admit()
+    assert run.e.added == [(0, 0.0), (1, 0.1)] and len(run.pending) == 2  # two in flight: the rest wait
+    run.e.requests[1].finished, run.e.requests[1].finish_time = True, 0.6
+    run.e.clock = 0.8
+    run._admit()
+    assert run.e.added[2:] == [(2, 0.6)]  # sent when request 1's finish freed a place, not when admitted
+    run.e.requests[0] = Log(finish=0.7)
+    run.e.clock = 2.0
+    run._admit()
+    assert run.e.added[3:] == [(3, 0.7)] and not run.pending
+
+
+def test_progress_shows_the_served_token_rate_and_what_compiles():
+    bar = bench_serving.Progress(100)
+    bar.note("compiling skvs: width 5 done (2/4)")
+    bar.served(30, 0.5)
+    bar.served(10, 0.5)  # 40 tokens over 1 s of the engines' own clocks, however long the bar's wall time
+    assert bar.rate() == 40.0 and bar.bar.n == 40
+    assert bar.bar.postfix == "compiling skvs: width 5 done (2/4), served 40 tok/s"
+    bar.close()
+
+
+def test_headline_interval_is_students_t_on_the_log_ratios():
+    # scipy.stats.t.ppf(0.975, df) (importing scipy costs seconds a run): the table's ends, then the expansion.
+    for df, want in ((1, 12.7062), (2, 4.3027), (30, 2.0423), (31, 2.0395), (60, 2.0003), (500, 1.9647)):
+        assert bench_report.t975(df) == pytest.approx(want, abs=1e-3)
+    ratios = [1.1, 1.2, 1.15]
+    # exp(mean(log r) -+ t975(2) * sd(log r) / sqrt(3)), computed with scipy
+    assert bench_report.t_interval(ratios) == pytest.approx((1.0315356, 1.2804529), rel=1e-4)
+    lo, hi = bench_report.t_interval([1 / r for r in ratios])  # b / a mirrors a / b
+    assert (lo, hi) == pytest.approx((1 / 1.2804529, 1 / 1.0315356), rel=1e-4)
+    with pytest.raises(ValueError, match="at least two"):
+        bench_report.t_interval([1.0])
+
+
+def test_one_policy_vocabulary_across_the_commands():
+    """--policy and --policies in every command: bench and simulate take several under either spelling, generate
+    one under either."""
+    assert _bench_args("--policy", "skvs,naive_spec").policies == "skvs,naive_spec"
+    assert _sim_args("--policy", "skvs").policies == "skvs"
+    parser = commands._build_parser()
+    assert parser.parse_args(["generate", "hi", "--policies", "vllm_default"]).policy == "vllm_default"
+    assert parser.parse_args(["generate", "hi", "--policy", "naive_spec"]).policy == "naive_spec"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "hi", "--policies", "skvs,naive_spec"])
+
+
+def test_simulate_prices_model_shape_and_refuses_model(tmp_path, monkeypatch):
+    from skvs_jax.commands import simulate
+    from skvs_jax.sim import sweep
+
+    with pytest.raises(SystemExit, match="--model is a checkpoint folder in skvs bench and skvs generate; the "
+                                         "simulator prices a model shape: use --model-shape"):
+        commands.main(["simulate", "--model", "llama-3.1-8b", "--out", str(tmp_path)])
+    assert simulate.model_spec(_sim_args()) is cost_model.MODELS["llama-3.1-8b"]  # the default shape
+    assert simulate.model_spec(_sim_args("--model-shape", "llama-3.2-1b")) is cost_model.MODELS["llama-3.2-1b"]
+    cut = simulate.model_spec(_sim_args("--model-shape", "llama-3.2-1b:2"))
+    assert cut.num_layers == 2 and cut.hidden_size == cost_model.MODELS["llama-3.2-1b"].hidden_size
+
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def run(traces, lanes, *, cfg, cost, **kw):
+        seen.append((cost.model.name, traces))
+        raise Reached
+
+    monkeypatch.setattr(sweep, "run", run)
+    with pytest.raises(Reached):
+        commands.main(["simulate", "--model-shape", "llama-3.2-3b", "--requests", "4", "--seeds", "1",
+                       "--max-seqs", "4", "--max-prompt-len", "32", "--max-output-len", "16", "--out", str(tmp_path)])
+    assert seen[-1][0] == cost_model.MODELS["llama-3.2-3b"].name
+
+
+def test_simulate_takes_a_request_file_and_burstiness(tmp_path, monkeypatch):
+    """--trace FILE: every lane simulates its requests at its arrivals (--requests and --rate follow the file);
+    --burstiness shapes the workload's gaps; both are refused where they cannot apply."""
+    from skvs_jax.sim import sweep
+
+    class Reached(Exception):
+        pass
+
+    seen = []
+
+    def run(traces, lanes, **kw):
+        seen.append(traces)
+        raise Reached
+
+    monkeypatch.setattr(sweep, "run", run)
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": "hello", "output_len": 3, "arrival_s": 0.0}\n'
+                    '{"prompt_len": 20, "output_len": 9, "arrival_s": 2.0}\n'
+                    '{"prompt_len": 7, "output_len": 1, "arrival_s": 1.0}\n')
+    base = ["simulate", "--seeds", "2", "--max-seqs", "4", "--max-prompt-len", "32", "--max-output-len", "16",
+            "--policies", "vllm_default", "--out", str(tmp_path), "--no-plot"]
+    with pytest.raises(Reached):
+        commands.main(base + ["--trace", str(path)])
+    traces = seen[-1]
+    assert np.asarray(traces.arrival).shape[0] == 2  # one lane per seed, the same requests
+    np.testing.assert_allclose(np.asarray(traces.arrival)[0][:3], [0.0, 1.0, 2.0])
+    assert np.asarray(traces.prompt_len)[0][:3].tolist() == [5, 7, 20]
+    for flags, says in ((["--sweep"], "leave out --sweep"), (["--workload", "sharegpt"], "leave out --workload"),
+                        (["--burstiness", "0.5"], "leave out --burstiness"),
+                        (["--max-output-len", "8"], "has a request of 9 tokens, more than --max-output-len 8")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            commands.main(base + ["--trace", str(path)] + flags)
+    with pytest.raises(Reached):
+        commands.main(base + ["--requests", "6", "--rate", "4", "--burstiness", "0.25"])
+    bursty = np.asarray(seen[-1].arrival)[0][:6]
+    with pytest.raises(Reached):
+        commands.main(base + ["--requests", "6", "--rate", "4"])
+    assert not np.allclose(bursty, np.asarray(seen[-1].arrival)[0][:6])
+    with pytest.raises(SystemExit, match="--burstiness must be a finite number > 0"):
+        commands.main(base + ["--burstiness", "0"])

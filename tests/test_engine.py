@@ -339,7 +339,7 @@ def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsy
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["schema_version"] == bench.SCHEMA_VERSION
     assert set(doc) == {"schema_version", "command", "config", "trace", "versions", "identical_greedy_outputs",
-                        "policies"}
+                        "policies", "headline"}
     assert doc["trace"]["seed"] == 0 and doc["config"]["seed"] == 0 and doc["identical_greedy_outputs"] is True
     assert set(doc["versions"]) >= {"skvs_jax", "jax", "python", "platform"}
     assert set(doc["policies"]) == {"vllm_default", "skvs"}
@@ -347,13 +347,13 @@ def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsy
 
     for p in doc["policies"].values():
         assert set(p) == {"metrics", "counters", "compiled_buckets", "series", "step_cost_us", "steps_by_width",
-                          "split_step_us", "split", "dispatches"}
+                          "split_step_us", "split", "dispatches", "requests"}
         assert p["step_cost_us"] == {} and sum(p["steps_by_width"].values()) == p["metrics"]["num_steps"]
         assert p["dispatches"]["steps"] == p["metrics"]["num_steps"] >= p["dispatches"]["dispatches"] > 0
         assert set(p["metrics"]) >= {key for key, _, _ in METRICS}
         for v in p["metrics"].values():
             assert v is None or isinstance(v, (int, float))
-        assert len(p["series"]["time"]) == len(p["series"]["blocks_used"]) == p["metrics"]["num_steps"]
+        assert len(p["series"]["time_s"]) == len(p["series"]["blocks_used"]) == p["metrics"]["num_steps"]
     # Same seed, same non-timing metrics.
     first = {n: {k: p["metrics"][k] for k in NON_TIMING} for n, p in doc["policies"].items()}
     assert bench.run(_bench_args(tmp_path, step_cost="flat")) == 0

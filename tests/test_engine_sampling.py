@@ -114,7 +114,7 @@ def test_bad_sampling_params_are_refused(shipped):
     for kw, match in ((dict(top_p=0.0), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"),
                       (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(presence_penalty=3.0), "presence"),
                       (dict(frequency_penalty=float("nan")), "frequency"), (dict(seed=-1), "seed"),
-                      (dict(logprobs=21), "logprobs"), (dict(stop=["x" * 33]), "stop strings"),
+                      (dict(logprobs=21), "logprobs"), (dict(stop=[b"x" * 33]), "bytes stop strings"),
                       (dict(stop=["a"] * 10, stop_token_ids=tuple(range(7))), "together")):
         with pytest.raises(ValueError, match=match):
             engine.SamplingParams(**kw)

@@ -88,13 +88,13 @@ def test_step_metrics_by_hand():
     assert m["mean_accepted_length"] == pytest.approx(2.0)
     assert m["scheduler_time_per_step"] == pytest.approx(0.015)
     assert m["scheduler_time_share"] == pytest.approx(0.06 / 0.5)
-    assert list(m)[: len(metrics.METRICS)] == [key for key, _, _ in metrics.METRICS]
+    assert list(m) == list(metrics.SUMMARY_KEYS)
 
 
 def test_empty_inputs_give_nan_not_exceptions():
     for steps in (None, StepRecord.empty(), StepLog().freeze()):
         m = metrics.summarize([], steps)
-        assert all(math.isnan(m[key]) for key, _, _ in metrics.METRICS)
+        assert all(math.isnan(metrics.with_units(m)[key]) for key, _, _ in metrics.METRICS)
         assert m["num_requests"] == 0 and m["num_steps"] == 0
     # Steps without any drafts: the speculative ratios are undefined, the rest are not.
     no_spec = StepRecord(start_time=[0.0, 1.0], duration=[1.0, 1.0], blocks_used=[1, 3], blocks_total=[4, 4])
@@ -145,7 +145,7 @@ def test_first_admission_hit_rate_ignores_what_preemption_finds_again():
     m = metrics.summarize([once], None)
     assert m["kv_hit_rate"] == m["kv_hit_rate_first"] == 0.5
     assert metrics.summarize([], None)["kv_hit_rate_first"] != metrics.summarize([], None)["kv_hit_rate_first"]  # NaN
-    assert "| KV hit rate, first admissions (%) | 50.0 |" in metrics.format_table({"skvs": m})
+    assert "| KV hit rate, first admissions (%) | 50.0 |" in metrics.format_table({"skvs": metrics.with_units(m)})
     base = dict(request_id=0, arrival_time=0.0, first_token_time=0.5, finish_time=1.0, num_prompt_tokens=32,
                 num_output_tokens=4, num_cached_prompt_tokens=40, num_admitted_prompt_tokens=68)
     with pytest.raises(ValueError, match="num_first_cached_prompt_tokens is required"):
@@ -204,19 +204,19 @@ def test_summary_ignores_request_order_and_percentiles_are_ordered(data, permuta
 
 
 def test_format_table_rows_columns_and_ratios():
-    base = metrics.summarize(_requests(), _steps())
+    base = metrics.with_units(metrics.summarize(_requests(), _steps()))
     results = {
-        "vllm_default": base | {"throughput": 100.0, "acceptance_rate": NAN},
-        "naive_spec": base | {"throughput": 80.0},
-        "skvs": base | {"throughput": 160.0},
+        "vllm_default": base | {"output_tokens_per_s": 100.0, "acceptance_rate": NAN},
+        "naive_spec": base | {"output_tokens_per_s": 80.0},
+        "skvs": base | {"output_tokens_per_s": 160.0},
     }
     table = metrics.format_table(results)
     lines = table.splitlines()
     assert lines[0] == "| metric | vllm_default | naive_spec | skvs | skvs / naive_spec | skvs / vllm_default |"
     assert len(lines) == 2 + len(metrics.METRICS)
-    throughput = next(line for line in lines if line.startswith("| throughput (tok/s)"))
+    throughput = next(line for line in lines if line.startswith("| output throughput (tok/s)"))
     assert throughput.split(" | ")[1:] == ["100", "80.0", "160", "2.00x", "1.60x |"]
-    ttft = next(line for line in lines if line.startswith("| TTFT P50 (ms)"))
+    ttft = next(line for line in lines if line.startswith("| TTFT median (ms)"))
     assert " 200 " in ttft and "1.00x" in ttft  # 0.2 s shown in ms
     acceptance = next(line for line in lines if line.startswith("| acceptance rate (%)"))
     assert acceptance.split(" | ")[1] == "n/a" and acceptance.endswith("| n/a |")  # NaN baseline: no ratio
@@ -237,3 +237,87 @@ def test_attribution_reads_the_draft_counters_and_checks_they_are_there():
                    "draft_preemptions_per_request": 0.5}
     with pytest.raises(ValueError, match="preempt_drafts"):
         attribution({"draft_blocks": 1, "oom_steps_drafts": 0}, 1)
+
+
+# ------------------------------------------------------------------------ serving statistics, ITL and units
+
+
+def _timed_requests() -> list[RequestRecord]:
+    """Four finished requests with every token's time (tokens of one engine step share a time) and one aborted."""
+    spec = [  # (arrival, token times)
+        (0.0, (0.3, 0.3, 0.3, 0.5, 0.9)),  # a first step of 3 tokens (2 accepted drafts), then single tokens
+        (0.1, (0.4, 0.6, 0.6, 0.7)),
+        (0.2, (0.25,)),  # one token: a TTFT and an end-to-end latency, no TPOT, no gap
+        (1.0, (1.5, 1.6, 1.8, 2.4, 2.4, 2.4, 2.5)),
+    ]
+    records = [RequestRecord(request_id=i, arrival_time=a, first_token_time=t[0], finish_time=t[-1],
+                             num_prompt_tokens=10, num_output_tokens=len(t), token_times=t)
+               for i, (a, t) in enumerate(spec)]
+    return records + [RequestRecord(request_id=9, arrival_time=0.0, first_token_time=0.2, finish_time=0.5,
+                                    num_prompt_tokens=10, num_output_tokens=2, token_times=(0.2, 0.4), aborted=True)]
+
+
+def test_serving_statistics_match_numpy_on_hand_made_records():
+    """Mean, median, P90 and P99 of TTFT, TPOT, ITL and end-to-end latency are numpy's over the samples written
+    out here; request and output-token throughput over first arrival to last finish; aborted requests are out."""
+    m = metrics.summarize(_timed_requests(), None)
+    samples = {
+        "ttft": [0.3, 0.3, 0.05, 0.5],
+        "tpot": [(0.9 - 0.3) / 4, (0.7 - 0.4) / 3, (2.5 - 1.5) / 6],
+        "e2e": [0.9, 0.6, 0.05, 1.5],
+        # per chunk: request 0 steps at 0.3, 0.5, 0.9; request 1 at 0.4, 0.6, 0.7; request 3 at 1.5 .. 2.5
+        "itl": [0.2, 0.4, 0.2, 0.1, 0.1, 0.2, 0.6, 0.1],
+    }
+    for name, values in samples.items():
+        assert m[f"{name}_mean"] == pytest.approx(np.mean(values)), name
+        for q in (50, 90, 99):
+            assert m[f"{name}_p{q}"] == pytest.approx(np.percentile(values, q)), (name, q)
+    assert m["wall_time"] == pytest.approx(2.5)
+    assert m["request_throughput"] == pytest.approx(4 / 2.5) and m["throughput"] == pytest.approx(17 / 2.5)
+
+
+def test_itl_is_one_gap_per_chunk_and_undefined_without_token_times():
+    """A step that emits k tokens (accepted drafts) gives one gap, as vLLM's per-chunk ITL, so with speculation
+    the mean ITL exceeds the TPOT; records without token times (the simulator's) add no gap."""
+    np.testing.assert_allclose(metrics.inter_token_latencies((1.0, 1.0, 1.0, 1.5, 2.0, 2.0)), [0.5, 0.5])
+    assert metrics.inter_token_latencies((1.0,)).size == 0 and metrics.inter_token_latencies(()).size == 0
+    spec = RequestRecord(request_id=0, arrival_time=0.0, first_token_time=1.0, finish_time=2.0, num_prompt_tokens=4,
+                         num_output_tokens=6, token_times=(1.0, 1.0, 1.0, 1.5, 2.0, 2.0))
+    m = metrics.summarize([spec], None)
+    assert m["itl_mean"] == pytest.approx(0.5) and m["tpot_mean"] == pytest.approx(0.2)
+    untimed = dataclasses.replace(spec, token_times=())
+    assert all(math.isnan(metrics.summarize([untimed], None)[f"itl_{s}"]) for s in ("mean", "p50", "p90", "p99"))
+    assert metrics.summarize([untimed, spec], None)["itl_p50"] == pytest.approx(0.5)
+    assert metrics.summarize([untimed], None)["tpot_p50"] == pytest.approx(0.2)  # first and last times suffice
+    with pytest.raises(ValueError, match="token_times must be non-decreasing"):
+        dataclasses.replace(spec, token_times=(1.0, 1.5, 1.2, 1.6, 1.8, 2.0))
+
+
+def test_reported_keys_carry_their_units():
+    """`with_units`: latencies in ms as `{stat}_{name}_ms` (vLLM's names), durations `_s`, rates `_per_s`;
+    fractions and counts unchanged; every table row is a reported key."""
+    m = metrics.summarize(_timed_requests(), _steps())
+    shown = metrics.with_units(m)
+    assert shown["median_ttft_ms"] == pytest.approx(1e3 * m["ttft_p50"])
+    assert shown["p90_itl_ms"] == pytest.approx(1e3 * m["itl_p90"])
+    assert shown["mean_e2e_ms"] == pytest.approx(1e3 * m["e2e_mean"])
+    assert shown["output_tokens_per_s"] == m["throughput"] and shown["requests_per_s"] == m["request_throughput"]
+    assert shown["wall_time_s"] == m["wall_time"]
+    assert shown["scheduler_time_per_step_ms"] == pytest.approx(15.0)
+    assert shown["kv_hit_rate"] == m["kv_hit_rate"] and shown["num_steps"] == 4
+    assert len(shown) == len(m) and not set(metrics.UNITS) & set(shown)
+    assert all(name.endswith(("_ms", "_s", "_per_s")) for name, _ in metrics.UNITS.values())
+    assert {key for key, _, _ in metrics.METRICS} <= set(shown)
+    assert set(metrics.TIMING_KEYS) <= set(shown)
+    assert metrics.with_units({"rate": 4.0, "ttft_p50": None}) == {"rate": 4.0, "median_ttft_ms": None}
+
+
+def test_request_rows_record_each_request_in_reported_units():
+    rows = metrics.request_rows(_timed_requests())
+    first = rows[0]
+    assert set(first) == {"id", "prompt_tokens", "output_tokens", "arrival_s", "ttft_ms", "tpot_ms", "e2e_ms",
+                          "itl_ms", "cached_tokens", "drafted", "accepted", "aborted"}
+    assert first["ttft_ms"] == pytest.approx(300) and first["tpot_ms"] == pytest.approx(150)
+    assert first["e2e_ms"] == pytest.approx(900) and first["itl_ms"] == pytest.approx([200, 400])
+    assert math.isnan(rows[2]["tpot_ms"]) and rows[2]["itl_ms"] == []
+    assert rows[-1]["aborted"] and math.isnan(rows[-1]["ttft_ms"])

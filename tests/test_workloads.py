@@ -1,9 +1,11 @@
 """Workloads: deterministic per seed, lengths match the published statistics, Zipf popularity, multi-turn
-prefixes, Poisson arrivals, exact JSONL round trip, and clear errors at the boundary."""
+prefixes, Poisson and Gamma (bursty) arrivals, exact JSONL round trip, request files, and clear errors at the
+boundary."""
 
 import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -186,6 +188,8 @@ def test_load_rejects_foreign_and_truncated_files(tmp_path):
         ("multi_turn", {"mean_turns": 0.5}, ValueError, "mean_turns"),
         ("multi_turn", {"max_turns": 0}, ValueError, "max_turns"),
         ("multi_turn", {"think_time": -1.0}, ValueError, "think_time"),
+        ("sharegpt", {"burstiness": 0.0}, ValueError, "burstiness"),
+        ("phased", {"burstiness": math.inf}, ValueError, "burstiness"),
         ("nope", {}, ValueError, "kind"),
     ],
 )
@@ -231,3 +235,80 @@ def test_phased_arrivals_step_by_phase_and_phase_of_names_them():
         workloads.phased(10, seed=0, phases=[[0, 1.0]])
     with pytest.raises(ValueError, match="rate multiples"):
         workloads.phased(10, seed=0, phases=[[5, 0.0]])
+
+
+# ------------------------------------------------------------------------------------ bursty arrivals
+
+
+def test_gamma_gaps_keep_the_mean_and_burstiness_sets_the_spread():
+    """Gamma(shape B, mean 1 / rate) gaps, as vLLM's --burstiness: the mean stays 1 / rate, the coefficient of
+    variation is 1 / sqrt(B) (1 at B = 1, Poisson; 2 at B = 0.25); seeded; B = 1 draws exactly the exponential gaps
+    that the traces drew before burstiness existed."""
+    n, rate = 20_000, 4.0
+    for b, cv in ((1.0, 1.0), (0.25, 2.0), (4.0, 0.5)):
+        gaps = workloads.arrival_gaps(np.random.default_rng(3), n, rate, b)
+        # Standard error of the mean: cv / rate / sqrt(n), at most 1.4% here; 5% is over 3.5 of them.
+        assert gaps.mean() == pytest.approx(1 / rate, rel=0.05), b
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.08), b
+    np.testing.assert_array_equal(workloads.arrival_gaps(np.random.default_rng(3), 50, rate, 1.0),
+                                  np.random.default_rng(3).exponential(1 / rate, size=50))
+    bursty = workloads.sharegpt(400, seed=1, rate=rate, burstiness=0.25)
+    assert bursty == workloads.sharegpt(400, seed=1, rate=rate, burstiness=0.25)  # seeded
+    assert bursty.params["burstiness"] == 0.25
+    assert workloads.make(bursty.kind, seed=bursty.seed, **bursty.params) == bursty
+    plain = workloads.sharegpt(400, seed=1, rate=rate)
+    assert [r.prompt for r in bursty.requests] == [r.prompt for r in plain.requests]  # only arrivals change
+    spread = [np.std(np.diff([r.arrival_time for r in t.requests])) for t in (plain, bursty)]
+    assert spread[1] > 1.5 * spread[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_workload_takes_burstiness(kind):
+    trace = workloads.make(kind, 20, seed=2, rate=3.0, burstiness=0.5)
+    assert trace.params["burstiness"] == 0.5 and trace != workloads.make(kind, 20, seed=2, rate=3.0)
+    # Without a rate (every start at t = 0) there are no gaps for the burstiness to shape.
+    at_once = workloads.make(kind, 20, seed=2, rate=None, burstiness=0.5)
+    assert at_once.requests == workloads.make(kind, 20, seed=2, rate=None).requests
+
+
+# ------------------------------------------------------------------------------------ request files
+
+
+def test_request_files_give_text_as_bytes_lengths_as_corpus_text_and_sort_by_arrival(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    path.write_text('{"prompt": "héllo", "output_len": 4, "arrival_s": 0.5}\n\n'
+                    '{"prompt_len": 7, "output_len": 2, "arrival_s": 0}\n'
+                    '{"prompt": "b", "output_len": 1, "arrival_s": 0.5}\n')
+    trace = workloads.read_requests(path, seed=3)
+    assert trace.kind == "file" and trace.params == {"path": str(path), "num_requests": 3}
+    first, hello, b = trace.requests
+    assert [r.request_id for r in trace.requests] == [0, 1, 2] and (first.arrival_time, hello.arrival_time) == (0, 0.5)
+    assert hello.prompt == tuple("héllo".encode()) and hello.max_new_tokens == 4  # UTF-8 bytes: 6 tokens
+    assert b.prompt == (ord("b"),)  # equal arrivals keep the file's order
+    assert len(first.prompt) == 7 and first.max_new_tokens == 2
+    assert workloads.read_requests(path, seed=3) == trace  # seeded
+    assert workloads.read_requests(path, seed=4).requests[0].prompt != first.prompt
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"prompt": "a", "output_len": 2, "arrival_s": 0', "line 2: not JSON"),
+    ('[1, 2]', "line 2: expected a JSON object"),
+    ('{"prompt": "a", "output_len": 2, "arrival_s": 0, "arrival": 1}', "line 2: unknown field(s) ['arrival']"),
+    ('{"output_len": 2, "arrival_s": 0}', "line 2: give exactly one of 'prompt' (text) and 'prompt_len'"),
+    ('{"prompt": "a", "prompt_len": 3, "output_len": 2, "arrival_s": 0}', "line 2: give exactly one of"),
+    ('{"prompt": "", "output_len": 2, "arrival_s": 0}', "line 2: field 'prompt' must be a non-empty string"),
+    ('{"prompt_len": 0, "output_len": 2, "arrival_s": 0}', "line 2: field 'prompt_len' must be an int >= 1"),
+    ('{"prompt": "a", "output_len": 2.5, "arrival_s": 0}', "line 2: field 'output_len' must be an int >= 1"),
+    ('{"prompt": "a", "arrival_s": 0}', "line 2: field 'output_len' is missing"),
+    ('{"prompt": "a", "output_len": 2}', "line 2: field 'arrival_s' is missing"),
+    ('{"prompt": "a", "output_len": 2, "arrival_s": -1}', "line 2: field 'arrival_s' must be a finite number >= 0"),
+    ('{"prompt": "a", "output_len": 2, "arrival_s": NaN}', "line 2: field 'arrival_s' must be a finite number"),
+])
+def test_request_file_errors_name_the_line_and_field(tmp_path, line, says):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok", "output_len": 1, "arrival_s": 0}\n' + line + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {says}")):
+        workloads.read_requests(path)
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        workloads.read_requests(path)

@@ -11,39 +11,73 @@ query buckets (`Engine.warmup`: the prompt width and one width per draft bucket)
 once untimed before its timed runs (`--rehearse`, on by default: XLA:CPU runs a kernel slowly the first time it
 executes, and an empty warm-up step does not reach the kernels of preemption or eviction); a policy that fits its
 step cost fits it again after that run, on warm programs (`Serving.refit`), and its timed runs plan with that fit.
-Greedy outputs must be identical across policies (checked). With `--rate`, arrivals follow each engine's clock, so
-which requests share a step — and the non-timing metrics — depend on timing; with the default (all at t = 0)
-everything but the timings is reproducible from the seed. A run in which one step takes over a second and over half
-the run has *stalled* (a program compiled inside the timed run, or the machine stopped): it is flagged, and left out
-of the median when the policy has other runs. `--repeats N` serves every policy N times, in N rounds of every policy
-(so drift of the machine's load over the run hits every policy, and policies of one round can be compared pairwise;
-round r runs the policies rotated by r, so each takes every place equally often). Within a round the policies are
-served in lockstep (`--lockstep`, the default: one step of each in turn, each engine timed on its own `TurnClock`,
-`serve_together`), so the machine's drift from one second to the next lands on every policy of the round alike;
-`--no-lockstep` serves them one after another (each engine alone on the machine, its own programs warm). Each
-policy's metrics are those of its run with the median throughput (the upper median for even N), and its min-max
-throughput is reported.
+Greedy outputs must be identical across policies (checked).
+
+Load, as `vllm bench serve` drives a server: `--request-rate R1,R2,...` serves every policy at each rate in turn
+(each rate its report, then a table of the load-dependent metrics per rate; `inf`, the default, puts every request
+at t = 0), with Poisson arrivals or, with `--burstiness B`, Gamma gaps of shape B (`workloads.arrival_gaps`);
+`--max-concurrency N` keeps at most N requests unfinished (`bench_serving`'s module docstring); `--trace FILE`
+serves a JSONL file's requests at its own arrival times (`workloads.read_requests`). With arrivals after t = 0
+they follow each engine's clock, so which requests share a step — and the non-timing metrics — depend on timing;
+with every request at t = 0 everything but the timings is reproducible from the seed.
+
+A run in which one step takes over a second and over half the run has *stalled* (a program compiled inside the timed
+run, or the machine stopped): it is flagged, and left out of the median when the policy has other runs. `--repeats
+N` serves every policy N times, in N rounds of every policy (so drift of the machine's load over the run hits every
+policy, and policies of one round can be compared pairwise; round r runs the policies rotated by r, so each takes
+every place equally often). Within a round the policies are served in lockstep (`--lockstep`, the default: one step
+of each in turn, each engine timed on its own `TurnClock`, `serve_together`), so the machine's drift from one second
+to the next lands on every policy of the round alike; `--no-lockstep` serves them one after another (each engine
+alone on the machine, its own programs warm). Each policy's metrics are those of its run with the median throughput
+(the upper median for even N), and its min-max throughput is reported.
+
 More policies than one process holds compiled at once (`MAX_LIVE_PROGRAMS`: the ablation's) are served in
 consecutive groups (`serving_groups`), each group's rounds done and its programs freed before the next compiles;
 under `--ablation` every later group serves skvs again, so each variant's per-round ratios pair it with a skvs run
 of its own group (skvs's reported metrics stay those of the first group's runs). `--ablation` serves naive_spec,
-skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to naive_spec's value
-("skvs -<switch>").
-After the usual table it prints the decomposition: per switch, the metrics with the switch off and their change vs
-full skvs measured in the same run, the switch's share of the skvs - naive_spec gap (in engine steps, which are
-deterministic, and in throughput), and which switches help, hurt or stay within noise (`throughput_effect`: engine
-steps decide where the same tokens took different steps; otherwise the spread of the ratios within each round, off /
-skvs; one round with equal steps is no evidence, and only with --rate does one round fall back to THROUGHPUT_NOISE,
-the run-to-run spread of a 2-core CPU). `--policies` takes presets with overrides (`policies.parse_policies`), and
---preemption, --victim, --kv-precision, --no-prefix-cache and --host-blocks set a switch for every policy
-(`policy_flags`). `--steps-per-dispatch` is the engines' (`EngineOptions.steps_per_dispatch`; a line under the table
-says how each policy's steps were dispatched, and bench.json's `policies.*.dispatches` records it).
-bench.json (SCHEMA_VERSION 2): the version-1 keys, unchanged, plus with --repeats > 1 or
---ablation "runs" ({"throughput": policy -> tok/s of each repeat, "stalled": policy -> a flag per repeat, and
-without --ablation "paired_to_naive_spec": policy -> its throughput over naive_spec's in each round, stalled rounds
-left out, and "paired_to_naive_spec_ci95": policy -> [low, high], the 95% bootstrap interval of that ratio's median,
-`bootstrap_median_ci`}) and with --ablation "ablation" (see `ablation_report`); its config also records the policy flags
-and every policy's fields ("policy_fields"). A plain run has the version-1 shape.
+skvs and `policies.ablations(skvs)`: skvs with one switch at a time turned back to naive_spec's value ("skvs
+-<switch>"). After the usual table it prints the decomposition: per switch, the metrics with the switch off and
+their change vs full skvs measured in the same run, the switch's share of the skvs - naive_spec gap (in engine
+steps, which are deterministic, and in throughput), and which switches help, hurt or stay within noise
+(`throughput_effect`: engine steps decide where the same tokens took different steps; otherwise the spread of the
+ratios within each round, off / skvs; one round with equal steps is no evidence, and only with arrivals after t = 0
+does one round fall back to THROUGHPUT_NOISE, the run-to-run spread of a 2-core CPU).
+
+`--policies` (or `--policy`) takes presets with overrides (`policies.parse_policies`), and --preemption, --victim,
+--kv-precision, --no-prefix-cache and --host-blocks set a switch for every policy (`policy_flags`).
+`--steps-per-dispatch` is the engines' (`EngineOptions.steps_per_dispatch`; a line under the table says how each
+policy's steps were dispatched, and bench.json's `policies.*.dispatches` records it).
+
+The metrics are `vllm bench serve`'s (`skvs_jax.metrics`: mean, median, P90, P99 of TTFT, TPOT, ITL and
+end-to-end latency, request and output-token throughput) beside the cache's and the speculation's. Under the
+table a headline line gives the first ratio column's output throughput (skvs / naive_spec, else skvs /
+vllm_default) with, from three rounds of --repeats, the 95% t-interval of its per-round ratios and whether it
+holds 1 (`bench_report.headline`; "single reading" with one repeat).
+
+bench.json (SCHEMA_VERSION 3). Units are in the keys: `_ms` latencies, `_s` durations and times, `_per_s` rates;
+fractions and counts have none. Version 2 had unitless keys ("throughput" tok/s, "ttft_p50" s, series "time", runs
+"throughput", config "rate"), no per-request records and no headline; its shape otherwise is version 3's at one rate.
+  schema_version, command, versions; config: every flag (request_rate_per_s: the rates, "inf" for t = 0;
+    burstiness, max_concurrency, trace), the policy flags and every policy's fields ("policy_fields").
+  Per rate: at the top level with one --request-rate, else in "by_rate", a list in the flag's order whose entries
+  also hold their "request_rate_per_s" (`sections_of(doc)` gives the list either way):
+    trace                     kind, seed, params, requests (count).
+    identical_greedy_outputs  true / false (null when there was nothing to compare).
+    policies                  per policy: "metrics" (`metrics.with_units` of the summary, plus the draft
+                              attribution's counts), "requests" (`metrics.request_rows`: id, prompt_tokens,
+                              output_tokens, arrival_s, ttft_ms, tpot_ms, e2e_ms, itl_ms, cached_tokens, drafted,
+                              accepted, aborted), "counters", "compiled_buckets", "series" (per step: time_s, the
+                              step's end; output_tokens, blocks_used, spec_blocks), "step_cost_us", "steps_by_width",
+                              "dispatches", "split_step_us", "split". The reported run's, with --repeats.
+    headline                  `bench_report.headline` (absent when no ratio column): pair, metric, ratio,
+                              rounds, ci95 ([low, high] or null), contains_1, method.
+    runs                      with --repeats > 1 or --ablation: output_tokens_per_s (policy -> each repeat's),
+                              stalled (policy -> a flag per repeat), and without --ablation
+                              paired_to_naive_spec (policy -> its throughput over naive_spec's in each round,
+                              stalled rounds left out) and paired_to_naive_spec_ci95 (policy -> [low, high], the
+                              95% bootstrap interval of that ratio's median, `bootstrap_median_ci`).
+    ablation                  with --ablation (one rate only): `ablation_report`.
+    priced_schedules          `bench_report.priced_schedules`, when a policy fitted its step cost.
 
 The command is three modules: this one (the flags, `setup`, and `run`: `serve_all` -> `print_report` ->
 `write_outputs`), `bench_serving` (the engines, lockstep, the rounds and groups) and `bench_report` (what a
@@ -55,6 +89,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -71,14 +106,14 @@ from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine as eng
 from skvs_jax.serve import speculation
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="system_prompts", choices=sorted(workloads.GENERATORS))
     parser.add_argument("--requests", type=int, default=32, help="requests in the trace")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--policies", default="vllm_default,naive_spec,skvs",
+    which.add_argument("--policies", "--policy", dest="policies", default="vllm_default,naive_spec,skvs",
                        help="comma-separated presets, each with optional overrides of its fields "
                             "(policies.parse_policy): skvs:preemption=swap,victim=most_progress; skvs:K=2 (or skvs:2) "
                             "sets the draft-length knob; name=LABEL names the variant")
@@ -97,7 +132,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=int, default=128)
     parser.add_argument("--prefill-chunk", type=int, default=32)
     parser.add_argument("--max-output", type=int, default=32, help="cap on output tokens per request")
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: all at 0)")
+    parser.add_argument("--request-rate", "--rate", dest="request_rate", default=None, metavar="R[,R...]",
+                        help="arrival rates, requests/s, comma-separated: every policy serves the trace at each, and "
+                             "each gets its report (inf: every request at t = 0, the default)")
+    parser.add_argument("--burstiness", type=float, default=None,
+                        help="arrival gaps Gamma-distributed with this shape and mean 1 / rate (vLLM's benchmark: "
+                             "1 = Poisson, the default; < 1 burstier, > 1 more even)")
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="at most N requests in flight: an arrived request is added to the engine only while "
+                             "fewer than N are unfinished (default: no limit)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="serve the requests of a JSONL file instead of --workload, one a line: {\"prompt\": "
+                             "TEXT (its UTF-8 bytes) or \"prompt_len\": N, \"output_len\": N, \"arrival_s\": T} "
+                             "(workloads.read_requests); its arrivals replace --request-rate and --burstiness")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--tree", default="chain", choices=("chain", "small"),
                         help="draft tree of the speculating policies: a chain of --draft-len drafts, or the 15-node "
@@ -147,9 +194,59 @@ def _steps_per_dispatch(value: str) -> int | str:
     return n
 
 
-def make_trace(args) -> workloads.Trace:
-    return workloads.tiny_model_trace(args.workload, args.requests, seed=args.seed, rate=args.rate,
-                                      max_output_len=args.max_output)
+def arrival_rates(args: argparse.Namespace) -> list[float | None]:
+    """--request-rate as the rates to serve at, in order, None for inf (every request at t = 0; the default)."""
+    spec = getattr(args, "request_rate", None)
+    if spec is None:
+        return [None]
+    try:
+        rates = [float(part) for part in str(spec).split(",")]
+    except ValueError:
+        raise SystemExit(f"skvs bench: --request-rate must be comma-separated numbers or inf, got {spec!r}") from None
+    if any(not r > 0 for r in rates):  # NaN fails this too
+        raise SystemExit(f"skvs bench: --request-rate must be > 0 (inf: every request at t = 0), got {spec!r}")
+    rates = [None if math.isinf(r) else r for r in rates]
+    if len(set(rates)) < len(rates):
+        raise SystemExit(f"skvs bench: --request-rate names a rate twice: {spec!r}")
+    return rates
+
+
+def make_trace(args: argparse.Namespace, rate: float | None | str = "first") -> workloads.Trace:
+    """The trace served at `rate` (default: --request-rate's first): --trace's requests, else --workload's,
+    whose prompts and lengths are the same at every rate (`workloads`: one random stream per purpose)."""
+    if getattr(args, "trace", None) is not None:
+        try:
+            return workloads.read_requests(args.trace, seed=args.seed)
+        except (ValueError, OSError) as err:
+            raise SystemExit(f"skvs bench: --trace: {err}") from None
+    if rate == "first":
+        rate = arrival_rates(args)[0]
+    burstiness = 1.0 if getattr(args, "burstiness", None) is None else args.burstiness
+    return workloads.tiny_model_trace(args.workload, args.requests, seed=args.seed, rate=rate,
+                                      max_output_len=args.max_output, burstiness=burstiness)
+
+
+def trace_rate(trace: workloads.Trace) -> float | None:
+    """A trace's arrival rate, requests/s: its requests over its last arrival; None when all arrive at t = 0."""
+    last = max(r.arrival_time for r in trace.requests)
+    return len(trace.requests) / last if last > 0 else None
+
+
+def _check_load_flags(args: argparse.Namespace) -> list[float | None]:
+    """--request-rate, --burstiness, --max-concurrency and --trace, checked; returns the rates."""
+    rates = arrival_rates(args)
+    burstiness = getattr(args, "burstiness", None)
+    if burstiness is not None and not (math.isfinite(burstiness) and burstiness > 0):
+        raise SystemExit(f"skvs bench: --burstiness must be a finite number > 0, got {burstiness}")
+    concurrency = getattr(args, "max_concurrency", None)
+    if concurrency is not None and concurrency < 1:
+        raise SystemExit(f"skvs bench: --max-concurrency must be >= 1, got {concurrency}")
+    if getattr(args, "trace", None) is not None and (args.request_rate is not None or burstiness is not None):
+        raise SystemExit("skvs bench: --trace gives every request its arrival time: leave out --request-rate and "
+                         "--burstiness")
+    if getattr(args, "ablation", False) and len(rates) > 1:
+        raise SystemExit("skvs bench: --ablation serves one --request-rate (the decomposition is per load)")
+    return rates
 
 
 def _verify_budget(value: str) -> int | None:
@@ -194,6 +291,7 @@ def setup(args: argparse.Namespace):
     """
     if args.block_size > 1024:  # one block would outgrow the longest sequence (96 + --max-output <= 1024 tokens)
         raise SystemExit(f"skvs bench: --block-size must be <= 1024, got {args.block_size}")
+    args.rates = _check_load_flags(args)
     for flag, value, low in (("--repeats", args.repeats, 1), ("--requests", args.requests, 1),
                              ("--block-size", args.block_size, 1), ("--max-seqs", args.max_seqs, 1),
                              ("--max-output", args.max_output, 1), ("--token-budget", args.token_budget, 1),
@@ -226,13 +324,22 @@ def setup(args: argparse.Namespace):
     if 96 + args.max_output > loaded.max_positions:
         raise SystemExit(f"skvs bench: a prompt of up to 96 tokens + --max-output {args.max_output} exceeds the "
                          f"model's max_position_embeddings ({loaded.max_positions}): lower --max-output")
-    max_len = min(loaded.max_positions, -(-(96 + args.max_output) // args.block_size) * args.block_size)
+    trace = make_trace(args)
+    # --trace's requests are as long as the file says; the geometry holds them and the workloads' longest (the
+    # same programs as without --trace when the file's requests are no longer).
+    longest = max(len(r.prompt) + r.max_new_tokens for r in trace.requests) if args.trace is not None else 0
+    if longest > loaded.max_positions:
+        raise SystemExit(f"skvs bench: --trace {args.trace}: a request of {longest} tokens (prompt + output_len) "
+                         f"exceeds the model's max_position_embeddings ({loaded.max_positions})")
+    max_len = min(loaded.max_positions,
+                  -(-max(96 + args.max_output, longest) // args.block_size) * args.block_size)
     blocks_per_seq = max_len // args.block_size  # the longest prompt (96) + --max-output, in whole blocks
     if blocks_per_seq > args.kv_blocks - 1:
-        raise SystemExit(f"skvs bench: one sequence (a prompt of up to 96 tokens + --max-output {args.max_output}) "
-                         f"can need {blocks_per_seq} blocks of {args.block_size} tokens, more than --kv-blocks "
-                         f"{args.kv_blocks} holds ({args.kv_blocks - 1} usable): raise --kv-blocks or --block-size, "
-                         f"or lower --max-output")
+        what = (f"--trace's longest request, {longest} tokens" if longest > 96 + args.max_output else
+                f"a prompt of up to 96 tokens + --max-output {args.max_output}")
+        raise SystemExit(f"skvs bench: one sequence ({what}) can need {blocks_per_seq} blocks of {args.block_size} "
+                         f"tokens, more than --kv-blocks {args.kv_blocks} holds ({args.kv_blocks - 1} usable): raise "
+                         f"--kv-blocks or --block-size, or lower --max-output")
     model, heads = loaded.model, loaded.heads
     args.model_name = loaded.name
     args.oracle_table = None
@@ -241,7 +348,6 @@ def setup(args: argparse.Namespace):
             checkpoints.check_speculation(policy, loaded, flag="--policies")
         cache = CacheConfig(num_blocks=args.kv_blocks, block_size=args.block_size, max_seqs=args.max_seqs,
                             max_blocks_per_seq=blocks_per_seq)
-        trace = make_trace(args)
         if loaded.oracle is not None:
             heads = _oracle_drafter(loaded, model, heads, trace, cache, args)
         # The engines' own checks (budgets, trees, widths), before any is served; each policy's compiled programs
@@ -270,18 +376,64 @@ def _oracle_drafter(loaded, model, heads, trace, cache, args):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve every policy (`serve_all`), print the report (`print_report`), write bench.json and the plot
-    (`write_outputs`). Exit 0 unless greedy outputs differ across policies."""
+    """Serve every policy at each --request-rate (`serve_all`), print each rate's report (`print_report`) and,
+    with several rates, the sweep's table; write bench.json and the plot (`write_outputs`). Exit 0 unless greedy
+    outputs differ across policies."""
     specs, budget, model, heads, trace, cache = setup(args)
     startup.output_dir(args.out, "bench")  # before serving: a folder that cannot be made would lose the results
-    t_start = time.perf_counter()
-    runs, paired_with = serve_all(specs, model, heads, trace, cache, args)
-    reported = print_report(runs, paired_with, specs, budget, trace, cache, args, time.perf_counter() - t_start)
-    write_outputs(reported, specs, budget, trace, cache, args)
-    return 0 if reported["same"] in (None, True) else 1
+    names = list(specs)
+    groups = serving.serving_groups(names, args.programs, anchor="skvs" if args.ablation else None)
+    # The trace's requests are the same at every rate: one run of every policy serves the same tokens.
+    tokens = sum(r.max_new_tokens for r in trace.requests) * sum(map(len, groups)) * args.repeats
+    bar = None if args.quiet else serving.Progress(tokens * len(args.rates))
+    sections = []
+    for i, rate in enumerate(args.rates):
+        at = trace if i == 0 else make_trace(args, rate)
+        at_args = argparse.Namespace(**vars(args))
+        # args.rate is what serving and the report read: None when every request arrives at t = 0 (non-timing
+        # metrics then reproducible from the seed), else the arrivals' rate.
+        at_args.rate = trace_rate(at) if args.trace is not None else rate
+        if len(args.rates) > 1:
+            print(f"\n== request rate {_rate_label(rate)} ({i + 1}/{len(args.rates)}) ==")
+        t_start = time.perf_counter()
+        runs, paired_with = serve_all(specs, model, heads, at, cache, at_args, bar)
+        reported = print_report(runs, paired_with, specs, budget, at, cache, at_args, time.perf_counter() - t_start)
+        sections.append(dict(rate=rate, trace=at, reported=reported))
+    if bar is not None:
+        bar.close()
+    if len(sections) > 1:
+        print()
+        print(format_sweep(sections, names))
+    write_outputs(sections, specs, budget, cache, args)
+    return 0 if all(s["reported"]["same"] in (None, True) for s in sections) else 1
 
 
-def serve_all(specs: dict, model, heads, trace, cache, args) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+def _rate_label(rate: float | None) -> str:
+    return "inf (every request at t = 0)" if rate is None else f"{rate:g} req/s"
+
+
+# The sweep table's columns: (reported key, header).
+SWEEP_COLUMNS = (("requests_per_s", "req/s"), ("output_tokens_per_s", "output tok/s"),
+                 ("median_ttft_ms", "TTFT median ms"), ("p99_ttft_ms", "TTFT P99 ms"),
+                 ("median_tpot_ms", "TPOT median ms"), ("median_itl_ms", "ITL median ms"),
+                 ("median_e2e_ms", "end-to-end median ms"), ("p99_e2e_ms", "end-to-end P99 ms"))
+
+
+def format_sweep(sections: list[dict], names: list[str]) -> str:
+    """The sweep's table: a group of rows per request rate, one row per policy, the load-dependent metrics."""
+    head = ["request rate", "policy", *(h for _, h in SWEEP_COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---" + "|---:" * (len(head) - 2) + "|"]
+    for s in sections:
+        for j, n in enumerate(names):
+            m = s["reported"]["results"][n]["metrics"]
+            rate = ("inf" if s["rate"] is None else f"{s['rate']:g}") if j == 0 else ""
+            lines.append("| " + " | ".join([rate, n, *(metrics.format_value(m.get(k, math.nan))
+                                                      for k, _ in SWEEP_COLUMNS)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def serve_all(specs: dict, model, heads, trace, cache, args,
+              bar: serving.Progress | None = None) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
     """Every policy's runs, in groups of at most `MAX_LIVE_PROGRAMS` compiled programs (`serving_groups`), each
     group's programs freed before the next compiles. Returns (policy -> its runs' results, and for the ablation:
     policy -> the skvs runs of its own group, its per-round pairs)."""
@@ -289,12 +441,6 @@ def serve_all(specs: dict, model, heads, trace, cache, args) -> tuple[dict[str, 
     names = list(chosen)
     anchor = "skvs" if args.ablation else None
     groups = serving.serving_groups(names, args.programs, anchor=anchor)
-    total_tokens = sum(r.max_new_tokens for r in trace.requests) * sum(map(len, groups)) * args.repeats
-    bar = None
-    if not args.quiet:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_tokens, unit="tok", desc="skvs bench")
     runs = {n: [] for n in names}
     paired_with = {}
     for g, group in enumerate(groups):
@@ -303,8 +449,6 @@ def serve_all(specs: dict, model, heads, trace, cache, args) -> tuple[dict[str, 
         out = {n: [] if g and n == anchor else runs[n] for n in group}  # a later group's skvs: pairs only
         serving.serve_group(group, out, runs, model, heads, chosen, specs, cache, trace, args, bar)
         paired_with |= {n: out[anchor] for n in group if anchor in out and n != anchor}
-    if bar is not None:
-        bar.close()
     return runs, paired_with
 
 
@@ -315,9 +459,9 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
     stalls = {n: [report.stall(r) for r in rs] for n, rs in runs.items()}
     stalled = {n: [bool(st) for st in sts] for n, sts in stalls.items()}
     valid = {n: report.unstalled(rs, stalled[n]) for n, rs in runs.items()}
-    results = {n: report.upper_median(rs, stalled[n], key=lambda r: r["metrics"]["throughput"])
+    results = {n: report.upper_median(rs, stalled[n], key=lambda r: r["metrics"][report.THROUGHPUT])
                for n, rs in runs.items()}
-    throughputs = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in runs.items()}
+    throughputs = {n: [r["metrics"][report.THROUGHPUT] for r in rs] for n, rs in runs.items()}
 
     same = None
     if args.temperature == 0 and len(names) * args.repeats > 1:
@@ -329,12 +473,16 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
           f"(K={args.draft_len}{vb}), KV budget {cache.usable_blocks} blocks x {cache.block_size} tokens, "
           f"{cache.max_seqs} slots, token budget {args.token_budget}, impl {args.impl}, "
           f"jax {jax.__version__} on {jax.devices()[0].platform}; wall time {wall:.0f} s")
+    print(f"arrivals: {describe_arrivals(trace, args)}")
     print(policy_flags.describe(specs, serving.host_blocks(args)))
     print(table)
+    head = report.headline(results, throughputs, stalled, names)
+    if head is not None:
+        print(report.format_headline(head))
     if args.repeats > 1:
-        spread = {n: [r["metrics"]["throughput"] for r in rs] for n, rs in valid.items()}
-        print(f"throughput over {args.repeats} repeats, median [min-max] tok/s: " + ", ".join(
-            f"{n} {report.fmt(results[n]['metrics']['throughput'])} [{report.fmt(min(t))}-{report.fmt(max(t))}]"
+        spread = {n: [r["metrics"][report.THROUGHPUT] for r in rs] for n, rs in valid.items()}
+        print(f"output throughput over {args.repeats} repeats, median [min-max] tok/s: " + ", ".join(
+            f"{n} {report.fmt(results[n]['metrics'][report.THROUGHPUT])} [{report.fmt(min(t))}-{report.fmt(max(t))}]"
             for n, t in spread.items()))
         if args.rate is None:
             print(f"non-timing metrics identical across repeats: {report.reproducible(runs)}")
@@ -357,13 +505,28 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
     _print_acceptance(results, names, trace, args)
     ablation = None
     if args.ablation:
-        paired_runs = {n: ([r["metrics"]["throughput"] for r in rs], [bool(report.stall(r)) for r in rs])
+        paired_runs = {n: ([r["metrics"][report.THROUGHPUT] for r in rs], [bool(report.stall(r)) for r in rs])
                        for n, rs in paired_with.items()}
         ablation = report.ablation_report(chosen, results, throughputs, stalled, args, paired_runs)
         print()
         print(report.format_ablation(ablation))
     return dict(results=results, throughputs=throughputs, stalled=stalled, paired=paired, paired_ci=paired_ci,
-                same=same, ablation=ablation, priced=priced)
+                same=same, ablation=ablation, priced=priced, headline=head)
+
+
+def describe_arrivals(trace, args) -> str:
+    """How the requests arrive, in words: the rate and its process (or the file), and --max-concurrency."""
+    if getattr(args, "trace", None) is not None:
+        rate = trace_rate(trace)
+        what = f"as --trace {args.trace} says (" + ("all at t = 0" if rate is None else f"{rate:.3g} req/s") + ")"
+    elif args.rate is None:
+        what = "every request at t = 0"
+    else:
+        b = 1.0 if getattr(args, "burstiness", None) is None else args.burstiness
+        what = (f"{args.rate:g} req/s, " + ("Poisson" if b == 1.0 else f"Gamma gaps of shape {b:g} (burstiness)")
+                + ", on each engine's clock")
+    cap = getattr(args, "max_concurrency", None)
+    return what + ("" if cap is None else f"; at most {cap} requests in flight (--max-concurrency)")
 
 
 def _print_acceptance(results: dict, names: list[str], trace, args) -> None:
@@ -431,16 +594,55 @@ def _print_fits(results: dict, names: list[str]) -> dict | None:
     return priced
 
 
-def write_outputs(reported: dict, specs: dict, budget, trace, cache, args) -> None:
-    """bench.json (SCHEMA_VERSION; the module docstring) and, unless --no-plot, bench.png, into --out."""
+def _rate_json(rate: float | None) -> float | str:
+    return "inf" if rate is None else rate
+
+
+def section(reported: dict, names: list[str], trace, args) -> dict:
+    """What bench.json records of one rate's runs (the module docstring's per-rate keys)."""
+    results = reported["results"]
+    doc = {
+        "trace": {"kind": trace.kind, "seed": trace.seed, "params": trace.params, "requests": len(trace.requests)},
+        "identical_greedy_outputs": reported["same"],
+        "policies": {n: {"metrics": results[n]["metrics"], "counters": results[n]["counters"],
+                         "compiled_buckets": results[n]["compiled"], "series": results[n]["series"],
+                         "step_cost_us": results[n].get("step_cost_us", {}),
+                         "steps_by_width": results[n].get("width_hist", {}),
+                         "dispatches": results[n].get("dispatches", {}),
+                         "split_step_us": results[n].get("split_step_us"), "split": results[n].get("split", {}),
+                         "requests": results[n].get("requests", [])}
+                     for n in names},
+    }
+    if reported["headline"] is not None:
+        doc["headline"] = reported["headline"]
+    if args.repeats > 1 or args.ablation:
+        doc["runs"] = {report.THROUGHPUT: reported["throughputs"], "stalled": reported["stalled"]}
+        if reported["paired"]:
+            doc["runs"][f"paired_to_{report.REFERENCE}"] = reported["paired"]
+            doc["runs"][f"paired_to_{report.REFERENCE}_ci95"] = {n: list(ci) for n, ci in reported["paired_ci"].items()}
+    if reported["ablation"] is not None:
+        doc["ablation"] = reported["ablation"]
+    if reported["priced"] is not None:
+        doc["priced_schedules"] = reported["priced"]
+    return doc
+
+
+def sections_of(doc: dict) -> list[dict]:
+    """bench.json's per-rate sections, for a reader: `by_rate` with several rates, else the document itself."""
+    return doc.get("by_rate") or [doc]
+
+
+def write_outputs(sections: list[dict], specs: dict, budget, cache, args) -> None:
+    """bench.json (SCHEMA_VERSION; the module docstring) and, unless --no-plot, bench.png (the first rate's
+    runs), into --out. sections: per rate, dict(rate, trace, reported) in --request-rate's order."""
     chosen = {n: s.policy for n, s in specs.items()}
     names = list(chosen)
-    results = reported["results"]
     out = pathlib.Path(args.out)  # made by `run` before serving
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
-                                            "draft_len", "token_budget", "prefill_chunk", "max_output", "rate",
+                                            "draft_len", "token_budget", "prefill_chunk", "max_output",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",
-                                            "step_cost")}
+                                            "step_cost", "burstiness", "max_concurrency", "trace")}
+    config["request_rate_per_s"] = [_rate_json(r) for r in args.rates]
     config["verify_budget"] = budget
     config |= {"model": args.model, "medusa": args.medusa, "model_shape": args.model_shape, "dtype": args.dtype,
                "weight_seed": args.weight_seed, "drafter": args.drafter}
@@ -453,28 +655,16 @@ def write_outputs(reported: dict, specs: dict, budget, trace, cache, args) -> No
         "schema_version": SCHEMA_VERSION,
         "command": "skvs bench" + (" --ablation" if args.ablation else ""),
         "config": config,
-        "trace": {"kind": trace.kind, "seed": trace.seed, "params": trace.params, "requests": len(trace.requests)},
         "versions": {"skvs_jax": skvs_jax.__version__, "jax": jax.__version__, "python": platform.python_version(),
                      "platform": jax.devices()[0].platform, "machine": platform.machine()},
-        "identical_greedy_outputs": reported["same"],
-        "policies": {n: {"metrics": results[n]["metrics"], "counters": results[n]["counters"],
-                         "compiled_buckets": results[n]["compiled"], "series": results[n]["series"],
-                         "step_cost_us": results[n].get("step_cost_us", {}),
-                         "steps_by_width": results[n].get("width_hist", {}),
-                         "dispatches": results[n].get("dispatches", {}),
-                         "split_step_us": results[n].get("split_step_us"), "split": results[n].get("split", {})}
-                     for n in names},
     }
-    if args.repeats > 1 or args.ablation:
-        doc["runs"] = {"throughput": reported["throughputs"], "stalled": reported["stalled"]}
-        if reported["paired"]:
-            doc["runs"][f"paired_to_{report.REFERENCE}"] = reported["paired"]
-            doc["runs"][f"paired_to_{report.REFERENCE}_ci95"] = {n: list(ci) for n, ci in reported["paired_ci"].items()}
-    if reported["ablation"] is not None:
-        doc["ablation"] = reported["ablation"]
-    if reported["priced"] is not None:
-        doc["priced_schedules"] = reported["priced"]
+    per_rate = [{"request_rate_per_s": _rate_json(s["rate"])} | section(s["reported"], names, s["trace"], args)
+                for s in sections]
+    if len(per_rate) == 1:
+        doc |= {k: v for k, v in per_rate[0].items() if k != "request_rate_per_s"}
+    else:
+        doc["by_rate"] = per_rate
     (out / "bench.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, allow_nan=False) + "\n")
     if not args.no_plot:
-        report.plot(results, out / "bench.png", cache.usable_blocks)
+        report.plot(sections[0]["reported"]["results"], out / "bench.png", cache.usable_blocks)
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))

@@ -1,7 +1,8 @@
 """`skvs bench`'s report: what a policy reports over its repeats (`upper_median` of the `unstalled` runs,
-`stall`), the paired ratios and their bootstrap interval, the steps priced by one fit (`priced_schedules`), the
-plot, and the ablation's decomposition and verdicts (`ablation_report`, `throughput_effect`, `format_ablation`).
-Pure functions of the served runs' results: nothing here serves.
+`stall`), the paired ratios and their bootstrap interval, the headline ratio and its t-interval (`headline`), the
+steps priced by one fit (`priced_schedules`), the plot, and the ablation's decomposition and verdicts
+(`ablation_report`, `throughput_effect`, `format_ablation`). Pure functions of the served runs' results: nothing
+here serves. Metrics are read by their reported keys (`metrics.with_units`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from skvs_jax import metrics, policies
 # Run-to-run spread of throughput on a 2-core CPU (docs/benchmarks.md): with one repeat, a smaller change is noise.
 THROUGHPUT_NOISE = 0.20
 REFERENCE = "naive_spec"  # the policy the table's and the paired ratios divide by
+THROUGHPUT = "output_tokens_per_s"  # the throughput every ratio, median and verdict here is of
 # Metrics that depend on the clock; with all arrivals at t = 0 every other metric is reproducible from the seed.
-TIMING_METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99",
-                  "scheduler_time_per_step", "scheduler_time_share", "wall_time")
+TIMING_METRICS = metrics.TIMING_KEYS
 # The decomposition's metrics: (key, higher is better). Engine steps for the same output tokens are the
 # noise-free side of throughput: on a CPU, where a step costs about the same whatever it carries, fewer is faster.
-ABLATION_METRICS = (("throughput", True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
+ABLATION_METRICS = ((THROUGHPUT, True), ("num_steps", False), ("spec_token_waste", False), ("spec_kv_waste", False),
                     ("kv_hit_rate", True), ("kv_hit_rate_first", True), ("oom_rate", False),
                     ("preemptions_per_request", False), ("mean_accepted_length", True))
 
@@ -74,7 +75,7 @@ def plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for name, r in results.items():
-        t = np.asarray(r["series"]["time"])
+        t = np.asarray(r["series"]["time_s"])
         tokens = np.cumsum(r["series"]["output_tokens"])
         ax1.plot(t, tokens, label=name)
         ax2.plot(t, np.asarray(r["series"]["blocks_used"]) / blocks_total * 100, label=f"{name} used")
@@ -134,10 +135,78 @@ def bootstrap_median_ci(values: list[float], level: float = 0.95, resamples: int
     return float(np.quantile(medians, tail)), float(np.quantile(medians, 1.0 - tail))
 
 
+# Two-sided 95% quantiles of Student's t, 1..30 degrees of freedom (t_{0.975, df}; any table, e.g. NIST/SEMATECH
+# e-Handbook 1.3.6.7.2): no scipy among the dependencies for one column of numbers.
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """t_{0.975, df}: the table up to 30 degrees of freedom, beyond it the Cornish-Fisher expansion around the
+    normal quantile (within 1e-3 of the exact value there)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def t_interval(ratios: list[float]) -> tuple[float, float]:
+    """The 95% t-interval of the geometric mean of ratios (at least two, all > 0): mean(log r) +- t975(n - 1) *
+    sd(log r) / sqrt(n), back through exp. On the log scale a / b and b / a give mirrored intervals. Chosen over
+    the bootstrap for the headline because repeats are few: with three rounds a bootstrap interval cannot reach
+    beyond the three values, while the t-interval widens as few readings should (t975(2) = 4.3)."""
+    if len(ratios) < 2 or min(ratios) <= 0:
+        raise ValueError(f"ratios must hold at least two numbers > 0, got {ratios}")
+    logs = np.log(np.asarray(ratios, np.float64))
+    half = t975(len(logs) - 1) * float(np.std(logs, ddof=1)) / math.sqrt(len(logs))
+    centre = float(np.mean(logs))
+    return math.exp(centre - half), math.exp(centre + half)
+
+
+HEADLINE_MIN_ROUNDS = 3  # paired rounds below which the headline is reported without an interval
+
+
+def headline(results: dict, throughputs: dict[str, list[float]], stalled: dict[str, list[bool]],
+             names: list[str]) -> dict | None:
+    """The run's headline: the output throughput of the table's first ratio column (`metrics.ratio_pairs`: skvs /
+    naive_spec, else skvs / vllm_default) as the table prints it (the reported runs' values), and with
+    HEADLINE_MIN_ROUNDS or more unstalled rounds of both the `t_interval` of the per-round ratios and whether it
+    holds 1 (the difference is not resolved). None when the table has no ratio column."""
+    pairs = metrics.ratio_pairs(names)
+    if not pairs:
+        return None
+    a, b = pairs[0]
+    ratio = metrics.safe_ratio(results[a]["metrics"][THROUGHPUT], results[b]["metrics"][THROUGHPUT])
+    rounds = [x for x in _round_ratios(throughputs[a], throughputs[b], stalled[a], stalled[b]) if x is not None]
+    out = {"pair": [a, b], "metric": THROUGHPUT, "ratio": ratio, "rounds": len(rounds), "ci95": None,
+           "contains_1": None, "method": f"95% t-interval of the geometric mean of the per-round ratios (log scale), "
+                                         f"from {HEADLINE_MIN_ROUNDS} rounds"}
+    if len(rounds) >= HEADLINE_MIN_ROUNDS:
+        lo, hi = t_interval(rounds)
+        out |= {"ci95": [lo, hi], "contains_1": lo <= 1.0 <= hi, "geometric_mean": float(np.exp(np.mean(np.log(
+            rounds))))}
+    return out
+
+
+def format_headline(h: dict) -> str:
+    """The headline as one line: the ratio, then its interval or why there is none."""
+    a, b = h["pair"]
+    line = f"headline: {a} / {b} output throughput {h['ratio']:.3f}x"
+    if h["ci95"] is None:
+        why = "single reading" if h["rounds"] <= 1 else f"{h['rounds']} rounds, too few for an interval"
+        return f"{line} ({why}; --repeats {HEADLINE_MIN_ROUNDS} or more gives its 95% interval)"
+    lo, hi = h["ci95"]
+    verdict = "contains 1: no difference resolved" if h["contains_1"] else "excludes 1: the difference is resolved"
+    return (f"{line}; over {h['rounds']} rounds, per-round ratios' geometric mean {h['geometric_mean']:.3f}x, 95% "
+            f"t-interval {lo:.3f}-{hi:.3f}x ({verdict})")
+
+
 def stall(result: dict) -> tuple[float, float] | tuple[()]:
     """(longest step, wall time) [s] when one step took over a second and over half the run, which is a
-    compilation or the machine stopping, not the policy; () otherwise. Steps end at `series["time"]`."""
-    ends = np.asarray(result["series"]["time"], np.float64)
+    compilation or the machine stopping, not the policy; () otherwise. Steps end at `series["time_s"]`."""
+    ends = np.asarray(result["series"]["time_s"], np.float64)
     if not ends.size:
         return ()
     longest = float(np.diff(ends, prepend=0.0).max())
@@ -232,7 +301,7 @@ def ablation_report(chosen: dict[str, policies.Policy], results: dict, throughpu
         base_tp, base_stalled = (paired_runs or {}).get(name, (throughputs["skvs"], stalled["skvs"]))
         # Against the skvs runs of the variant's own serving group, chosen as the reported runs are: a later
         # group's medians against the first group's compared two stretches of the machine, not two policies.
-        ratio = off["throughput"] / upper_median(base_tp, base_stalled)
+        ratio = off[THROUGHPUT] / upper_median(base_tp, base_stalled)
         paired = _round_ratios(throughputs[name], base_tp, stalled[name], base_stalled)
         pairs = [x for x in paired if x is not None]
         lo, hi = (min(pairs), max(pairs)) if len(pairs) > 1 else (ratio, ratio)
@@ -242,7 +311,7 @@ def ablation_report(chosen: dict[str, policies.Policy], results: dict, throughpu
                "metrics": {}, "better": [], "worse": []}
         for key, higher_is_better in ABLATION_METRICS:
             row["metrics"][key] = {"off": off[key], "skvs": skvs_metrics[key], "change": off[key] - skvs_metrics[key]}
-            if key == "throughput":
+            if key == THROUGHPUT:
                 row["metrics"][key] |= {"change": ratio, "paired": paired, "ratio_min": lo, "ratio_max": hi}
             elif not _same_value(off[key], skvs_metrics[key]) and math.isfinite(off[key] - skvs_metrics[key]):
                 # The switch improves a metric when skvs (switch on) is better than the ablation (switch off).
@@ -257,11 +326,11 @@ def ablation_report(chosen: dict[str, policies.Policy], results: dict, throughpu
             measured=not (all(stalled[name]) or all(base_stalled)))
         rows[name.removeprefix(f"{base.name} -")] = row
     gap_within_noise = rows["naive_spec"]["throughput_effect"] not in ("helps", "hurts")
-    gap = skvs_metrics["throughput"] - results["naive_spec"]["metrics"]["throughput"]
+    gap = skvs_metrics[THROUGHPUT] - results["naive_spec"]["metrics"][THROUGHPUT]
     step_gap = skvs_metrics["num_steps"] - results["naive_spec"]["metrics"]["num_steps"]
     for row in rows.values():
         off = results[row["policy"]]["metrics"]
-        row["share_of_gap"] = math.nan if gap_within_noise else (skvs_metrics["throughput"] - off["throughput"]) / gap
+        row["share_of_gap"] = math.nan if gap_within_noise else (skvs_metrics[THROUGHPUT] - off[THROUGHPUT]) / gap
         row["steps_share_of_gap"] = (skvs_metrics["num_steps"] - off["num_steps"]) / step_gap if step_gap else math.nan
     return {"base": "skvs", "reference": "naive_spec", "repeats": args.repeats,
             "noise_rule": ("bench_report.throughput_effect: engine steps decide where the same output tokens took "
@@ -269,8 +338,8 @@ def ablation_report(chosen: dict[str, policies.Policy], results: dict, throughpu
                            "(noise when they hold 1); one repeat with equal steps is within noise; with --rate and one "
                            f"repeat, |ratio - 1| <= {THROUGHPUT_NOISE}"),
             "non_timing_deterministic": args.rate is None, "gap_within_noise": gap_within_noise,
-            "skvs_ratio_min": min(skvs_valid) / skvs_metrics["throughput"],
-            "skvs_ratio_max": max(skvs_valid) / skvs_metrics["throughput"], "rows": rows}
+            "skvs_ratio_min": min(skvs_valid) / skvs_metrics[THROUGHPUT],
+            "skvs_ratio_max": max(skvs_valid) / skvs_metrics[THROUGHPUT], "rows": rows}
 
 
 def fmt(value: float, key: str = "") -> str:
@@ -291,12 +360,12 @@ def format_ablation(a: dict) -> str:
              "", "| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     any_row = next(iter(a["rows"].values()))["metrics"]
     skvs_range = f" [{a['skvs_ratio_min']:.2f}-{a['skvs_ratio_max']:.2f}]" if a["repeats"] > 1 else ""
-    cells = ["(none: skvs)", f"1.00x{skvs_range} = {fmt(any_row['throughput']['skvs'])} tok/s"]
+    cells = ["(none: skvs)", f"1.00x{skvs_range} = {fmt(any_row[THROUGHPUT]['skvs'])} tok/s"]
     cells += [fmt(any_row[k]["skvs"] * label[k][1], k) for k in keys[1:]] + ["", ""]
     lines.append("| " + " | ".join(cells) + " |")
     for switch, row in a["rows"].items():
         m = row["metrics"]
-        t = m["throughput"]
+        t = m[THROUGHPUT]
         paired = sum(x is not None for x in t["paired"]) > 1
         cells = ["all (naive_spec)" if switch == "naive_spec" else switch,
                  f"{t['change']:.2f}x" + (f" [{t['ratio_min']:.2f}-{t['ratio_max']:.2f}]" if paired else "")]
@@ -311,7 +380,7 @@ def format_ablation(a: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
 
     naive = a["rows"]["naive_spec"]
-    t = naive["metrics"]["throughput"]
+    t = naive["metrics"][THROUGHPUT]
     overall = metrics.safe_ratio(t["skvs"], t["off"])
     lines += ["", f"skvs vs naive_spec overall: skvs throughput {overall:.2f}x naive_spec's ("
               + ("beyond noise" if not a["gap_within_noise"] else naive["throughput_effect"]) + "); skvs is better on "

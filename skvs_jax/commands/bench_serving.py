@@ -1,7 +1,14 @@
 """`skvs bench`'s serving: one policy's engine over the trace (`Serving`, `serve`), several in lockstep
 (`serve_together`, each on its own `TurnClock`), and the rounds of a group of policies (`serve_group`,
-`serving_groups`). What the engines are built with (`engine_kwargs`) lives here too; the flags are `bench`'s and the
-report is `bench_report`'s.
+`serving_groups`). What the engines are built with (`engine_kwargs`) and the progress bar (`Progress`) live here
+too; the flags are `bench`'s and the report is `bench_report`'s.
+
+The client side, as `vllm bench serve` drives a server: a request is added to the engine when it arrives
+(`Request.arrival_time` on the engine's clock; all at t = 0 without a rate), and with `--max-concurrency N` only
+while fewer than N added requests are unfinished. Such a request's arrival is when it could be sent: the later
+of its own arrival and the finish that freed its place (vLLM's benchmark starts a request's clock once its
+semaphore lets it go, so TTFT excludes the wait for a place). Each output token's time is the end of the engine
+step that produced it (`RequestLog.token_times`), from which `metrics` computes the ITL.
 """
 
 from __future__ import annotations
@@ -68,6 +75,43 @@ class TurnClock:
         self._spent += max(0.0, seconds)
 
 
+class Progress:
+    """The bench's progress bar (tqdm, on stderr): output tokens of the timed runs against their total, what is
+    happening (`note`: "compiling skvs: width 5 done (2/4)", "lockstep (1/3)"), and the *served* output-token
+    rate: the tokens over the time the engines' own clocks ran while serving them (`served`), so compilation,
+    rehearsals and, in lockstep, the other engines' turns stay out of it (tqdm's own rate, tokens per second of
+    the bar's wall time, counted all of them)."""
+
+    def __init__(self, total_tokens: int, desc: str = "skvs bench"):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_tokens, desc=desc, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                        "{n_fmt}/{total_fmt} tok [{elapsed}{postfix}]")
+        self.tokens, self.seconds, self.text = 0, 0.0, ""
+
+    def served(self, tokens: int, seconds: float) -> None:
+        """`tokens` more output tokens served in `seconds` more of one engine's clock."""
+        self.tokens += tokens
+        self.seconds += max(0.0, seconds)
+        self.bar.update(tokens)
+        self._show()
+
+    def note(self, text: str) -> None:
+        self.text = text
+        self._show()
+
+    def rate(self) -> float:
+        return metrics.safe_ratio(self.tokens, self.seconds)
+
+    def _show(self) -> None:
+        rate = self.rate()
+        served = f"served {rate:.0f} tok/s" if rate == rate else ""
+        self.bar.set_postfix_str(", ".join(x for x in (self.text, served) if x))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 class Serving:
     """One policy's engine serving the trace one `turn` at a time: `serve` takes its turns back to back,
     `serve_together` takes several policies' turns in lockstep. Arguments as `serve`'s; clock: the engine's clock
@@ -84,27 +128,49 @@ class Serving:
         if knobs is not None:
             e.knobs = knobs  # the engine reads its knobs every step (and widens its next query width when they change)
         if getattr(args, "warmup", True):
-            e.warmup(bucket_hist or None)  # every query bucket, so no compilation lands inside the timed run
+            note = None
+            if progress is not None:
+                progress.note(f"compiling {policy.name}: {len(e.picker.widths)} widths")
+
+                def note(width, done, total, name=policy.name):
+                    progress.note(f"compiling {name}: width {width} done ({done}/{total})")
+            e.warmup(bucket_hist or None, on_compiled=note)  # every query bucket: no compilation in the timed run
         if e.step_cost_times:  # this engine fitted its step cost: what later repeats plan with (host arrays)
             fitted = (e.step_cost, e.step_cost_times, e.split_step_us)
         self.cache, self.args, self.progress, self.rehearsal, self.clock = cache, args, progress, rehearsal, clock
         self.fitted = fitted
         self.pending = sorted(trace.requests, key=lambda r: r.arrival_time)
         self.sched_snapshot = None
+        self.max_concurrency = getattr(args, "max_concurrency", None)
+        self.clock_seen = e.now()
 
     def busy(self) -> bool:
         return bool(self.pending) or self.e.has_work()
 
-    def turn(self) -> None:
-        """Admit what has arrived, then one turn of the engine's overlapped loop (`Engine.advance`: dispatch the
-        next program, read the last), or (nothing to run) wait for the next arrival. In lockstep the turn ends
-        when the dispatch it sent is done, so no engine's program runs during another engine's turn."""
+    def _admit(self) -> None:
+        """Add the requests that have arrived, up to --max-concurrency unfinished (the module docstring)."""
         e, args = self.e, self.args
         now = e.now()
-        while self.pending and (args.rate is None or self.pending[0].arrival_time <= now):
+        cap = self.max_concurrency
+        while self.pending and self.pending[0].arrival_time <= now:
+            arrival = self.pending[0].arrival_time
+            if cap is not None:
+                added = len(e.requests)
+                finished = sorted(r.finish_time for r in e.requests.values() if r.finished or r.aborted)
+                if added - len(finished) >= cap:
+                    return
+                if added >= cap:  # the k-th request's place is the one the (k - cap)-th finish freed
+                    arrival = max(arrival, finished[added - cap])
             r = self.pending.pop(0)
             e.add_request(r.prompt, eng.SamplingParams(max_tokens=r.max_new_tokens, temperature=args.temperature),
-                          arrival_time=r.arrival_time if args.rate is not None else 0.0, request_id=r.request_id)
+                          arrival_time=arrival, request_id=r.request_id)
+
+    def turn(self) -> None:
+        """Admit what has arrived (`_admit`), then one turn of the engine's overlapped loop (`Engine.advance`:
+        dispatch the next program, read the last), or (nothing to run) wait for the next arrival. In lockstep the
+        turn ends when the dispatch it sent is done, so no engine's program runs during another engine's turn."""
+        e = self.e
+        self._admit()
         if not e.has_work():
             wait = self.pending[0].arrival_time - e.now()
             if self.clock is not None:
@@ -117,8 +183,10 @@ class Serving:
             e.wait()
         if len(e.step_log) >= 4 and self.sched_snapshot is None and not self.rehearsal:
             self.sched_snapshot = jax.tree.map(lambda x: x.copy(), e.state.sched)
-        if self.progress is not None:
-            self.progress(sum(len(t) for _, t, _ in new))
+        if self.progress is not None and not self.rehearsal:
+            now = e.now()
+            self.progress.served(sum(len(t) for _, t, _ in new), now - self.clock_seen)
+            self.clock_seen = now
 
     def refit(self, rounds: int | None = None) -> None:
         """Fit the step cost again, now that the trace has run every kernel of the engine's programs once, with
@@ -148,9 +216,10 @@ class Serving:
             num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
             num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
             num_first_cached_prompt_tokens=r.first_cached_tokens,
+            token_times=r.token_times,
         ) for r in e.requests.values()]
-        result = metrics.summarize(records, log.freeze())
-        series = {"time": [s["start"] + s["duration"] for s in e.step_log],
+        result = metrics.with_units(metrics.summarize(records, log.freeze()))
+        series = {"time_s": [s["start"] + s["duration"] for s in e.step_log],
                   "output_tokens": [s["output_tokens"] for s in e.step_log],
                   "blocks_used": [s["blocks_used"] for s in e.step_log],
                   "spec_blocks": [s["spec_blocks"] for s in e.step_log]}
@@ -158,7 +227,8 @@ class Serving:
         counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
         result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
         fitted = self.fitted
-        return {"metrics": result, "outputs": outputs, "series": series, "counters": counters,
+        return {"metrics": result, "requests": metrics.request_rows(records), "outputs": outputs, "series": series,
+                "counters": counters,
                 "compiled": sorted(e.compiled), "bucket_hist": e.picker.bucket_hist, "padding": e.picker.padding,
                 "fitted": fitted,
                 "step_cost_us": {str(w): round(t, 1) for w, t in sorted(fitted[1].items())} if fitted else {},
@@ -191,7 +261,8 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     `WidthPicker.bucket_hist`, from which a policy with `bucket_budget` chooses its draft widths at warm-up (the
     result's "bucket_hist" is this run's). fitted: an earlier repeat's result["fitted"] (its fitted step cost
     and times), used as given so every repeat plans with the same cost (the first run fits it). rehearsal: an
-    untimed run (`--rehearse`), so the scheduler's own time is not measured after it."""
+    untimed run (`--rehearse`), so the scheduler's own time is not measured after it, nor its tokens counted
+    on the progress bar (a `Progress`, which also shows the compilation)."""
     run = Serving(model, heads, policy, cache, trace, args, progress=progress, knobs=knobs, bucket_hist=bucket_hist,
                    fitted=fitted, rehearsal=rehearsal)
     while run.busy():
@@ -287,10 +358,10 @@ def serve_group(group: list[str], out: dict, history: dict, model, heads, chosen
     if getattr(args, "rehearse", False):
         for name in group:
             if bar is not None:
-                bar.set_postfix_str(f"{name} (rehearsal)")
+                bar.note(f"{name} (rehearsal)")
             hist, fitted = carried(name)
-            fits[name] = serve(model, heads, chosen[name], cache, trace, args, knobs=specs[name].knobs(),
-                               bucket_hist=hist, fitted=fitted, rehearsal=True).get("fitted")
+            fits[name] = serve(model, heads, chosen[name], cache, trace, args, progress=bar,
+                               knobs=specs[name].knobs(), bucket_hist=hist, fitted=fitted, rehearsal=True).get("fitted")
     for repeat in range(args.repeats):
         shift = repeat % len(group)
         order = group[shift:] + group[:shift]
@@ -298,16 +369,15 @@ def serve_group(group: list[str], out: dict, history: dict, model, heads, chosen
         for name in order:
             hist, fitted = carried(name)
             calls.append(dict(model=model, heads=heads, policy=chosen[name], cache=cache, trace=trace, args=args,
-                              progress=bar.update if bar else None, knobs=specs[name].knobs(), bucket_hist=hist,
-                              fitted=fitted))
+                              progress=bar, knobs=specs[name].knobs(), bucket_hist=hist, fitted=fitted))
         rnd = "" if args.repeats == 1 else f" ({repeat + 1}/{args.repeats})"
         if getattr(args, "lockstep", False):
             if bar is not None:
-                bar.set_postfix_str(f"lockstep{rnd}")
+                bar.note(f"lockstep{rnd}")
             for name, result in zip(order, serve_together(calls), strict=True):
                 out[name].append(result)
             continue
         for name, call in zip(order, calls, strict=True):
             if bar is not None:
-                bar.set_postfix_str(name + rnd)
+                bar.note(name + rnd)
             out[name].append(serve(**call))

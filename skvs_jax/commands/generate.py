@@ -24,12 +24,24 @@ from skvs_jax.serve import engine
 from skvs_jax.serve.tokenizer import ByteTokenizer, load_tokenizer
 
 BLOCK_SIZE = 8
+GENERATE_POLICIES = ("vllm_default", "naive_spec", "skvs")
+
+
+def _one_policy(value: str) -> str:
+    """--policy / --policies: one name (bench and simulate take several; one request is served by one)."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError(f"skvs generate serves one policy, got {value!r}")
+    return names[0]
 
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("text", help="the prompt (bytes of UTF-8 text)")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--policy", default="skvs", choices=sorted(("vllm_default", "naive_spec", "skvs")))
+    gen.add_argument("--policy", "--policies", dest="policy", default="skvs", type=_one_policy,
+                     choices=sorted(GENERATE_POLICIES),
+                     help="the one policy that serves the request (--policies, as bench and simulate spell it, "
+                          "takes one name here)")
     gen.add_argument("--draft-len", type=int, default=None, help="drafts per step (default: the Medusa heads' count)")
     gen.add_argument("--max-model-len", type=int, default=None,
                      help="longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings)")

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         llm = LLM(args.model, medusa=args.medusa, policy=policy, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, compile_cache=False if directory is None else directory)
     except (ValueError, TypeError, OSError) as err:
-        print(f"skvs serve: {err}", file=sys.stderr)
+        print(f"skvs serve: {_as_flags(str(err))}", file=sys.stderr)
         return 2
     if args.warmup:
         llm.engine.warmup()
@@ -76,3 +76,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _as_flags(message: str) -> str:
+    """An `LLM` error in the command's words: its argument names as the flags that set them."""
+    for arg, flag in (("model=", "--model "), ("medusa=", "--medusa "), ("max_model_len", "--max-model-len"),
+                      ("max_num_seqs", "--max-num-seqs"), ("dtype", "--dtype")):
+        message = message.replace(arg, flag)
+    return message

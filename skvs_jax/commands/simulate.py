@@ -3,11 +3,27 @@
 Each policy is one compiled simulation (`sweep.run`); its lanes are the seeds (and with `--sweep` the arrival
 rates), all in one call. Every policy sees the same requests, the same arrival times and the same acceptance
 draws (the acceptance table depends on the seed only), so differences between columns come from scheduling.
+The model priced is `--model-shape NAME[:LAYERS]` (a shape of `skvs_jax.model_shapes`, as `skvs bench
+--model-shape` serves it); `--model`, a checkpoint folder in the other commands, is refused with that advice.
+Arrivals: Poisson at `--rate`, or Gamma gaps of shape `--burstiness` (`workloads.arrival_gaps`); `--trace FILE`
+simulates a JSONL file's requests at its own arrival times instead (`workloads.read_requests`: only lengths and
+arrivals matter here, prompt text counts one token per UTF-8 byte).
 
 Output: the table of `skvs bench` (rows = the metrics of docs/design.md, columns = policies, ratios to the
 baselines), in simulated time, averaged over seeds; with `--sweep`, a table per load of throughput, TPOT and mean
-batch with each speculating policy's speedup over vllm_default, and where naive speculation stops paying. JSON
-(every lane's metrics, the configuration) and a plot of metric vs load go to `--out`.
+batch with each speculating policy's speedup over vllm_default, and where naive speculation stops paying. The
+simulator knows each request's first and last token times, not those between, so TTFT, TPOT and end-to-end
+latency are exact and ITL is not computed (null). A plot of metric vs load goes to `--out` beside the JSON.
+
+simulate.json (SCHEMA_VERSION 2; 1 had unitless keys: "throughput", "tpot_p50" in s, a lane's "rate"): units in the
+keys as bench.json's (`metrics.with_units`: `_ms`, `_s`, `_per_s`).
+  config       every flag (vars of the parsed arguments) plus kv_blocks, max_blocks_per_seq, alphas, versions,
+               host_blocks, kv_dtype_bytes, policy_fields.
+  lanes        policy -> one dict per lane: the reported metrics, mean_batch, request_rate_per_s, seed, the draft
+               and preemption counters, and per phase / acceptance class ("phase", "class") a list of the
+               group's metrics (median_tpot_ms, p99_tpot_ms, ..., requests, drafts_per_step).
+  by_rate      str(rate) -> policy -> the mean over its seeds.
+  hindsight    "phase" / "class" -> str(rate) -> `hindsight`'s rows.
 
 Breakdowns: a phased workload (`--phases`, `workloads.phased`) gets a table of TPOT P50/P99 per phase, and an
 acceptance of several classes (`--acceptance A/B`: request i draws from class i mod classes) one per class.
@@ -35,15 +51,19 @@ from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
 from skvs_jax.sim.specs import HOST_LINKS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+DEFAULT_SHAPE = "llama-3.1-8b"
+# Reported keys (`metrics.with_units`) the tables and the hindsight oracle read.
+THROUGHPUT, MEDIAN_TPOT, P99_TPOT = "output_tokens_per_s", "median_tpot_ms", "p99_tpot_ms"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3.1-8b", choices=sorted(cost_model.MODELS),
-                        help="the model priced (a name of sim.specs.MODELS; --model-shape says the same, and cuts)")
-    parser.add_argument("--model-shape", metavar="NAME[:LAYERS]", default=None,
-                        help="the model priced, as `skvs bench --model-shape` serves it: a shape of "
-                             "skvs_jax.model_shapes, optionally its first LAYERS layers (bf16, 4 Medusa heads)")
+    parser.add_argument("--model-shape", metavar="NAME[:LAYERS]", default=DEFAULT_SHAPE,
+                        help=f"the model priced, as `skvs bench --model-shape` serves it: a shape of "
+                             f"skvs_jax.model_shapes ({', '.join(sorted(cost_model.MODELS))}; default "
+                             f"{DEFAULT_SHAPE}), optionally its first LAYERS layers (bf16, 4 Medusa heads)")
+    # --model is a checkpoint folder in `skvs bench` and `skvs generate`; here it only says where the shape went.
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--device", default="a100-80gb", choices=sorted(cost_model.DEVICES))
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (devices per replica)")
     parser.add_argument("--cost-mode", default="auto", choices=cost_model.COST_MODES,
@@ -62,13 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--oracle", action="store_true",
                         help="also run every fixed draft length (vllm_default, naive_spec:1..K) and report the best "
                              "of them per phase or class in hindsight beside each other policy")
-    parser.add_argument("--policies", default="vllm_default,naive_spec,skvs",
+    parser.add_argument("--policies", "--policy", dest="policies", default="vllm_default,naive_spec,skvs",
                         help="comma-separated presets, each with optional overrides of its fields "
                              "(policies.parse_policy): skvs:preemption=swap,victim=most_progress; NAME:K (or "
                              "NAME:K=K) runs the preset with the draft-length knob at K (<= --draft-len: naive_spec:2 "
                              "is a fixed chain of 2), on the same acceptance draws; name=LABEL names the variant")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at t = 0)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="arrival gaps Gamma-distributed with this shape and mean 1 / --rate (vLLM's benchmark: 1 "
+                             "= Poisson; < 1 burstier, > 1 more even)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="simulate the requests of a JSONL file instead of --workload, one a line: {\"prompt\": "
+                             "TEXT (its UTF-8 bytes count as tokens) or \"prompt_len\": N, \"output_len\": N, "
+                             "\"arrival_s\": T} (workloads.read_requests); its arrival times replace --rate")
     parser.add_argument("--seeds", type=int, default=2, help="traces (seeds 0..N-1), one lane each")
     parser.add_argument("--scale", type=float, default=1.0, help="length scale of the workload (1: published means)")
     parser.add_argument("--max-prompt-len", type=int, default=1024)
@@ -126,7 +153,8 @@ def parse_phases(spec: str) -> list[list]:
 
 def workload_kwargs(args) -> dict:
     """The workload's arguments besides count, seed and rate."""
-    kw = dict(max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, scale=args.scale)
+    kw = dict(max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, scale=args.scale,
+              burstiness=getattr(args, "burstiness", 1.0))
     if args.workload == "phased" and args.phases is not None:
         kw["phases"] = parse_phases(args.phases)
     return kw
@@ -169,7 +197,8 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float
     for rate in rates:
         kw = dict(rate=None if math.isinf(rate) else rate) | workload_kwargs(args)
         for seed in range(args.seeds):
-            trace = workloads.make(args.workload or "sharegpt", args.requests, seed=seed, **kw)
+            trace = (_file_trace(args) if getattr(args, "trace", None) is not None else
+                     workloads.make(args.workload or "sharegpt", args.requests, seed=seed, **kw))
             # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
             sims.append(simulate.make_trace(trace, cfg, alphas=per_request, seed=seed,
                                             vocab_size=model_spec(args).vocab_size))
@@ -224,19 +253,18 @@ KV_BYTES = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
 
 
 def model_spec(args) -> cost_model.ModelSpec:
-    """--model-shape's spec (the registry's config, cut to its layers; bf16; the article's 4 Medusa heads), else
-    --model's."""
-    if getattr(args, "model_shape", None) is None:
-        return cost_model.MODELS[args.model]
+    """--model-shape's spec (the registry's config, cut to its layers; bf16; the article's 4 Medusa heads;
+    default DEFAULT_SHAPE)."""
     from skvs_jax import model_shapes
 
+    shape = getattr(args, "model_shape", None) or DEFAULT_SHAPE
     try:
-        name, layers = model_shapes.parse(args.model_shape)
+        name, layers = model_shapes.parse(shape)
     except ValueError as err:
         raise SystemExit(f"skvs simulate: --model-shape: {err}") from None
     if layers is None:
         return cost_model.MODELS[name]
-    return cost_model.ModelSpec.from_hf_config(args.model_shape, model_shapes.hf_config(name, layers),
+    return cost_model.ModelSpec.from_hf_config(shape, model_shapes.hf_config(name, layers),
                                                {"medusa_num_heads": 4, "medusa_num_layers": 1})
 
 
@@ -279,13 +307,57 @@ def verify_budget_of(value: str, cost: cost_model.CostModel) -> int | None:
         raise SystemExit(f"skvs simulate: {err}") from None
 
 
+def _with_units(lane: dict) -> dict:
+    """A lane's summary (`sweep.summaries`) with the reported keys, its breakdowns' groups too."""
+    return {k: [metrics.with_units(g) for g in v] if isinstance(v, list) else v
+            for k, v in metrics.with_units(lane).items()}
+
+
 def _mean(ms: list[dict]) -> dict[str, float]:
     keys = [k for k, v in ms[0].items() if not isinstance(v, list)]  # breakdowns (lists of groups) stay per lane
     return {k: float(np.nanmean([m[k] for m in ms])) if any(np.isfinite(m[k]) for m in ms) else math.nan
             for k in keys}
 
 
+def _file_trace(args) -> workloads.Trace:
+    """--trace's requests, read once per run (`workloads.read_requests`; its prompt_len lines drawn with seed 0):
+    every lane simulates them, its seed choosing the acceptance draws only."""
+    if getattr(args, "loaded_trace", None) is None:
+        try:
+            args.loaded_trace = workloads.read_requests(args.trace)
+        except (ValueError, OSError) as err:
+            raise SystemExit(f"skvs simulate: --trace: {err}") from None
+    return args.loaded_trace
+
+
+def _check_trace(args) -> None:
+    """--trace FILE: it replaces the workload, --requests and the arrivals (--rate becomes its rate: its requests
+    over its last arrival, inf when all arrive at t = 0), and its requests must fit the length caps."""
+    for flag, given in (("--workload", args.workload is not None), ("--phases", args.phases is not None),
+                        ("--sweep", args.sweep), ("--burstiness", args.burstiness != 1.0)):
+        if given:
+            raise SystemExit(f"skvs simulate: --trace gives the requests and their arrival times: leave out {flag}")
+    trace = _file_trace(args)
+    for flag, longest, cap in (("--max-prompt-len", max(len(r.prompt) for r in trace.requests), args.max_prompt_len),
+                               ("--max-output-len", max(r.max_new_tokens for r in trace.requests),
+                                args.max_output_len)):
+        if longest > cap:
+            raise SystemExit(f"skvs simulate: --trace {args.trace} has a request of {longest} tokens, more than {flag} "
+                             f"{cap}: raise {flag}")
+    args.requests = len(trace.requests)
+    last = max(r.arrival_time for r in trace.requests)
+    args.rate = len(trace.requests) / last if last > 0 else math.inf
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        raise SystemExit(f"skvs simulate: --model is a checkpoint folder in skvs bench and skvs generate; the "
+                         f"simulator prices a model shape: use --model-shape NAME[:LAYERS] "
+                         f"({', '.join(sorted(cost_model.MODELS))}), got --model {args.model}")
+    if not (math.isfinite(args.burstiness) and args.burstiness > 0):
+        raise SystemExit(f"skvs simulate: --burstiness must be a finite number > 0, got {args.burstiness}")
+    if args.trace is not None:
+        _check_trace(args)
     if args.phases is not None:
         if args.workload not in (None, "phased"):
             raise SystemExit(f"skvs simulate: --phases sets a phased workload, not --workload {args.workload}")
@@ -358,10 +430,10 @@ def run(args: argparse.Namespace) -> int:
         if np.any(done < args.requests):
             print(f"warning: {name}: {int(np.sum(done < args.requests))} of {len(done)} lanes did not finish in "
                   f"{args.max_steps} steps (raise --max-steps); their metrics cover what ran")
-        ms = sweep.summaries(logs, traces, lanes, cfg, breakdowns)
+        ms = [_with_units(m) for m in sweep.summaries(logs, traces, lanes, cfg, breakdowns)]
         ct = states.counters  # attribution: what the drafts cost in memory, per lane
         for i, ((rate, seed), m) in enumerate(zip(where, ms, strict=True)):
-            m["rate"], m["seed"] = rate, seed
+            m["request_rate_per_s"], m["seed"] = rate, seed
             for key in ("draft_blocks", "oom_steps_drafts", "preempt_drafts", "oom_steps", "preempt_recompute",
                         "preempt_swap", "swap_ins", "first_prompt_tokens", "first_cached_tokens"):
                 m[key] = float(np.asarray(getattr(ct, key))[i])
@@ -370,7 +442,8 @@ def run(args: argparse.Namespace) -> int:
         steps_run += steps
         print(f"  {name}: {len(ms)} lanes, {steps} simulated steps in {elapsed:.1f} s (compilation included)")
 
-    by_rate = {r: {n: _mean([m for m in per_policy[n] if m["rate"] == r]) for n in names} for r in rates}
+    by_rate = {r: {n: _mean([m for m in per_policy[n] if m["request_rate_per_s"] == r]) for n in names}
+               for r in rates}
     spec = cost.model
     print(f"skvs simulate: {args.requests} requests ({args.workload or 'sharegpt'}, seeds 0..{args.seeds - 1}, "
           f"scale {args.scale}), "
@@ -385,7 +458,11 @@ def run(args: argparse.Namespace) -> int:
           f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
     print(policy_flags.describe(specs, host_blocks, kv=f"{cost.model.kv_dtype_bytes} bytes/element (cost model)"))
     if not args.sweep:
-        print(metrics.format_table(by_rate[rates[0]]))
+        # The simulator knows each request's first and last token times, not the ones between: no ITL (null in JSON).
+        print(metrics.format_table({n: {k: v for k, v in m.items() if "_itl_" not in k}
+                                    for n, m in by_rate[rates[0]].items()}))
+        print("ITL: not simulated (the simulator records each request's first and last token times only; TTFT, TPOT "
+              "and end-to-end latency are exact)")
     else:
         print(_sweep_table(by_rate, names))
         for line in _verdicts(by_rate, names):
@@ -394,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     for group in ("phase", "class"):
         if group in per_policy[names[0]][0]:
             for r in rates:
-                lanes_at = {n: [m for m in per_policy[n] if m["rate"] == r] for n in names}
+                lanes_at = {n: [m for m in per_policy[n] if m["request_rate_per_s"] == r] for n in names}
                 labels = _group_labels(args, group, r, alphas)
                 print(group_table(lanes_at, names, group, labels, fixed_names(names, args.draft_len)))
                 groups.setdefault(group, {})[str(r)] = hindsight(lanes_at, names, group,
@@ -402,12 +479,13 @@ def run(args: argparse.Namespace) -> int:
     fixed = fixed_names(names, args.draft_len)
     for r in rates if fixed else []:
         for n in [n for n in names if n not in fixed.values()]:
-            best = [max(per_policy[f][i]["throughput"] for f in fixed.values())
-                    for i, m in enumerate(per_policy[n]) if m["rate"] == r]
-            mine = [m["throughput"] for m in per_policy[n] if m["rate"] == r]
+            best = [max(per_policy[f][i][THROUGHPUT] for f in fixed.values())
+                    for i, m in enumerate(per_policy[n]) if m["request_rate_per_s"] == r]
+            mine = [m[THROUGHPUT] for m in per_policy[n] if m["request_rate_per_s"] == r]
             print(f"{n} throughput / the best fixed K's at {r:g} req/s, per seed: "
                   + ", ".join(f"{a / b:.3f}x" for a, b in zip(mine, best)))
-    doc = {"schema_version": SCHEMA_VERSION, "command": "skvs simulate", "config": vars(args) | {
+    config = {k: v for k, v in vars(args).items() if k not in ("loaded_trace", "model")}
+    doc = {"schema_version": SCHEMA_VERSION, "command": "skvs simulate", "config": config | {
         "kv_blocks": cache.usable_blocks, "max_blocks_per_seq": cache.max_blocks_per_seq,
         "alphas": alphas.tolist(), "versions": {"jax": jax.__version__}, "host_blocks": host_blocks,
         "kv_dtype_bytes": cost.model.kv_dtype_bytes,
@@ -423,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _speedup(by_rate, rate, name, key="tpot_p50") -> float:
+def _speedup(by_rate, rate, name, key=MEDIAN_TPOT) -> float:
     """vllm_default's value over the policy's (latency: > 1 means the policy is faster)."""
     base, mine = by_rate[rate].get("vllm_default", {}).get(key, math.nan), by_rate[rate][name].get(key, math.nan)
     return base / mine if mine > 0 else math.nan
@@ -438,7 +516,7 @@ def _sweep_table(by_rate, names) -> str:
         cells = [f"{r:g}"]
         for n in names:
             m = res[n]
-            cells += [f"{m['throughput']:.0f}", f"{m['tpot_p50'] * 1e3:.1f}", f"{m['mean_batch']:.1f}"]
+            cells += [f"{m[THROUGHPUT]:.0f}", f"{m[MEDIAN_TPOT]:.1f}", f"{m['mean_batch']:.1f}"]
         cells += [f"{_speedup(by_rate, r, n):.2f}x" for n in spec_names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -474,8 +552,8 @@ def _plot(by_rate, names, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = list(by_rate)
-    panels = (("throughput", "throughput (tok/s)", 1.0), ("tpot_p50", "TPOT P50 (ms)", 1e3),
-              ("e2e_p50", "end-to-end P50 (s)", 1.0), ("mean_batch", "mean batch (sequences)", 1.0))
+    panels = ((THROUGHPUT, "output throughput (tok/s)", 1.0), (MEDIAN_TPOT, "TPOT median (ms)", 1.0),
+              ("median_e2e_ms", "end-to-end median (s)", 1e-3), ("mean_batch", "mean batch (sequences)", 1.0))
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
     for ax, (key, label, factor) in zip(axes.flat, panels, strict=True):
         for n in names:
@@ -504,14 +582,15 @@ def fixed_names(names: list[str], k: int) -> dict[int, str]:
 
 
 def hindsight(lanes: dict[str, list[dict]], names: list[str], group: str, fixed: dict[int, str]) -> list[dict]:
-    """Per group (phase or class), per seed: the best fixed draft length in hindsight for TPOT P50 and for P99
-    (the smallest value over `fixed`, and its K), and every other policy's ratio to it and to vllm_default (no
-    speculation). lanes: name -> its lanes at one rate, one per seed, in the same seed order."""
+    """Per group (phase or class), per seed: the best fixed draft length in hindsight for TPOT median and P99
+    (MEDIAN_TPOT, P99_TPOT: the smallest value over `fixed`, and its K), and every other policy's ratio to it and to
+    vllm_default (no speculation). lanes: name -> its lanes at one rate, one per seed, in the same seed order, with
+    the reported keys (`_with_units`)."""
     seeds = [m["seed"] for m in lanes[names[0]]]
     out = []
     for g in range(len(lanes[names[0]][0][group])):
         row: dict = {"requests": lanes[names[0]][0][group][g].get("requests", 0.0), "seeds": seeds}
-        for key in ("tpot_p50", "tpot_p99"):
+        for key in (MEDIAN_TPOT, P99_TPOT):
             per_k = {k: [lanes[n][i][group][g].get(key, math.nan) for i in range(len(seeds))] for k, n in fixed.items()}
             best_k = [min(per_k, key=lambda k: (np.nan_to_num(per_k[k][i], nan=math.inf), k)) if per_k else None
                       for i in range(len(seeds))]
@@ -564,13 +643,13 @@ def group_table(lanes: dict[str, list[dict]], names: list[str], group: str, labe
         cells = [labels[g] if g < len(labels) else str(g)]
         for n in names:
             ms = [m[group][g] for m in lanes[n]]
-            mean = {key: _nanmean([m.get(key, math.nan) for m in ms]) for key in ("tpot_p50", "tpot_p99",
+            mean = {key: _nanmean([m.get(key, math.nan) for m in ms]) for key in (MEDIAN_TPOT, P99_TPOT,
                                                                                  "drafts_per_step")}
-            cells.append(f"{mean['tpot_p50'] * 1e3:.1f} / {mean['tpot_p99'] * 1e3:.1f} "
+            cells.append(f"{mean[MEDIAN_TPOT]:.1f} / {mean[P99_TPOT]:.1f} "
                          f"({mean['drafts_per_step']:.2f})")
         if fixed:
-            p50, p99 = row["tpot_p50"], row["tpot_p99"]
-            cells.append(f"{np.nanmean(p50['best']) * 1e3:.1f} / {np.nanmean(p99['best']) * 1e3:.1f} "
+            p50, p99 = row[MEDIAN_TPOT], row[P99_TPOT]
+            cells.append(f"{np.nanmean(p50['best']):.1f} / {np.nanmean(p99['best']):.1f} "
                          f"({','.join(map(str, p50['best_k']))} / {','.join(map(str, p99['best_k']))})")
             cells += [f"{_span(p50[n]['over_best'])}x, {_span(p99[n]['over_best'])}x" for n in adaptive]
             if "vllm_default" in names:

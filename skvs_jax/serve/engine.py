@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -582,7 +582,8 @@ class Engine:
         if self.step_cost_times:  # a fitted cost: new widths priced between the timed ones until refitted
             self._install_step_cost()
 
-    def warmup(self, draft_hist: dict[int, int] | None = None) -> list[int]:
+    def warmup(self, draft_hist: dict[int, int] | None = None,
+               on_compiled: Callable[[int, int, int], None] | None = None) -> list[int]:
         """Compile every query bucket now, hottest first, so no request waits for a compilation.
 
         draft_hist maps a step's most drafts -> steps (default: this engine's own `picker.draft_hist`, e.g. from
@@ -597,7 +598,8 @@ class Engine:
         Empty steps execute only the kernels an empty step reaches. XLA:CPU spends time on each kernel's first
         execution (docs/serving.md), so the first preemption, eviction or prefix hit of this process's programs
         runs slower once; a timing should serve its workload once untimed first (`skvs bench --rehearse`).
-        Engines of one configuration share programs.
+        Engines of one configuration share programs. on_compiled(width, done, total) is called after each width
+        (a progress line).
         """
         hist = self.picker.draft_hist if draft_hist is None else draft_hist
         chosen = self.picker.choose_from(hist)  # choose the programs from the histogram first
@@ -611,11 +613,13 @@ class Engine:
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
             put(zeros), put(zeros - 1), self._rows([]), put(zeros), cfg=self.cfg))
         jax.block_until_ready(sampling_mod.stream_keys(zeros.astype(np.uint32), zeros))  # what an admission runs
-        for w in order:
+        for i, w in enumerate(order):
             jax.block_until_ready(self._idle_step(empty, w))
             if self.tiers is not None and self._loop:  # the steps that swap run as two programs
                 jax.block_until_ready(self._idle_swap_step(empty, w))
             self.compiled.add((w, self.tiers is not None))
+            if on_compiled is not None:
+                on_compiled(w, i + 1, len(order))
         if self.step_cost_mode == "fit" and (self.policy.goodput_control or self.policy.priced_drafts):
             self.fit_step_cost()
         if not self.requests:

@@ -50,6 +50,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (load generators ask)
 
 
 class _Sampling(_Body):
@@ -265,15 +266,25 @@ def _sse(obj) -> str:
 class _Stream:
     """What one streamed response tracks: ids, usage, and per choice the characters sent (logprobs' offsets)."""
 
-    def __init__(self, rid: str, model: str, obj: str, n: int, include_usage: bool):
+    def __init__(self, rid: str, model: str, obj: str, n: int, options: StreamOptions):
         self.rid, self.model, self.obj, self.n = rid, model, obj, n
         self.created = int(time.time())
-        self.include_usage = include_usage
+        self.include_usage, self.continuous = options.include_usage, options.continuous_usage_stats
         self.prompt_tokens = self.completion_tokens = 0
+        self.prompted: set[int] = set()  # the prompts whose tokens are counted
         self.offsets: dict[int, int] = {}
+
+    def count(self, i: int, out) -> None:
+        """Usage: prompt i's tokens once, and the output tokens `out` (a DELTA output) brings."""
+        if i not in self.prompted:
+            self.prompted.add(i)
+            self.prompt_tokens += len(out.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
     def chunk(self, choice: dict) -> str:
         body = {"id": self.rid, "object": self.obj, "created": self.created, "model": self.model, "choices": [choice]}
+        if self.continuous:
+            return _sse(body | {"usage": _usage(self.prompt_tokens, self.completion_tokens)})
         return _sse(body | ({"usage": None} if self.include_usage else {}))
 
     def tail(self) -> str:
@@ -291,10 +302,8 @@ def _error_event(err: Exception) -> str:
 async def _completion_events(request: Request, streams, s: _Stream, top: int | None) -> AsyncIterator[str]:
     try:
         async for i, out in _merge(request, streams):
-            if out.finished:
-                s.prompt_tokens += len(out.prompt_token_ids)
+            s.count(i, out)
             for c in out.outputs:
-                s.completion_tokens += len(c.token_ids)
                 if not (c.text or c.finish_reason or (top is not None and c.token_ids)):
                     continue
                 k = i * s.n + c.index
@@ -315,11 +324,9 @@ async def _chat_events(request: Request, streams, s: _Stream, top: int | None) -
         for j in range(s.n):  # OpenAI's first chunk of each choice: the role, no content
             yield s.chunk({"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None})
-        async for _, out in _merge(request, streams):
-            if out.finished:
-                s.prompt_tokens += len(out.prompt_token_ids)
+        async for i, out in _merge(request, streams):
+            s.count(i, out)
             for c in out.outputs:
-                s.completion_tokens += len(c.token_ids)
                 if c.text or (top is not None and c.token_ids):
                     logprobs = chat_logprobs(c, top) if top is not None else None
                     yield s.chunk({"index": c.index, "delta": {"content": c.text}, "logprobs": logprobs,
@@ -482,8 +489,7 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await _add_all(async_llm, prompts, sp, rid, body.cache_salt, "prompt")
         if body.stream:
-            s = _Stream(rid, model_name, "text_completion", sp.n, bool(body.stream_options and
-                                                                        body.stream_options.include_usage))
+            s = _Stream(rid, model_name, "text_completion", sp.n, body.stream_options or StreamOptions())
             return StreamingResponse(_completion_events(request, streams, s, body.logprobs),
                                      media_type="text/event-stream")
         finals = await _finals(request, streams)
@@ -524,8 +530,7 @@ def build_app(async_llm: AsyncLLM, model_name: str) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await _add_all(async_llm, [ids], sp, rid, body.cache_salt, "messages")
         if body.stream:
-            s = _Stream(rid, model_name, "chat.completion.chunk", sp.n, bool(body.stream_options and
-                                                                              body.stream_options.include_usage))
+            s = _Stream(rid, model_name, "chat.completion.chunk", sp.n, body.stream_options or StreamOptions())
             return StreamingResponse(_chat_events(request, streams, s, top), media_type="text/event-stream")
         finals = await _finals(request, streams)
         if finals is None:

@@ -39,6 +39,7 @@ class RequestLog:
     sampling: SamplingParams
     arrival_time: float
     tokens: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)  # per token: the end of the step emitting it
     first_token_time: float = float("nan")
     finish_time: float = float("nan")
     admissions: int = 0
@@ -369,6 +370,7 @@ class RequestTable:
                 if not r.tokens:
                     r.first_token_time = end
                 r.tokens.extend(new)
+                r.token_times.extend([end] * len(new))
                 if r.sampling.logprobs is not None:
                     _record_logprobs(r, out, slot, new)
             if finished:
@@ -451,7 +453,7 @@ class RequestTable:
             for cid in self.live_outputs(rid):
                 r = self.requests[cid]
                 token = int(out.sibling_tokens[slot, r.sample_index - 1])
-                r.tokens, r.first_token_time = [token], end
+                r.tokens, r.token_times, r.first_token_time = [token], [end], end
                 if r.sampling.logprobs is not None:
                     top = r.sampling.logprobs
                     entry = {int(t): float(lp) for t, lp in zip(out.top_ids[slot, 0, :top],

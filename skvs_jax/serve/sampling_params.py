@@ -32,7 +32,8 @@ class SamplingParams:
     include_stop_str_in_output), logprobs (None, or the top-N raw logprobs of every emitted token, N <=
     `sampling.MAX_LOGPROBS`), and n outputs of the prompt (1 <= n <= `sampling.MAX_N`; outputs 1.. fork off
     output 0 once it has its first token, sharing the prompt's blocks, each with its own stream). At most
-    `engine_step.MAX_STOP` stop ids and strings together, each string of at most `sampling.MAX_STOP_LEN` bytes.
+    `engine_step.MAX_STOP` stop ids and strings together (a stop string longer than `sampling.MAX_STOP_LEN` tokens
+    is matched on the text by the host).
 
     Constraints (`serve.constraints`, lossless under speculation): ignore_eos (the model's EOS ids do not end the
     output), min_tokens (no stop, EOS included, ends the output before it holds min_tokens tokens; stop ids and EOS
@@ -108,9 +109,9 @@ class SamplingParams:
         stop = tuple(stop)  # once: a generator is consumed by reading it
         if not all(isinstance(x, (str, bytes)) and x for x in stop):
             raise TypeError(f"stop must be a string or a sequence of non-empty strings, got {stop!r}")
-        for x in stop:
-            if len(stop_bytes(x)) > sampling_mod.MAX_STOP_LEN:
-                raise ValueError(f"stop strings hold at most {sampling_mod.MAX_STOP_LEN} UTF-8 bytes, got {x!r}")
+        for x in stop:  # a longer str is matched on the text (`serve.requests.plan`); bytes only on the device
+            if isinstance(x, bytes) and len(x) > sampling_mod.MAX_STOP_LEN:
+                raise ValueError(f"bytes stop strings hold at most {sampling_mod.MAX_STOP_LEN} bytes, got {x!r}")
         if len(stop) + len(self.stop_token_ids) > engine_step.MAX_STOP:
             raise ValueError(f"stop and stop_token_ids hold at most {engine_step.MAX_STOP} entries together, got "
                              f"{len(stop) + len(self.stop_token_ids)}")
