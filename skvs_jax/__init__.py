@@ -31,7 +31,8 @@ Modules (the layers, lowest first; docs/design.md): `config`, `arrays`, `checks`
 `policies`; `kv` (the allocator, prefix cache, tiers and their facade); `scheduler`; `serve` (the engine and its
 `LLM` front) and `sim` (the simulator), beside `metrics`, `workloads`, `distributed`, `model_shapes` (the named
 model shapes the engine serves and the simulator prices) and `compile_cache` (the persistent XLA cache the
-commands and `LLM` use); `testing` (oracles and strategies); `commands` (the `skvs` command line).
+commands and `LLM` use); `testing` (oracles and strategies); `commands` (the `skvs` command line);
+`api_reference` (the HTML reference of every module, built by pdoc).
 
 State is data (pytrees of fixed-shape arrays); capacities and switches are static config
 (`skvs_jax.config`); every transition is a pure function `new_state, result = op(state, ...)`. The design, the

@@ -666,5 +666,6 @@ def write_outputs(sections: list[dict], specs: dict, budget, cache, args) -> Non
         doc["by_rate"] = per_rate
     (out / "bench.json").write_text(json.dumps(metrics.json_safe(doc), indent=1, allow_nan=False) + "\n")
     if not args.no_plot:
-        report.plot(sections[0]["reported"]["results"], out / "bench.png", cache.usable_blocks)
+        report.plot(sections[0]["reported"]["results"], out / "bench.png", cache.usable_blocks,
+                    run=f"trace {args.trace}" if args.trace else f"workload {args.workload}, seed {args.seed}")
     print(f"wrote {out / 'bench.json'}" + ("" if args.no_plot else f" and {out / 'bench.png'}"))

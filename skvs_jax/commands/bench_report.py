@@ -67,25 +67,47 @@ def _split_shape(result: dict) -> tuple:
     return split.get("narrow_width"), split.get("rows")
 
 
-def plot(results: dict, path: pathlib.Path, blocks_total: int) -> None:
+# The plot's colours: the three presets always in these, every other policy (a variant, an ablation) in the next
+# free colour of PALETTE in the order it is served. Matplotlib's default cycle, minus the presets' three.
+POLICY_COLOURS = {"vllm_default": "tab:blue", "naive_spec": "tab:orange", "skvs": "tab:green"}
+PALETTE = ("tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+
+
+def policy_colours(names: list[str]) -> dict[str, str]:
+    """A colour per policy: POLICY_COLOURS for the presets, PALETTE in order for the rest (cycling past its end)."""
+    others = [n for n in names if n not in POLICY_COLOURS]
+    return {n: POLICY_COLOURS.get(n) or PALETTE[others.index(n) % len(PALETTE)] for n in names}
+
+
+def plot(results: dict, path: pathlib.Path, blocks_total: int, *, run: str = "") -> None:
+    """bench.png: per policy (`results`: name -> served run), output tokens over wall time and KV blocks in use
+    over wall time (solid: every used block; dotted: blocks holding drafts), as % of the `blocks_total` usable
+    blocks. A policy has the same colour in both panels (`policy_colours`). `run` names the run in the title
+    (e.g. "workload sharegpt, seed 0, 64 requests")."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    colours = policy_colours(list(results))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for name, r in results.items():
         t = np.asarray(r["series"]["time_s"])
         tokens = np.cumsum(r["series"]["output_tokens"])
-        ax1.plot(t, tokens, label=name)
-        ax2.plot(t, np.asarray(r["series"]["blocks_used"]) / blocks_total * 100, label=f"{name} used")
-        ax2.plot(t, np.asarray(r["series"]["spec_blocks"]) / blocks_total * 100, linestyle=":",
-                 label=f"{name} speculative")
+        ax1.plot(t, tokens, color=colours[name], label=name)
+        ax2.plot(t, np.asarray(r["series"]["blocks_used"]) / blocks_total * 100, color=colours[name],
+                 label=f"{name} used")
+        ax2.plot(t, np.asarray(r["series"]["spec_blocks"]) / blocks_total * 100, color=colours[name],
+                 linestyle=":", label=f"{name} drafts")
+    ax1.set_title("Output tokens served (steeper is faster)", fontsize=10)
     ax1.set_ylabel("output tokens (cumulative)")
+    ax2.set_title(f"KV blocks in use (solid) and holding drafts (dotted), % of {blocks_total} usable blocks",
+                  fontsize=10)
     ax2.set_ylabel("KV blocks (% of budget)")
     ax2.set_xlabel("wall time (s)")
     ax1.legend()
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, ncol=2)
+    fig.suptitle("skvs bench: throughput and KV memory per policy" + (f"\n{run}" if run else ""), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
