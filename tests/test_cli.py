@@ -246,6 +246,7 @@ def test_generate_streams_a_continuation(capsys):
     assert capsys.readouterr().out.startswith("Return \ufffd")
 
 
+@pytest.mark.slow  # compiles a second model; tests/test_llm.py serves the same checkpoint's text in the default run
 def test_generate_speaks_a_checkpoints_text(tmp_path, capsys):
     """`skvs generate --model DIR` on a checkpoint with a BPE tokenizer.json: the prompt is encoded by it and the
     stream decoded by it (the printed continuation is the tokenizer's decode of the greedy tokens); `--chat` renders
