@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from skvs_jax.api_reference import build, module_names
 
 # page -> the members it must document, each with its docstring (pdoc gives each member a <section id=NAME>)
@@ -29,6 +31,7 @@ def member_docstring(page: str, member: str) -> str:
     return doc[1].strip() if doc else ""
 
 
+@pytest.mark.slow  # imports every module and renders ~100 pages: the default run's time budget
 def test_api_reference_builds_without_warnings_and_documents_the_api(tmp_path):
     problems = build(tmp_path, show_source=False)  # the highlighted sources are pygments' work, not the docstrings'
     assert not problems, "pdoc warned:\n" + "\n".join(problems)

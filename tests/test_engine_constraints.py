@@ -15,6 +15,10 @@ from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine
 from skvs_jax.serve.tokenizer import ByteTokenizer
 
+# The engine runs of this file are in the slow set (`pytest -m slow`, README): their compilations would push the
+# default run past its 20-minute budget. The refusals of bad input stay in the default run.
+slow = pytest.mark.slow
+
 CACHE = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
 PROMPT = list(b"Return the number of ")
 SP = engine.SamplingParams
@@ -110,6 +114,7 @@ def greedy(shipped):
     return spec, plain
 
 
+@slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_each_constraint_is_vllms_and_lossless_under_speculation(shipped, greedy, name):
     spec, plain = greedy
@@ -118,6 +123,7 @@ def test_each_constraint_is_vllms_and_lossless_under_speculation(shipped, greedy
     _check_greedy(shipped[0], spec[name])
 
 
+@slow
 def test_the_constraints_changed_something_and_speculation_drafted(shipped, greedy):
     spec, _ = greedy
     free = _serve(_engine(shipped, policies.vllm_default()), {"free": SP(max_tokens=20)})["free"].tokens
@@ -128,6 +134,7 @@ def test_the_constraints_changed_something_and_speculation_drafted(shipped, gree
     assert b"return" not in bytes(spec["bad_words"].tokens) and ord("e") not in spec["bad_words"].tokens
 
 
+@slow
 def test_sampled_constraints_are_lossless_and_hold(shipped):
     """Sampled rows: the speculating engine emits what plain sampling with the same streams emits, and every
     constraint holds on what it emits."""
@@ -148,6 +155,7 @@ def test_sampled_constraints_are_lossless_and_hold(shipped):
         assert not set(out[: sp.min_tokens]) & set(sp.stop_token_ids), name
 
 
+@slow
 def test_eos_ends_a_request_unless_ignore_eos_and_min_tokens_bans_it(shipped):
     """The tokenizer's EOS ids (here the space) end a request with finish_reason "stop" and no stop_reason, and
     stay in its tokens; ignore_eos makes EOS an ordinary token; min_tokens bans EOS until then."""
@@ -163,6 +171,7 @@ def test_eos_ends_a_request_unless_ignore_eos_and_min_tokens_bans_it(shipped):
         _check_greedy(shipped[0], log, eos)
 
 
+@slow
 def test_stop_strings_matched_on_the_host_end_requests_like_the_device(shipped):
     """A tokenizer that cannot match a stop string on token ids leaves it to the host, which ends the request
     at the token that completed it (vLLM's text rule, min_tokens honoured): the same output and text as the
@@ -191,6 +200,7 @@ def test_stop_strings_matched_on_the_host_end_requests_like_the_device(shipped):
     assert int(blocks.free_top) + int(blocks.pool_top) + int(np.sum(blocks.cached[1:])) == CACHE.usable_blocks
 
 
+@slow
 def test_finish_reasons_length_and_abort(shipped):
     e = _engine(shipped)
     a = e.add_request(PROMPT, SP(max_tokens=5))

@@ -126,6 +126,7 @@ def test_streams_by_output_kind(llm):
     assert len(final_only) == 1 and final_only[0].outputs[0].token_ids == final[PROMPTS[2]].outputs[0].token_ids
 
 
+@pytest.mark.slow  # compiles the BPE checkpoint's model: the default run's time budget
 def test_text_round_trip_chat_and_stops_on_a_bpe_checkpoint(bpe, bpe_dir):
     tok = load_tokenizer(bpe_dir)
     assert bpe.tokenizer.vocab_size == tok.vocab_size and bpe.engine.runner.num_draft_heads == 2
@@ -147,6 +148,7 @@ def test_text_round_trip_chat_and_stops_on_a_bpe_checkpoint(bpe, bpe_dir):
     assert rendered.startswith("<|begin_of_text|>") and chat.prompt_token_ids.count(tok.bos_token_id) == 1
 
 
+@pytest.mark.slow  # compiles the BPE checkpoint's model: the default run's time budget
 def test_eos_from_generation_config_ends_a_request(bpe, bpe_dir, tmp_path):
     """A checkpoint whose generation_config names as EOS a token the model emits early (and not before): the request
     ends there with finish_reason "stop" (stop_reason None), not under ignore_eos, and not before min_tokens."""
