@@ -507,7 +507,8 @@ class Llama(nnx.Module):
         if logits_at is None:
             return self.logits(hidden), hidden, kv
         at = jnp.clip(logits_at, 0, hidden.shape[1] - 1)
-        return self.logits(jnp.take_along_axis(hidden, at[:, :, None], axis=1)), hidden, kv
+        rows = hidden[: at.shape[0]]  # the rows asked for: a split step's extra rows sample nothing
+        return self.logits(jnp.take_along_axis(rows, at[:, :, None], axis=1)), hidden, kv
 
     def forward_dense(
         self, tokens: Array, positions: Array | None = None, mask: Array | None = None, *, scan: bool = True
@@ -550,9 +551,10 @@ class Llama(nnx.Module):
         path (per token and KV head, new scales kept in the returned cache) and dequantised when attended.
         Each layer writes and reads its pool through `layer_pages` / `layer_tables`: the kernels see one page
         axis of N * L rows, and the scan carries the cache, so the writes stay in place.
-        logits_at int32[B, R] (query slots, clipped to [0, Q)) or None: the LM head runs only at those slots, and
-        logits are [B, R, V] (a serving step samples at K + 1 slots per row, not at every prompt token: at a
-        128k vocabulary the head is most of a small model's FLOPs).
+        logits_at int32[B', R] (query slots, clipped to [0, Q)) or None: the LM head runs only at those slots of the
+        first B' <= B rows, and logits are [B', R, V] (a serving step samples at K + 1 slots per row, not at every
+        prompt token, and not in the rows that only carry a prompt chunk's head: at a 128k vocabulary the head is
+        most of a small model's FLOPs).
         Returns (logits [B, Q, V] or [B, R, V] float32, hidden [B, Q, Dm], new cache of the same dtype and
         structure).
         """

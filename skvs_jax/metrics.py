@@ -31,6 +31,11 @@ every step of the StepRecord:
   itl_STAT [s]         inter-token latency, over every gap of every finished request with token_times, pooled
                        (as vLLM pools them): see "ITL" below                           -> STAT_itl_ms
   e2e_STAT [s]         finish_time - arrival_time, finished (vLLM's "e2el")             -> STAT_e2e_ms
+  tpot_slo_attainment  of the finished requests with a tpot_target, the share whose TPOT <= it (a request with
+                       one output token has no TPOT to miss: it meets it); NaN when none has a target
+  goodput              finished requests that met their tpot_target (one without a target meets it) / wall_time
+                       [req/s], `vllm bench serve --goodput tpot:X`'s request goodput when every request has
+                       target X; NaN when none has a target                           -> goodput_requests_per_s
   kv_hit_rate          sum(num_cached_prompt_tokens) / sum(num_admitted_prompt_tokens), all records
   kv_hit_rate_first    sum(num_first_cached_prompt_tokens) / sum(num_prompt_tokens), over records admitted
                        at least once (num_admitted_prompt_tokens > 0): first admissions only
@@ -110,6 +115,7 @@ class RequestRecord:
       num_first_cached_prompt_tokens: of num_cached_prompt_tokens, those served at the first admission (<=
         num_prompt_tokens); None means num_cached_prompt_tokens, which needs a request admitted at most once
         (num_admitted_prompt_tokens <= num_prompt_tokens; ValueError otherwise).
+      tpot_target: the request's TPOT objective [s] (SamplingParams.tpot_target, or the run's), or None.
     """
 
     request_id: int
@@ -126,6 +132,7 @@ class RequestRecord:
     num_accepted: int = 0
     aborted: bool = False
     num_first_cached_prompt_tokens: int | None = None
+    tpot_target: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_admitted_prompt_tokens is None:
@@ -170,6 +177,11 @@ class RequestRecord:
         if not self.aborted and not (math.isfinite(self.arrival_time) and math.isfinite(self.finish_time)):
             raise ValueError(f"a finished request needs finite arrival_time and finish_time, got "
                              f"{self.arrival_time} and {self.finish_time} (request {self.request_id})")
+        target = self.tpot_target
+        if target is not None and (isinstance(target, bool) or not isinstance(target, numbers.Real)
+                                   or not (math.isfinite(target) and target > 0)):
+            raise ValueError(f"tpot_target must be a finite number > 0 [s] or None, got {target!r} "
+                             f"(request {self.request_id})")
         first = self.first_token_time
         if first < self.arrival_time or first > self.finish_time:  # False for a NaN on either side
             raise ValueError(f"first_token_time ({first}) must lie between arrival_time ({self.arrival_time}) and "
@@ -298,6 +310,7 @@ UNITS: dict[str, tuple[str, float]] = {
     **{f"{name}_{stat}": (f"{shown}_{name}_ms", 1e3) for name in LATENCIES for stat, shown in STATS},
     "scheduler_time_per_step": ("scheduler_time_per_step_ms", 1e3),
     "wall_time": ("wall_time_s", 1.0),
+    "goodput": ("goodput_requests_per_s", 1.0),
 }
 
 # (reported key, table label, factor from the reported unit to the table's), in table order.
@@ -306,6 +319,8 @@ METRICS: tuple[tuple[str, str, float], ...] = (
     ("output_tokens_per_s", "output throughput (tok/s)", 1.0),
     *((f"{shown}_{name}_ms", f"{_LATENCY_LABELS[name]} {_STAT_LABELS[shown]} (ms)", 1.0)
       for name in LATENCIES for _, shown in STATS),
+    ("tpot_slo_attainment", "TPOT SLO attainment (%)", 100.0),
+    ("goodput_requests_per_s", "request goodput (req/s)", 1.0),
     ("kv_hit_rate", "KV hit rate (%)", 100.0),
     ("kv_hit_rate_first", "KV hit rate, first admissions (%)", 100.0),
     ("memory_utilisation", "memory utilisation (%)", 100.0),
@@ -318,10 +333,13 @@ METRICS: tuple[tuple[str, str, float], ...] = (
     ("scheduler_time_per_step_ms", "scheduler time per step (ms)", 1.0),
     ("scheduler_time_share", "scheduler time share (%)", 100.0),
 )
+# Rows `format_table` leaves out when no policy has a value (a run without TPOT targets).
+OPTIONAL_ROWS = ("tpot_slo_attainment", "goodput_requests_per_s")
 # The reported keys that depend on the clock; with every arrival at t = 0 the others are reproducible.
 TIMING_KEYS = ("requests_per_s", "output_tokens_per_s", *(f"{shown}_{name}_ms" for name in LATENCIES
                                                            for _, shown in STATS),
-               "scheduler_time_per_step_ms", "scheduler_time_share", "wall_time_s")
+               "tpot_slo_attainment", "goodput_requests_per_s", "scheduler_time_per_step_ms", "scheduler_time_share",
+               "wall_time_s")
 
 
 def safe_ratio(numerator: float, denominator: float) -> float:
@@ -387,6 +405,21 @@ def _latency_metrics(requests: Sequence[RequestRecord]) -> dict[str, float]:
     return out
 
 
+def _slo_metrics(requests: Sequence[RequestRecord], wall: float) -> dict[str, float]:
+    """tpot_slo_attainment and goodput (the module docstring)."""
+    met, judged, good = 0, 0, 0
+    for r in requests:
+        if r.aborted:
+            continue
+        tpot = request_latencies(r)["tpot"]
+        ok = r.tpot_target is None or not math.isfinite(tpot) or tpot <= r.tpot_target
+        good += ok
+        if r.tpot_target is not None:
+            judged += 1
+            met += ok
+    return {"tpot_slo_attainment": safe_ratio(met, judged), "goodput": safe_ratio(good, wall) if judged else math.nan}
+
+
 def _step_metrics(s: StepRecord) -> dict[str, float]:
     drafted, accepted = s.num_drafted.sum(), s.num_accepted.sum()
     return {
@@ -404,7 +437,8 @@ def _step_metrics(s: StepRecord) -> dict[str, float]:
 # summarize's keys in order: each metric of the module docstring, then the context keys.
 SUMMARY_KEYS = (
     "request_throughput", "throughput", *(f"{name}_{stat}" for name in LATENCIES for stat, _ in STATS),
-    "kv_hit_rate", "kv_hit_rate_first", "memory_utilisation", "spec_token_waste", "spec_kv_waste", "oom_rate",
+    "tpot_slo_attainment", "goodput", "kv_hit_rate", "kv_hit_rate_first", "memory_utilisation", "spec_token_waste",
+    "spec_kv_waste", "oom_rate",
     "preemptions_per_request", "acceptance_rate", "mean_accepted_length", "scheduler_time_per_step",
     "scheduler_time_share", "num_requests", "num_aborted", "num_steps", "output_tokens", "wall_time")
 
@@ -428,6 +462,7 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     # NaN when the wall time is 0 or unknown
     out = {"request_throughput": safe_ratio(float(done.sum()), wall), "throughput": safe_ratio(output_tokens, wall)}
     out |= _latency_metrics(requests)
+    out |= _slo_metrics(requests, wall)
     out["kv_hit_rate"] = safe_ratio(c["num_cached_prompt_tokens"].sum(), c["num_admitted_prompt_tokens"].sum())
     admitted = c["num_admitted_prompt_tokens"] > 0
     out["kv_hit_rate_first"] = safe_ratio(c["num_first_cached_prompt_tokens"][admitted].sum(),
@@ -517,7 +552,7 @@ def format_table(results: Mapping[str, Mapping[str, float]],
     """A Markdown table of reported metrics (`with_units`' keys): one row per metric of METRICS that some policy
     has (units in the label), one column per policy, in `results` order, then a column "a / b" (the plain ratio
     of the two values, whichever direction is better) for each of `ratio_pairs`. Missing or NaN values print as
-    "n/a"."""
+    "n/a"; the rows of OPTIONAL_ROWS only when some policy has a value."""
     if not results:
         raise ValueError("results must hold at least one policy")
     policies = list(results)
@@ -527,6 +562,8 @@ def format_table(results: Mapping[str, Mapping[str, float]],
     for key, label, factor in METRICS:
         if not any(key in results[p] for p in policies):
             continue
+        if key in OPTIONAL_ROWS and not any(_finite(results[p].get(key)) for p in policies):
+            continue
         cells = [label]
         cells += [format_value(results[p][key] * factor) if key in results[p] else "n/a" for p in policies]
         for a, b in pairs:
@@ -534,6 +571,10 @@ def format_table(results: Mapping[str, Mapping[str, float]],
             cells.append(f"{ratio:.2f}x" if math.isfinite(ratio) else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, numbers.Real) and math.isfinite(x)
 
 
 def json_safe(x):

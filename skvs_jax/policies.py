@@ -106,6 +106,9 @@ class Policy:
         1 + tail_guard / 1024, so drafting slows it by at most that share a step (0: not at all). Off, such a row
         is only selected by an optimistic estimate. A row that cannot gain vetoes the batch's drafts while it is
         behind, unless the slack covers them (docs/design.md "Draft control's tail": what it costs, measured).
+      tpot_targets: under the goodput controller, a row over its request's TPOT target (`SamplingParams.tpot_target`,
+        `scheduler.draft_control.over_target`) counts as behind, so it is drafted first and, under the guard,
+        bounds the step; False ignores targets (the ablation: the same requests, measured against the same targets).
       kv_precision: the KV cache's dtype ("float32", "bfloat16", "float8_e4m3fn", "int8"), or "by_draft_len",
         the article's rule: bf16 when the maximum draft length K >= 6 (quantisation error compounds over long
         drafts), fp8 otherwise. The cache holds one dtype for its lifetime, so the rule reads the static K.
@@ -147,6 +150,7 @@ class Policy:
     verify_budget: int | None = None
     draft_control: str = "histogram"
     tail_guard: int | None = None
+    tpot_targets: bool = True
     victim: str = "lowest_priority"
     draft_memory: str = "opportunistic"
     spec_hit_trim: bool = False
@@ -155,7 +159,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         for field in ("speculation", "adaptive_draft_len", "spec_pool", "prefix_cache", "prefix_barrier",
-                      "spec_in_prefill", "drafts_preempt", "spec_hit_trim", "scrub_rejected"):
+                      "spec_in_prefill", "drafts_preempt", "spec_hit_trim", "scrub_rejected", "tpot_targets"):
             if not isinstance(getattr(self, field), bool):
                 raise TypeError(f"{field} must be a bool, got {type(getattr(self, field)).__name__}")
         if not isinstance(self.name, str) or not self.name:

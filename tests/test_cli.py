@@ -672,6 +672,8 @@ def test_a_corrupt_checkpoint_is_refused_naming_its_file(tmp_path, capsys):
         checkpoint.load_medusa(tmp_path / "medusa")
 
 
+# the default run's time budget (`pytest -m slow`); test_oracle_drafter keeps the drafter on the engine
+@pytest.mark.slow
 def test_bench_with_the_oracle_drafter_on_a_named_shape(tmp_path, capsys, monkeypatch):
     """--model-shape tiny (random weights) with --drafter oracle:PROFILE: the reference pass is served once and
     cached, every policy's greedy output equals it, and the acceptance by depth is printed beside the profile.
@@ -828,29 +830,26 @@ def test_simulate_policy_flags_reach_the_scheduler_config_and_the_cost_model(tmp
     from skvs_jax.commands import simulate
     from skvs_jax.sim import sweep
 
-    class Reached(Exception):
-        pass
-
     cfgs = []
 
     def run(traces, lanes, *, cfg, **kw):
         cfgs.append((cfg, int(np.asarray(lanes.knobs.draft_len).ravel()[0])))
-        raise Reached
+        raise _Reached
 
     monkeypatch.setattr(sweep, "run", run)
     argv = ["simulate", "--requests", "4", "--seeds", "1", "--max-seqs", "4", "--max-prompt-len", "32",
             "--max-output-len", "16", "--out", str(tmp_path), "--no-plot", "--kv-blocks", "40",
             "--policies", "naive_spec:preemption=swap,victim=most_progress,K=2", "--no-prefix-cache"]
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(argv)
     cfg, knob = cfgs[0]
     assert cfg.policy.preemption == "swap" and cfg.swap_blocks == 40 and knob == 2
     assert cfg.victim_rule is sc.most_progress
     assert not cfg.policy.prefix_cache
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(argv[:-3] + ["--policies", "vllm_default", "--host-blocks", "3", "--preemption", "swap"])
     assert cfgs[1][0].swap_blocks == 3 and cfgs[1][0].policy.name == "vllm_default"
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(argv[:-3] + ["--policies", "vllm_default"])
     assert cfgs[2][0].swap_blocks == 0  # recompute: no host tier
     # --kv-precision prices the KV bytes for every policy (the model's bf16 otherwise).
@@ -1127,44 +1126,49 @@ def test_simulate_prices_model_shape_and_refuses_model(tmp_path, monkeypatch):
     cut = simulate.model_spec(_sim_args("--model-shape", "llama-3.2-1b:2"))
     assert cut.num_layers == 2 and cut.hidden_size == cost_model.MODELS["llama-3.2-1b"].hidden_size
 
-    class Reached(Exception):
-        pass
-
     seen = []
 
     def run(traces, lanes, *, cfg, cost, **kw):
         seen.append((cost.model.name, traces))
-        raise Reached
+        raise _Reached
 
     monkeypatch.setattr(sweep, "run", run)
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(["simulate", "--model-shape", "llama-3.2-3b", "--requests", "4", "--seeds", "1",
                        "--max-seqs", "4", "--max-prompt-len", "32", "--max-output-len", "16", "--out", str(tmp_path)])
     assert seen[-1][0] == cost_model.MODELS["llama-3.2-3b"].name
 
 
-def test_simulate_takes_a_request_file_and_burstiness(tmp_path, monkeypatch):
-    """--trace FILE: every lane simulates its requests at its arrivals (--requests and --rate follow the file);
-    --burstiness shapes the workload's gaps; both are refused where they cannot apply."""
-    from skvs_jax.sim import sweep
+class _Reached(Exception):
+    pass
 
-    class Reached(Exception):
-        pass
+
+def _capture_simulated_traces(monkeypatch) -> list:
+    """`skvs simulate` stops where it would simulate: each call's stacked traces are appended to the list returned,
+    then _Reached is raised."""
+    from skvs_jax.sim import sweep
 
     seen = []
 
     def run(traces, lanes, **kw):
         seen.append(traces)
-        raise Reached
+        raise _Reached
 
     monkeypatch.setattr(sweep, "run", run)
+    return seen
+
+
+def test_simulate_takes_a_request_file_and_burstiness(tmp_path, monkeypatch):
+    """--trace FILE: every lane simulates its requests at its arrivals (--requests and --rate follow the file);
+    --burstiness shapes the workload's gaps; both are refused where they cannot apply."""
+    seen = _capture_simulated_traces(monkeypatch)
     path = tmp_path / "requests.jsonl"
     path.write_text('{"prompt": "hello", "output_len": 3, "arrival_s": 0.0}\n'
                     '{"prompt_len": 20, "output_len": 9, "arrival_s": 2.0}\n'
                     '{"prompt_len": 7, "output_len": 1, "arrival_s": 1.0}\n')
     base = ["simulate", "--seeds", "2", "--max-seqs", "4", "--max-prompt-len", "32", "--max-output-len", "16",
             "--policies", "vllm_default", "--out", str(tmp_path), "--no-plot"]
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(base + ["--trace", str(path)])
     traces = seen[-1]
     assert np.asarray(traces.arrival).shape[0] == 2  # one lane per seed, the same requests
@@ -1175,11 +1179,29 @@ def test_simulate_takes_a_request_file_and_burstiness(tmp_path, monkeypatch):
                         (["--max-output-len", "8"], "has a request of 9 tokens, more than --max-output-len 8")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             commands.main(base + ["--trace", str(path)] + flags)
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(base + ["--requests", "6", "--rate", "4", "--burstiness", "0.25"])
     bursty = np.asarray(seen[-1].arrival)[0][:6]
-    with pytest.raises(Reached):
+    with pytest.raises(_Reached):
         commands.main(base + ["--requests", "6", "--rate", "4"])
     assert not np.allclose(bursty, np.asarray(seen[-1].arrival)[0][:6])
     with pytest.raises(SystemExit, match="--burstiness must be a finite number > 0"):
         commands.main(base + ["--burstiness", "0"])
+
+
+def test_simulate_tpot_target_reaches_every_request_of_the_trace(tmp_path, monkeypatch, capsys):
+    """--tpot-target MS: every simulated request carries it (microseconds, what the controller reads); a target
+    that is not a positive number of milliseconds is refused by the parser."""
+    seen = _capture_simulated_traces(monkeypatch)
+    base = ["simulate", "--requests", "4", "--seeds", "1", "--max-seqs", "4", "--max-prompt-len", "32",
+            "--max-output-len", "16", "--policies", "skvs", "--out", str(tmp_path), "--no-plot"]
+    with pytest.raises(_Reached):
+        commands.main(base + ["--tpot-target", "30"])
+    assert np.asarray(seen[-1].tpot_target).tolist() == [[30_000] * 4]
+    with pytest.raises(_Reached):
+        commands.main(base)
+    assert not np.asarray(seen[-1].tpot_target).any()
+    for bad in ("0", "-5", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            commands.main(base + ["--tpot-target", bad])
+        assert "--tpot-target: must be milliseconds" in capsys.readouterr().err

@@ -97,6 +97,8 @@ def test_the_mixed_program_matches_the_oracle(name, seed, steps):
     h.run(workload(cfg, seed, steps, 0.8, 0.05))
 
 
+# the default run's time budget (`pytest -m slow`); test_engine_dispatch keeps the GPU program's tokens
+@pytest.mark.slow
 def test_a_vmapped_sweep_of_the_gpu_program_matches_its_lanes_own_runs():
     """Under vmap, selects replace the batched `vmap_flow` rules: each lane still runs as it would alone."""
     cache = CacheConfig(num_blocks=25, block_size=8, max_seqs=8, max_blocks_per_seq=16)

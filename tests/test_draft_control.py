@@ -349,3 +349,21 @@ def test_a_behind_row_bounds_the_step_by_what_it_hopes_to_gain():
     hope = sum(int(surv[0][d]) for d in range(behind[0]))
     assert t * dc.ONE <= t0 * (dc.ONE + hope), (behind, t, t0, hope)
     assert behind.sum() < free.sum()
+
+
+def test_a_row_over_its_tpot_target_is_behind_and_drafted_first():
+    """over_target compares a row's priced time per decoded token with its target (0: none), by a quotient that
+    cannot overflow; a row over it joins the behind rows (drafted at every threshold but "none") unless it is a
+    probe or measured far below the population."""
+    target = jnp.asarray([0, 1000, 1000, 1000, 2**31 - 1], jnp.int32)
+    elapsed = jnp.asarray([10**6, 10_010, 10_000, 2**29, 2**29], jnp.int32)
+    decoded = jnp.asarray([1, 10, 10, 0, 1], jnp.int32)
+    assert np.asarray(dc.over_target(target, elapsed, decoded)).tolist() == [False, True, False, True, False]
+    surv = jnp.asarray(_surv([[dc.ONE // 2] * 3, [dc.ONE // 2] * 3, [dc.ONE // 64] * 3]), jnp.int32)
+    pop = jnp.asarray([dc.ONE // 2] * 3, jnp.int32)
+    zeros, decoding = jnp.zeros((3,), jnp.int32), jnp.asarray([True, True, True])
+    over = jnp.asarray([True, False, True])
+    behind, probe = dc.priority_rows(zeros, zeros, zeros, decoding, surv, pop, over)
+    assert np.asarray(behind).tolist() == [True, False, False]  # row 2 is far below the population: not protected
+    assert not np.asarray(probe).any()
+    assert not np.asarray(dc.priority_rows(zeros, zeros, zeros, decoding, surv, pop)[0]).any()

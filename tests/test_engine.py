@@ -18,6 +18,7 @@ from skvs_jax.kv import manager
 from skvs_jax.serve import dispatch, engine, engine_step
 from skvs_jax.serve.model_runner import LlamaMedusaRunner
 from skvs_jax.sim import cost_model as cm
+from skvs_jax.sim import fidelity
 from skvs_jax.sim import simulate as sim
 
 # Tight on purpose: 8 slots of up to 128 tokens against 47 blocks of 8 (376 tokens) forces preemption.
@@ -58,6 +59,7 @@ def test_every_policy_gives_the_greedy_reference_tokens(shipped, trace, referenc
     assert len(e.compiled) <= len(e.picker.widths)
 
 
+@pytest.mark.slow  # the default run's time budget (`pytest -m slow`)
 def test_warmup_compiles_the_hottest_bucket_first_and_the_run_then_compiles_nothing(shipped, trace, reference):
     """`Engine.warmup` compiles the prompt width first, then the draft buckets by the steps a histogram puts in
     them; a run after it compiles nothing. skvs's configuration of the greedy test: its programs are reused."""
@@ -255,11 +257,28 @@ def test_engine_options_are_one_validated_dataclass(shipped):
                             (dict(tree="chain"), TypeError, "tree must be a DraftTree"),
                             (dict(disk_dir=3), TypeError, "disk_dir must be"),
                             (dict(clock=1.0), TypeError, "clock must be a callable"),
-                            (dict(seed=-1), ValueError, "seed must lie in")):
+                            (dict(seed=-1), ValueError, "seed must lie in"),
+                            (dict(tpot_target=0.0), ValueError, "tpot_target must be None or seconds"),
+                            (dict(tpot_target=2000.0), ValueError, "tpot_target must be None or seconds")):
         with pytest.raises(error, match=says):
             engine.EngineOptions(**kw)
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.seed = 1
+
+
+def test_a_tpot_target_reaches_the_scheduler_and_the_records(shipped):
+    """SamplingParams.tpot_target (seconds) reaches the request's slot as microseconds; a request without one takes
+    the engine's default; bad targets are refused naming the field, before anything is queued."""
+    model, heads = shipped
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32, tpot_target=0.05)
+    own = e.add_request([1, 2, 3], engine.SamplingParams(max_tokens=2, tpot_target=0.0125))
+    default = e.add_request([1, 2, 4], engine.SamplingParams(max_tokens=2))
+    assert e.requests[own].sampling.tpot_target == 0.0125 and e.requests[default].sampling.tpot_target == 0.05
+    arrays = e.table.admission_arrays([own, default])
+    assert arrays[-1][:2].tolist() == [12_500, 50_000]
+    for bad in (0, -0.1, math.nan, "fast", 1e4):
+        with pytest.raises(ValueError, match="tpot_target"):
+            engine.SamplingParams(tpot_target=bad)
 
 
 def test_arrival_time_is_validated_and_the_engine_keeps_serving(shipped, trace, reference):
@@ -411,15 +430,17 @@ def test_replaying_a_real_run_reproduces_its_schedule_exactly(served, trace):
     e, out, runs = served
     st_trace = sim.make_trace(trace, e.cfg.sched, outputs=out, accept_runs=runs)
     st, log = sim.simulate(st_trace, e.knobs, cfg=e.cfg.sched, cost=_cpu_cost(e), max_steps=200,
-                           controller_cost=_engine_controller_cost(e))
+                           controller_cost=_engine_controller_cost(e), layout=fidelity.layout_of(e))
     real, simulated = jax.device_get(e.state.sched.counters), jax.device_get(st.counters)
     for field in real.__dataclass_fields__:  # preemptions, prefix hits, drafts, acceptance, steps: all equal
         assert int(getattr(real, field)) == int(getattr(simulated, field)), field
     active = np.asarray(log.active)
     assert int(active.sum()) == len(e.step_log) and not active[len(e.step_log):].any()
     for key, col in (("blocks_used", log.blocks_used), ("spec_blocks", log.spec_blocks), ("oom", log.oom),
-                     ("drafted", log.drafted), ("output_tokens", log.output_tokens)):
+                     ("drafted", log.drafted), ("output_tokens", log.output_tokens),
+                     ("query_slots", log.query_slots)):  # every step laid out as the engine did, padding included
         assert np.asarray(col)[active].tolist() == [s[key] for s in e.step_log], key
+    assert len({s["query_slots"] for s in e.step_log}) > 2  # narrow, split or wide, and decode widths all ran
     assert int(real.preempt_recompute) > 0 and int(real.cached_tokens) > 0 and int(real.accepted) > 0
     # The simulated tokens are the engine's: the final token table matches row by row.
     m = sim.summarize(log, st_trace, e.cfg.sched)

@@ -30,7 +30,7 @@ FEATURES = {
 DEFAULT_N = {"swap_tiers": 2, "tree_typical": 64, "vllm_default": "auto", "skvs_article": 8}
 # In the default run: every preset once (skvs: tests/test_engine_dispatch.py; skvs_article: its swap here; naive_spec:
 # the tree); skvs_article alone again (~100 s) only under `-m slow`.
-SLOW = {"skvs_article"}
+SLOW = {"skvs_article", "tree_typical"}  # the default run's time budget (`pytest -m slow`)
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,7 @@ def test_format_table_rows_columns_and_ratios():
     table = metrics.format_table(results)
     lines = table.splitlines()
     assert lines[0] == "| metric | vllm_default | naive_spec | skvs | skvs / naive_spec | skvs / vllm_default |"
-    assert len(lines) == 2 + len(metrics.METRICS)
+    assert len(lines) == 2 + len(metrics.METRICS) - len(metrics.OPTIONAL_ROWS)  # no TPOT targets: no SLO rows
     throughput = next(line for line in lines if line.startswith("| output throughput (tok/s)"))
     assert throughput.split(" | ")[1:] == ["100", "80.0", "160", "2.00x", "1.60x |"]
     ttft = next(line for line in lines if line.startswith("| TTFT median (ms)"))
@@ -321,3 +321,29 @@ def test_request_rows_record_each_request_in_reported_units():
     assert first["e2e_ms"] == pytest.approx(900) and first["itl_ms"] == pytest.approx([200, 400])
     assert math.isnan(rows[2]["tpot_ms"]) and rows[2]["itl_ms"] == []
     assert rows[-1]["aborted"] and math.isnan(rows[-1]["ttft_ms"])
+
+
+def test_tpot_slo_attainment_and_goodput_by_hand():
+    """Attainment over the finished requests with a target (one output token: no TPOT to miss); goodput counts
+    every finished request that met its target (one without a target meets it) per second; both NaN when no
+    request has a target, and the table shows their rows only then."""
+    def rec(i, first, finish, n, target, aborted=False):
+        return RequestRecord(request_id=i, arrival_time=0.0, first_token_time=first, finish_time=finish,
+                             num_prompt_tokens=4, num_output_tokens=n, tpot_target=target, aborted=aborted)
+
+    records = [rec(0, 0.1, 1.1, 11, 0.1),   # TPOT 0.1 <= 0.1: met
+               rec(1, 0.1, 2.1, 11, 0.1),   # TPOT 0.2: missed
+               rec(2, 0.5, 0.5, 1, 0.01),   # one token: met
+               rec(3, 0.1, 3.1, 11, None),  # no target: counts in goodput only
+               rec(4, NAN, 4.0, 0, 0.1, aborted=True)]  # aborted: neither
+    m = metrics.summarize(records, None)
+    assert m["tpot_slo_attainment"] == pytest.approx(2 / 3)
+    assert m["goodput"] == pytest.approx(3 / 4.0)  # three met of the finished, over the run's 4 s
+    plain = metrics.summarize([dataclasses.replace(r, tpot_target=None) for r in records], None)
+    assert math.isnan(plain["tpot_slo_attainment"]) and math.isnan(plain["goodput"])
+    assert "SLO" not in metrics.format_table({"a": metrics.with_units(plain)})
+    table = metrics.format_table({"a": metrics.with_units(m)})
+    assert "| TPOT SLO attainment (%) | 66.7 |" in table and "request goodput (req/s)" in table
+    for bad in (0.0, -1.0, math.inf, NAN, True):
+        with pytest.raises(ValueError, match="tpot_target"):
+            rec(9, 0.1, 1.1, 11, bad)

@@ -95,6 +95,23 @@ def test_prefill_with_padded_query_rows():
     assert np.all(k[slots[12 + 7:]] == 0.0)
 
 
+def test_logits_at_selected_slots_of_the_leading_rows():
+    """logits_at int32[B', R]: the LM head at those query slots of the first B' rows only (a split step's extra
+    rows sample nothing), equal to the full logits there."""
+    model, _, paged = model_and_fns()
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (3, 6)).astype(np.int32))
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (3, 6))
+    tables, lens = jnp.asarray(random_tables(rng, 3, 2, 9)), jnp.asarray([6, 6, 6], jnp.int32)
+    full, _, _ = paged(tokens, positions, KVCache.zeros(CONFIG, 9, 4), tables, lens, lens)
+    at = jnp.asarray([[5, 2], [0, 4]], jnp.int32)
+    graphdef, state = nnx.split(model)
+    some, _, _ = jax.jit(lambda s, *a: nnx.merge(graphdef, s).forward_paged(*a, logits_at=at))(
+        state, tokens, positions, KVCache.zeros(CONFIG, 9, 4), tables, lens, lens)
+    assert some.shape == (2, 2, CONFIG.vocab_size)
+    np.testing.assert_allclose(np.asarray(some), np.asarray(full)[[[0], [1]], np.asarray(at)], rtol=1e-5, atol=1e-5)
+
+
 def test_rollback_garbage_past_committed_length_and_in_free_blocks_is_invisible():
     """Verify K drafts, reject them all, poison every slot past the committed length (and every free block,
     including the null block 0) with large finite values: the next decode's logits must not change."""

@@ -102,7 +102,11 @@ def served(shipped):
     return model, cache, requests, table
 
 
-@pytest.mark.parametrize("profile", ["medusa-1", "medusa-2", "tiny", "0.95,0.2,0.9,0.5", "medusa-1+heads"])
+# medusa-1 in the default run, the other profiles under `pytest -m slow` (the default run's time budget)
+SLOW_PROFILES = ("medusa-2", "tiny", "0.95,0.2,0.9,0.5", "medusa-1+heads")
+
+
+@pytest.mark.parametrize("profile", ["medusa-1", *(pytest.param(p, marks=pytest.mark.slow) for p in SLOW_PROFILES)])
 def test_oracle_drafts_keep_greedy_output_and_follow_the_profile(served, shipped, profile):
     """Every profile; "+heads" runs the shipped Medusa heads beside the oracle (their cost; their proposals are the
     rejected drafts where they differ from the truth), which changes no acceptance decision."""

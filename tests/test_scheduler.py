@@ -16,6 +16,7 @@ from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
 from skvs_jax.kv import manager, prefix_cache
 from skvs_jax.kv.allocator import STALE
+from skvs_jax.scheduler import draft_control
 from skvs_jax.testing.oracle import leaves_first
 from skvs_jax.testing.scheduler_harness import Harness
 
@@ -95,12 +96,14 @@ COSTS = {"tokens": GOODPUT_COST, "widths": WIDTH_COST, "roofline": ROOF_COST,
          "widths-margin": WIDTH_COST.replace(margin=jnp.asarray(96, jnp.int32))}
 
 
-def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tuple[int, ...] = ()) -> list:
+def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tuple[int, ...] = (),
+             targets: tuple[int, ...] = ()) -> list:
     """A random workload of `steps` steps: batches of requests (prompts often sharing a 'system prompt'), steps
     with random, full or no acceptance, and aborts (between steps, or between a step's schedule and update).
     Generated from a seed so that every example is long enough
     to fill the memory (hypothesis's smallest examples would barely reach it). salts: each request draws its
-    cache salt from them (none: unsalted, and the random stream is the one without salts)."""
+    cache salt from them (none: unsalted, and the random stream is the one without salts); targets: likewise its
+    TPOT target in microseconds."""
     rng = np.random.default_rng(seed)
     length = cfg.max_len // 2
     system = [1, 2, 0, 1, 1, 2, 0, 0, 2, 1, 1, 0][:length]
@@ -117,7 +120,9 @@ def workload(cfg, seed: int, steps: int, add_p: float, abort_p: float, salts: tu
                 max_new.append(int(rng.integers(1, length + 1)))
                 prio.append(int(rng.integers(0, 3)))
             op = ("add", prompts, max_new, prio)
-            ops.append(op + ([int(rng.choice(salts)) for _ in prompts],) if salts else op)
+            if salts or targets:
+                op += tuple([int(rng.choice(x)) for _ in prompts] if x else None for x in (salts, targets))
+            ops.append(op)
         if rng.random() < abort_p:
             if rng.random() < 0.5:  # half of the aborts come between a step's schedule and its update
                 ops.append(("step_abort", int(rng.integers(2**31))))
@@ -162,6 +167,19 @@ def test_goodput_controller_with_a_step_cost_matches_the_oracle(name, cost, seed
     h = Harness(CONFIGS[name], vocab=VOCAB, step_cost=COSTS[cost])
     h.run(workload(CONFIGS[name], seed, steps, add_p, 0.05))
     event(f"drafted: {int(h.st.counters.drafted) > 0}")
+
+
+@pytest.mark.parametrize("name, cost", [("skvs", "tokens"), ("skvs-opportunistic", "roofline")])
+@settings(max_examples=3)
+@given(seed=hs.integers(0, 2**32 - 1), steps=hs.integers(30, 60))
+def test_tpot_targets_match_the_oracle(name, cost, seed, steps):
+    """Requests with TPOT targets around a step's priced time (none, 0.3, 0.7 and 1.5 ms against ~1 ms steps): the
+    rows over their target are drafted first, in the jitted controller and the oracle alike."""
+    h = Harness(CONFIGS[name], vocab=VOCAB, step_cost=COSTS[cost])
+    h.run(workload(CONFIGS[name], seed, steps, 0.5, 0.05, targets=(0, 300, 700, 1500)))
+    over = draft_control.over_target(h.st.seqs.tpot_target, h.st.seqs.elapsed,
+                                     h.st.seqs.num_tokens - h.st.seqs.prompt_len - 1)
+    event(f"some row over its target: {bool(np.any(np.asarray(over)))}")
 
 
 def test_drafts_preempting_are_attributed():

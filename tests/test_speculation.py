@@ -250,6 +250,7 @@ def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped)
     assert sum(e.picker.width_hist.values()) == 2000
 
 
+@pytest.mark.slow  # the default run's time budget (`pytest -m slow`); test_scheduler checks the budget's shares
 def test_a_verify_budget_narrows_the_query_width_the_engine_compiles_and_runs(shipped, trace, reference):
     """The engine picks each decode step's width from a bound on the next step's drafts; with a verify budget the
     bound includes the budget's cap, so R decode rows run a width of at most 1 + the smallest bucket holding
@@ -335,6 +336,7 @@ def _compilations() -> int:
     return engine_step.fused_step._cache_size() + dispatch.run_steps._cache_size()
 
 
+@pytest.mark.slow  # the default run's time budget (`pytest -m slow`); test_engine_sampling keeps sampled verification
 def test_sampled_drafts_at_temperature_zero_give_the_greedy_tokens(shipped, trace, reference):
     """sample_drafts at temperature 0 draws the argmax drafts and verifies them by the greedy rule: the engine's
     sampled-draft program gives the greedy reference. One draft bucket (two programs: each ~30 s to compile

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from skvs_jax import metrics
+from skvs_jax.commands import policy_flags
 from skvs_jax.serve import engine as eng
 from skvs_jax.serve import speculation
 
@@ -46,7 +47,8 @@ def host_blocks(args) -> int:
 def engine_kwargs(policy, args) -> dict:
     kwargs = dict(token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, impl=args.impl, seed=args.seed,
                   step_cost=getattr(args, "step_cost", "fit"), split_rows=getattr(args, "split_rows", None),
-                  steps_per_dispatch=getattr(args, "steps_per_dispatch", "auto"))
+                  steps_per_dispatch=getattr(args, "steps_per_dispatch", "auto"),
+                  tpot_target=policy_flags.tpot_target(args))
     if policy.preemption == "swap":
         kwargs["swap_blocks"] = host_blocks(args)
     if policy.speculation:
@@ -216,7 +218,7 @@ class Serving:
             num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
             num_preemptions=r.preemptions, num_drafted=r.drafted, num_accepted=r.accepted, aborted=not r.finished,
             num_first_cached_prompt_tokens=r.first_cached_tokens,
-            token_times=r.token_times,
+            token_times=r.token_times, tpot_target=r.sampling.tpot_target,
         ) for r in e.requests.values()]
         result = metrics.with_units(metrics.summarize(records, log.freeze()))
         series = {"time_s": [s["start"] + s["duration"] for s in e.step_log],

@@ -1,7 +1,8 @@
 """The policy switches `skvs bench` and `skvs simulate` both take for every policy of a run.
 
 `--policies` composes one variant at a time (`policies.parse_policy`: `skvs:preemption=swap,victim=most_progress`);
-these flags set a switch in every policy, and a variant's own override wins over them.
+these flags set a switch in every policy, and a variant's own override wins over them. `--tpot-target` is the
+run's, for every request (`tpot_target`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from skvs_jax import policies, victims
+from skvs_jax import scheduler as sc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +25,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "simulate prices the KV bytes in it (default: the model's, bfloat16)")
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefix caching off in every policy (the prefix barrier with it)")
+    parser.add_argument("--tpot-target", type=_milliseconds, default=None, metavar="MS",
+                        help="every request's TPOT objective in ms: the goodput draft controller drafts first for a "
+                             "request decoding slower than it, and the report adds the share of requests that met it "
+                             "(TPOT SLO attainment) and the request goodput, as `vllm bench serve --goodput tpot:MS`")
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        ms = float(text)
+        sc.tpot_target_us(ms / 1e3, "--tpot-target")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be milliseconds in (0, {sc.MAX_TPOT_TARGET_S * 1e3:g}], got {text!r}") from None
+    return ms
+
+
+def tpot_target(args: argparse.Namespace) -> float | None:
+    """--tpot-target in seconds (None: no objective)."""
+    ms = getattr(args, "tpot_target", None)
+    return None if ms is None else ms / 1e3
 
 
 def defaults(args: argparse.Namespace) -> dict[str, object]:

@@ -201,7 +201,8 @@ def _traces(args, cfg: sc.SchedulerConfig, alphas: np.ndarray, rates: list[float
                      workloads.make(args.workload or "sharegpt", args.requests, seed=seed, **kw))
             # The acceptance draws depend on the seed (and K) only: every speculating policy meets the same ones.
             sims.append(simulate.make_trace(trace, cfg, alphas=per_request, seed=seed,
-                                            vocab_size=model_spec(args).vocab_size))
+                                            vocab_size=model_spec(args).vocab_size,
+                                            tpot_target=policy_flags.tpot_target(args)))
     return sweep.stack(sims)
 
 
@@ -628,7 +629,8 @@ def _span(values: list[float], fmt: str = "{:.2f}") -> str:
 
 def group_table(lanes: dict[str, list[dict]], names: list[str], group: str, labels: list[str],
                 fixed: dict[int, str]) -> str:
-    """Markdown: per phase or class, each policy's TPOT P50 / P99 (ms, mean over seeds) and drafts per decode step;
+    """Markdown: per phase or class, each policy's TPOT P50 / P99 (ms, mean over seeds), drafts per decode step and,
+    with --tpot-target, the share of requests that met it;
     with fixed draft lengths, the best of them in hindsight (per seed) and each adaptive policy's ratio to it and
     to no speculation (the range over seeds)."""
     rows = hindsight(lanes, names, group, fixed)
@@ -643,10 +645,11 @@ def group_table(lanes: dict[str, list[dict]], names: list[str], group: str, labe
         cells = [labels[g] if g < len(labels) else str(g)]
         for n in names:
             ms = [m[group][g] for m in lanes[n]]
-            mean = {key: _nanmean([m.get(key, math.nan) for m in ms]) for key in (MEDIAN_TPOT, P99_TPOT,
-                                                                                 "drafts_per_step")}
+            mean = {key: _nanmean([m.get(key, math.nan) for m in ms])
+                    for key in (MEDIAN_TPOT, P99_TPOT, "drafts_per_step", "tpot_slo_attainment")}
+            slo = mean["tpot_slo_attainment"]  # with --tpot-target: the share of the group's requests that met it
             cells.append(f"{mean[MEDIAN_TPOT]:.1f} / {mean[P99_TPOT]:.1f} "
-                         f"({mean['drafts_per_step']:.2f})")
+                         f"({mean['drafts_per_step']:.2f}){f'; SLO {100 * slo:.0f}%' if math.isfinite(slo) else ''}")
         if fixed:
             p50, p99 = row[MEDIAN_TPOT], row[P99_TPOT]
             cells.append(f"{np.nanmean(p50['best']):.1f} / {np.nanmean(p99['best']):.1f} "

@@ -46,7 +46,7 @@ re-exported here: `from skvs_jax import scheduler; scheduler.schedule(...)`, and
 """
 
 from skvs_jax.scheduler import buckets, draft_control
-from skvs_jax.scheduler.api import abort, add, check_step_cost, schedule, update
+from skvs_jax.scheduler.api import MAX_TPOT_TARGET_S, abort, add, check_step_cost, schedule, tpot_target_us, update
 from skvs_jax.scheduler.schedule import (
     RANK_BY_COUNTING,
     decoding_rows,
@@ -86,7 +86,7 @@ from skvs_jax.victims import VICTIM_RULES, least_progress, lowest_priority, most
 __all__ = [
     "EMPTY", "WAITING", "RUNNING", "SWAPPED", "FINISHED", "STATUS_NAMES", "VICTIM_RULES", "RANK_BY_COUNTING",
     "SchedulerConfig", "SeqTable", "SchedCounters", "SchedState", "Batch", "StepShape", "StepResult", "StepCost",
-    "flat_step_cost", "check_step_cost", "draft_control", "buckets",
+    "flat_step_cost", "check_step_cost", "draft_control", "buckets", "tpot_target_us", "MAX_TPOT_TARGET_S",
     "init", "add", "schedule", "update", "abort", "step_shape", "live", "priority_order", "in_order", "draft_lengths",
     "decoding_rows", "verify_cap", "plan_drafts", "prompt_work", "lowest_priority", "least_progress", "most_blocks",
     "most_progress",

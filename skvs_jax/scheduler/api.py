@@ -51,6 +51,7 @@ def add(
     priority: jax.Array | None = None,
     request_id: jax.Array | None = None,
     cache_salt: jax.Array | None = None,
+    tpot_target: jax.Array | None = None,
     *,
     cfg: SchedulerConfig,
 ) -> tuple[SchedState, jax.Array]:
@@ -58,7 +59,10 @@ def add(
 
     prompts: int32[requests, width] (width <= M * S, padded); prompt_len: int32[requests], 0 = padding row;
     max_new_tokens, priority, request_id: int32[requests]; cache_salt: int32[requests] (default 0 = none):
-    requests with different salts never share a prefix-cache block, equal salts share as usual. A request needs
+    requests with different salts never share a prefix-cache block, equal salts share as usual; tpot_target:
+    int32[requests] microseconds per output token (default 0 = none), >= 0: the goodput draft controller drafts
+    first for a row whose decode steps are slower per token than its target (`draft_control.over_target`). A
+    request needs
     prompt_len + max_new_tokens <= M * S.
     Returns the state and int32[requests] slots (-1: padding, or no EMPTY slot left -- keep it queued and add it
     again later). A padding row's max_new_tokens is ignored. Inside a user's jit a row that breaks these rules is
@@ -74,9 +78,11 @@ def add(
     priority = jnp.zeros((a,), i32) if priority is None else priority
     request_id = jnp.arange(a, dtype=i32) if request_id is None else request_id
     cache_salt = jnp.zeros((a,), i32) if cache_salt is None else cache_salt
+    tpot_target = jnp.zeros((a,), i32) if tpot_target is None else tpot_target
     for name, x in (("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens), ("priority", priority),
-                    ("request_id", request_id), ("cache_salt", cache_salt)):
+                    ("request_id", request_id), ("cache_salt", cache_salt), ("tpot_target", tpot_target)):
         checks.array(name, x, (a,), "i")
+    checks.in_range("tpot_target", tpot_target, 0, 2**31 - 1)
     checks.in_range("prompt_len", prompt_len, 0, lp)
     if checks.is_concrete(prompt_len) and checks.is_concrete(max_new_tokens):
         checks.in_range("max_new_tokens", np.asarray(max_new_tokens)[np.asarray(prompt_len) > 0], 1, cfg.max_len)
@@ -88,7 +94,21 @@ def add(
                              f"{cfg.max_len} tokens per sequence (max_blocks_per_seq * block_size)")
     return add_unchecked(st, jnp.asarray(prompts, i32), jnp.asarray(prompt_len, i32),
                          jnp.asarray(max_new_tokens, i32), jnp.asarray(priority, i32), jnp.asarray(request_id, i32),
-                         jnp.asarray(cache_salt, i32), cfg=cfg)
+                         jnp.asarray(cache_salt, i32), jnp.asarray(tpot_target, i32), cfg=cfg)
+
+
+MAX_TPOT_TARGET_S = 1000.0  # seconds; `SeqTable.tpot_target` holds microseconds in int32 (up to ~2,147 s)
+
+
+def tpot_target_us(seconds: float | None, name: str = "tpot_target") -> int:
+    """A TPOT target in seconds as `add`'s int32 microseconds (None: 0, no target; at least 1 us). ValueError
+    naming `name` unless None or a finite number in (0, MAX_TPOT_TARGET_S]."""
+    if seconds is None:
+        return 0
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating))
+            or not 0 < seconds <= MAX_TPOT_TARGET_S):  # NaN fails the comparison
+        raise ValueError(f"{name} must be None or seconds in (0, {MAX_TPOT_TARGET_S:g}], got {seconds!r}")
+    return max(int(round(float(seconds) * 1e6)), 1)
 
 
 def check_step_cost(cost: StepCost, cfg: SchedulerConfig) -> None:

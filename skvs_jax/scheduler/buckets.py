@@ -109,6 +109,37 @@ def padded(widths: Sequence[int], slots: int) -> np.ndarray:
     return np.asarray(w + [w[-1]] * (slots - len(w)), np.int32)
 
 
+NARROW, SPLIT, WIDE = 0, 1, 2  # `query_layout`'s answer: the engine's three layouts of a prompt-width step
+
+
+def query_layout(batch, narrow: int, split_rows: int) -> jax.Array:
+    """int32[] how the engine lays out a step it runs at a prompt width wider than `narrow` (1 + K), the first
+    that fits (`serve.engine_step.model_step_at` branches on it):
+
+        NARROW  every scheduled row's query tokens and drafts fit `narrow` slots: [B, narrow]
+        SPLIT   split_rows > 0 and the heads of the longer rows (what does not fit their home row) fit
+                `split_rows` extra rows of `narrow` slots: [B + split_rows, narrow]
+        WIDE    [B, width]
+
+    batch: a `scheduler.Batch` (scheduled, num_query, num_drafts bool/int32[B])."""
+    need = jnp.where(batch.scheduled, batch.num_query + batch.num_drafts, 0)
+    extra = jnp.sum((jnp.maximum(need - narrow, 0) + narrow - 1) // narrow)
+    split = (split_rows > 0) & (extra <= split_rows)
+    return jnp.where(jnp.max(need) <= narrow, NARROW, jnp.where(split, SPLIT, WIDE)).astype(jnp.int32)
+
+
+def query_slots(batch, width, narrow: int, split_rows: int) -> jax.Array:
+    """int32[] the query slots (rows x width) the engine's forward computes for `batch` at the host's `width`
+    (int or int32[]): B * width at a decode width (<= narrow), else by `query_layout`. What a step costs where
+    padding is compute (a compute-bound device), against the tokens scheduled (`StepShape`)."""
+    b = batch.scheduled.shape[0]
+    width = jnp.asarray(width, jnp.int32)
+    layout = query_layout(batch, narrow, split_rows)
+    prompt = jnp.where(layout == NARROW, b * narrow,
+                       jnp.where(layout == SPLIT, (b + split_rows) * narrow, b * width))
+    return jnp.where(width <= narrow, b * width, prompt).astype(jnp.int32)
+
+
 @dataclasses.dataclass
 class BucketChooser:
     """The engine's bucket choice as a small state machine (host side, plain Python).

@@ -40,6 +40,12 @@ rides in steps that the other rows' drafts made longer. Three per-row quantities
   1 / PROTECT_WITHIN of the population's is drafted at least to depth 1 at every threshold but "none", and
   deeper by its hope (`optimistic_estimates`: OPTIMISM_W extra passes per depth, a bonus that shrinks as its
   tries grow) instead of its estimate, so a row three rejections priced out is drafted as its peers are.
+* Over target. A request may ask for a TPOT (`SeqTable.tpot_target`, microseconds per output token; 0: none).
+  A row whose decode steps took longer per token than that (elapsed // its decoded tokens > target:
+  `over_target`) is behind too, whether or not speculation caused it: when not every row can be drafted at
+  the step's threshold, the rows missing their target are drafted first, and under the guard the step
+  lengthens no more than they hope to gain. Elapsed is the step cost's price of its steps, so the target
+  means what the cost model means by a microsecond (the simulator's clock; an engine's fitted step cost).
 * Guard (`Policy.tail_guard`, a slack g in 1/1024ths; None: off). A choice is allowed only if, for every behind
   row with a draft cap, T * ONE * 1024 <= T0 * (ONE + its hoped gain) * (1024 + g): the step lengthens no more
   than each behind row hopes to gain from it. "none" always qualifies. A row measured far below the population
@@ -146,15 +152,24 @@ def population_survival(pop_tried: jax.Array, pop_passed: jax.Array) -> jax.Arra
 
 
 def priority_rows(lag: jax.Array, elapsed: jax.Array, undrafted: jax.Array, decoding: jax.Array,
-                  surv: jax.Array, pop: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  surv: jax.Array, pop: jax.Array, over: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(behind bool[B], probe bool[B]) of decoding rows (bool[B]). probe: undrafted int32[B] >= PROBE_AFTER.
-    behind: not a probe, `lagging` (lag, elapsed int32[B]), and the row's estimated first-draft acceptance
-    (surv int32[B, K] at depth 0) at least 1 / PROTECT_WITHIN of the population's (pop int32[K],
-    `population_survival`): a row measured far below the rows the batch drafts for is not protected, and a row
-    that held the batch back PROBE_AFTER steps without a draft is probed instead (module docstring)."""
+    behind: not a probe, `lagging` (lag, elapsed int32[B]) or over its TPOT target (over bool[B], `over_target`;
+    None: no row is), and the row's estimated first-draft acceptance (surv int32[B, K] at depth 0) at least
+    1 / PROTECT_WITHIN of the population's (pop int32[K], `population_survival`): a row measured far below the
+    rows the batch drafts for is not protected, and a row that held the batch back PROBE_AFTER steps without a
+    draft is probed instead (module docstring)."""
     hopeful = PROTECT_WITHIN * surv[:, 0] >= pop[0]
     probe = decoding & (undrafted >= PROBE_AFTER)
-    return decoding & lagging(lag, elapsed) & hopeful & ~probe, probe
+    late = lagging(lag, elapsed) if over is None else lagging(lag, elapsed) | over
+    return decoding & late & hopeful & ~probe, probe
+
+
+def over_target(target: jax.Array, elapsed: jax.Array, decoded: jax.Array) -> jax.Array:
+    """bool[B] rows with a TPOT target (target int32[B] microseconds per token, 0 = none) whose decode steps took
+    longer per token than it: elapsed // decoded > target, elapsed int32[B] their priced time and decoded int32[B]
+    the tokens they gave (floored at 1). A quotient, so no product overflows int32."""
+    return (target > 0) & (elapsed // jnp.maximum(decoded, 1) > target)
 
 
 def lagging(lag: jax.Array, elapsed: jax.Array) -> jax.Array:

@@ -269,8 +269,9 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     """int32[B] the goodput controller's drafts (`draft_control.goodput_drafts`) over survivals surv int32[B, K]
     below cap int32[B], for a step whose other work is the running rows' chunks int32[B] (admissions come later and
     are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
-    whatever is drafted. Of the decoding rows bool[B], those due a probe or behind (`draft_control.priority_rows`)
-    are drafted first, and under `Policy.tail_guard` the behind ones bound the step's time."""
+    whatever is drafted. Of the decoding rows bool[B], those due a probe or behind (`draft_control.priority_rows`:
+    lagging, or over their TPOT target) are drafted first, and under `Policy.tail_guard` the behind ones bound the
+    step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
     base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
@@ -280,8 +281,12 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
     bound_surv = draft_control.survival(draft_control.optimistic_estimates(seqs.draft_tried, seqs.draft_passed,
                                                                            st.pop_tried, st.pop_passed))
+    # Tokens from decode steps: every output but the first, which the prompt's last step gave.
+    over = (draft_control.over_target(seqs.tpot_target, seqs.elapsed, seqs.num_tokens - seqs.prompt_len - 1)
+            if cfg.policy.tpot_targets else None)
     behind, probe = draft_control.priority_rows(seqs.lag, seqs.elapsed, seqs.undrafted, decoding, surv,
-                                                draft_control.population_survival(st.pop_tried, st.pop_passed))
+                                                draft_control.population_survival(st.pop_tried, st.pop_passed),
+                                                over)
     return draft_control.goodput_drafts(surv, cap, base, rows, ctx, sampling, cost,
                                         query=jnp.where(running, chunk, 0), wide=prompt_work(st),
                                         reach_of=cfg.reach_of, caps=st.draft_widths, priority=probe | behind,

@@ -212,6 +212,7 @@ class SeqTable:
     undrafted: jax.Array  # int32[B] consecutive decode steps it went undrafted while other rows drafted
     index_pending: jax.Array  # bool[B] filled a block that `update` has not offered to the prefix index yet
     cache_salt: jax.Array  # int32[B] the request's cache salt (0 = none): it shares blocks only with its own salt
+    tpot_target: jax.Array  # int32[B] microseconds per output token the request asks for (0 = none; draft control)
 
 
 @struct.dataclass
@@ -384,7 +385,7 @@ def init(cfg: SchedulerConfig) -> SchedState:
         num_preemptions=zb, num_cached=zb, accept_hist=jnp.zeros((b, k + 1), i32),
         draft_tried=jnp.zeros((b, k), i32), draft_passed=jnp.zeros((b, k), i32), lag=zb, elapsed=zb, undrafted=zb,
         index_pending=jnp.zeros((b,), bool),
-        cache_salt=jnp.zeros((b,), i32),
+        cache_salt=jnp.zeros((b,), i32), tpot_target=zb,
     )
     counters = SchedCounters(*([zero] * len(SchedCounters.__dataclass_fields__)))
     widths = cfg.policy.draft_buckets or (k,)

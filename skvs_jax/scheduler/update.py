@@ -193,9 +193,10 @@ def _start_rows(seqs: SeqTable, slot: jax.Array, **given) -> SeqTable:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_salt=None, *, cfg: SchedulerConfig):
-    """`add` without the boundary checks (a row that breaks its rules is padding). cache_salt: int32[requests]
-    (None: 0, no salt)."""
+def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_salt=None, tpot_target=None, *,
+                  cfg: SchedulerConfig):
+    """`add` without the boundary checks (a row that breaks its rules is padding). cache_salt, tpot_target:
+    int32[requests] (None: 0, no salt, no target)."""
     b = cfg.cache.max_seqs
     seqs = st.seqs
     # A row that breaks add's rules (checked at the boundary when concrete) is padding here, never a sequence
@@ -212,7 +213,8 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_
     prompts = jnp.where(jnp.arange(cfg.max_len)[None, :] < prompt_len[:, None], prompts, 0)
     seqs = _start_rows(seqs, slot, status=WAITING, tokens=prompts, num_tokens=prompt_len, prompt_len=prompt_len,
                        max_new_tokens=max_new, priority=priority, arrival=arrival, request_id=request_id,
-                       cache_salt=0 if cache_salt is None else cache_salt)
+                       cache_salt=0 if cache_salt is None else cache_salt,
+                       tpot_target=0 if tpot_target is None else jnp.maximum(tpot_target, 0))
     st = st.replace(seqs=seqs, next_arrival=st.next_arrival + jnp.sum(placed, dtype=i32))
     return st, jnp.where(placed, slot, -1)
 
@@ -224,7 +226,7 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     prompt): request i (parent int32[B'] a slot, -1 = padding) goes into an EMPTY slot, shares its parent's
     committed blocks (`manager.fork`, by reference: the prompt is stored once), and is RUNNING with known tokens
     = the parent's committed ones + first_token[i]. It inherits the parent's prompt length, max_new_tokens,
-    cache salt, priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each
+    cache salt, TPOT target, priority and arrival; its statistics start at zero. Returns (state, slots int32[B']: each
     request's slot, -1 where it was not placed (padding, no empty slot, or a parent the allocator cannot fork:
     unsettled, or nothing committed))."""
     b = cfg.cache.max_seqs
@@ -246,7 +248,8 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     # The tenant's salt goes with its outputs: a fork's own blocks are indexed under the parent's salt.
     seqs = _start_rows(seqs, slot, status=RUNNING, tokens=tokens, num_tokens=committed + 1,
                        prompt_len=seqs.prompt_len[p], max_new_tokens=seqs.max_new_tokens[p], priority=seqs.priority[p],
-                       arrival=seqs.arrival[p], request_id=request_id, cache_salt=seqs.cache_salt[p])
+                       arrival=seqs.arrival[p], request_id=request_id, cache_salt=seqs.cache_salt[p],
+                       tpot_target=seqs.tpot_target[p])
     return st.replace(kv=kv, seqs=seqs), jnp.where(placed, slot, -1)
 
 

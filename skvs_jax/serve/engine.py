@@ -258,7 +258,12 @@ class Engine:
 
         arrival_time: seconds on the engine's clock, finite (None: now). cache_salt (vLLM's): requests with
         different salts never share a prefix-cache block, so one tenant cannot learn another's prompts from hit
-        timing; requests with the same salt share as unsalted ones do (None = no salt)."""
+        timing; requests with the same salt share as unsalted ones do (None = no salt). A request without a
+        tpot_target takes the engine's (`EngineOptions.tpot_target`)."""
+        if self.options.tpot_target is not None and (sampling is None or isinstance(sampling, SamplingParams)):
+            sampling = SamplingParams() if sampling is None else sampling  # anything else: refused by the table
+            if sampling.tpot_target is None:
+                sampling = dataclasses.replace(sampling, tpot_target=self.options.tpot_target)
         rid = self.table.add(prompt_tokens, sampling, arrival_time, request_id, cache_salt, self.now())
         self._added += 1
         return rid
@@ -282,8 +287,8 @@ class Engine:
             return
         arrays = [self._arg(x) for x in self.table.admission_arrays(take)]
         rows = self._rows([self.requests[rid] for rid in take])
-        prompts, lens, new, prio, ids, salts = arrays
-        self.state, slots = engine_step.add_requests(self.state, prompts, lens, new, prio, ids, rows, salts,
+        prompts, lens, new, prio, ids, salts, targets = arrays
+        self.state, slots = engine_step.add_requests(self.state, prompts, lens, new, prio, ids, rows, salts, targets,
                                                      cfg=self.cfg)
         self.table.placed(take, np.asarray(slots))
         self.picker.prompt_work = True  # the new requests wait to be prefilled
@@ -492,8 +497,12 @@ class Engine:
         """The step's padding into its log row (`WidthPicker.account`); re-chosen draft widths are installed.
         bound: what picked the width (None: a prompt-width step, or the widest after the knobs changed)."""
         pad, widths = self.picker.account(out, width, bound)
+        b, narrow = self.cfg.sched.cache.max_seqs, engine_step.narrow_width(self.cfg)
+        # What the forward computed: query slots of the layout it ran, logits at every row's sampling slots.
+        slots = (b + self.cfg.split_rows) * narrow if bool(out.split) else b * width
         self.step_log[-1].update(width=width, bound=-1 if bound is None else bound, padding=pad,
-                                 split=bool(out.split))
+                                 split=bool(out.split), query_slots=slots,
+                                 logit_rows=b * engine_step.logit_slots(self.cfg))
         if widths is not None:
             self.set_draft_widths(widths)
 
@@ -611,7 +620,7 @@ class Engine:
         zeros, put = np.zeros((b,), np.int32), self._arg  # all-padding rows: compiles `add` without adding anything
         jax.block_until_ready(engine_step.add_requests(
             jax.tree.map(lambda x: x.copy(), empty), put(np.zeros((b, max_len), np.int32)), put(zeros), put(zeros + 1),
-            put(zeros), put(zeros - 1), self._rows([]), put(zeros), cfg=self.cfg))
+            put(zeros), put(zeros - 1), self._rows([]), put(zeros), put(zeros), cfg=self.cfg))
         jax.block_until_ready(sampling_mod.stream_keys(zeros.astype(np.uint32), zeros))  # what an admission runs
         for i, w in enumerate(order):
             jax.block_until_ready(self._idle_step(empty, w))
@@ -696,7 +705,8 @@ class Engine:
 
 
 def _step_row(out: engine_step.StepOut, start: float, end: float) -> dict:
-    """A step's row of `Engine.step_log` (the picker adds its width, bound, padding and split)."""
+    """A step's row of `Engine.step_log` (`_account_padding` adds its width, bound, padding, split, query slots
+    and logit rows)."""
     return dict(
         start=start, duration=end - start, tokens=int(out.num_tokens), blocks_used=int(out.blocks_used),
         spec_blocks=int(out.spec_blocks), oom=bool(out.oom), preempted=int(np.sum(out.preempted)),

@@ -320,9 +320,13 @@ def _split_rows(start: jax.Array, off: jax.Array, width: int, rows: int) -> _Spl
 def _sampling_slots(batch: sc.Batch, cfg: EngineConfig) -> jax.Array:
     """int32[B, slots]: the query slot of each row's sampling slots, num_query - 1 + u for node u of the draft tree
     (a chain: u = 0..K; no speculation: the last query token alone). The forward computes logits there only."""
+    return jnp.maximum(batch.num_query[:, None] - 1 + jnp.arange(logit_slots(cfg), dtype=i32)[None, :], 0)
+
+
+def logit_slots(cfg: EngineConfig) -> int:
+    """The sampling slots per row, where the forward computes logits: the tree's slots, K + 1 for a chain."""
     k = cfg.sched.policy.draft_len
-    r = cfg.tree.num_slots if k > 0 and cfg.tree is not None else k + 1
-    return jnp.maximum(batch.num_query[:, None] - 1 + jnp.arange(r, dtype=i32)[None, :], 0)
+    return cfg.tree.num_slots if k > 0 and cfg.tree is not None else k + 1
 
 
 def _forward_split(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, view: sc.Batch,
@@ -349,11 +353,12 @@ def _forward_split(runner: ModelRunner, params, queries: _Queries, cache, batch:
     if tree_mask is not None:  # extra rows hold known tokens only: causal
         causal = jnp.broadcast_to(slot.T >= slot, (rows, width, width))
         tree_mask = jnp.concatenate([tree_mask, causal])
-    logits_at = jnp.concatenate([at, jnp.zeros((rows, at.shape[1]), i32)])
+    # Logits at the home rows only (at's B rows): the extra rows carry prompt heads and sample nothing; asking
+    # for theirs cost the LM head on every extra row, ~a third of a split step on this CPU at a 128k vocabulary.
     logits, hidden, cache = runner.forward(params, tokens, positions, cache, tables, context_lens, query_lens,
-                                           impl=impl, tree_mask=tree_mask, logits_at=logits_at)
+                                           impl=impl, tree_mask=tree_mask, logits_at=at)
     fits = (ex.need <= rows) & (_widest_query(view) <= width)
-    return logits[:b], hidden[:b], cache, fits
+    return logits, hidden[:b], cache, fits
 
 
 def _forward(runner: ModelRunner, params, queries: _Queries, cache, batch: sc.Batch, at: jax.Array, *,
@@ -630,13 +635,12 @@ def model_step_at(runner: ModelRunner, params, st: EngineState, batch: sc.Batch,
     if width <= narrow:
         return model_step(runner, params, st, batch, knobs, cfg=cfg, width=width)
     step = functools.partial(model_step, runner, cfg=cfg)
-    branches, fits = [functools.partial(step, width=narrow)], [_widest_query(batch) <= narrow]
+    branches = [functools.partial(step, width=narrow)]
     if cfg.split_rows:
         branches.append(functools.partial(step, width=narrow, split_rows=cfg.split_rows))
-        fits.append(_split_rows(batch.start, _chunk_heads(batch, narrow), narrow, cfg.split_rows).need
-                    <= cfg.split_rows)
     branches.append(functools.partial(step, width=width))
-    pick = jnp.argmax(jnp.stack(fits + [jnp.asarray(True)])).astype(i32)  # the first branch that fits
+    # Without split rows there is no SPLIT branch (the layout is then never SPLIT) and WIDE is index 1.
+    pick = jnp.minimum(sc.buckets.query_layout(batch, narrow, cfg.split_rows), len(branches) - 1)
     forced = jnp.minimum(jnp.asarray(branch, i32), len(branches) - 1)  # without a split, SPLIT and WIDE: WIDE
     return jax.lax.switch(jnp.where(forced >= 0, forced, pick), branches, params, st, batch, knobs)
 
@@ -668,11 +672,12 @@ def model_only(runner, params, st, batch, knobs, branch=AUTO, *, cfg, width):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))
-def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None, *, cfg):
-    """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request) and
-    cache salts (int32[B], `engine.salt_id`; None: no salt)."""
+def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None,
+                 tpot_target=None, *, cfg):
+    """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request),
+    cache salts (int32[B], `engine.salt_id`; None: no salt) and TPOT targets (int32[B] microseconds; None: none)."""
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
-                                    cfg=cfg.sched)
+                                    tpot_target, cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     prompt_work = st.prompt_work | jnp.any(slots >= 0)  # the new requests wait to be prefilled
     return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows), prompt_work=prompt_work), slots

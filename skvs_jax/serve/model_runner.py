@@ -51,9 +51,9 @@ class ModelRunner(Protocol):
         query tokens of row b are stored at cache positions context_lens - query_lens + j, j < query_lens; rows
         with query_lens 0 write nothing); tree_mask bool[B, Q, Q] or None (causal): with a mask, query i sees
         the cache before the Q query slots plus slot j iff tree_mask[b, i, j] (positions carry each node's
-        depth); logits_at int32[B, R] or None: the query slots whose logits are wanted (the engine asks for each
-        row's sampling slots). Returns (logits float[B, Q, V], or float[B, R, V] with logits_at; hidden
-        float[B, Q, Dm]; cache)."""
+        depth); logits_at int32[B', R] or None: the query slots whose logits are wanted, in the first B' <= B rows
+        (the engine asks for each home row's sampling slots; a split step's extra rows want none). Returns (logits
+        float[B, Q, V], or float[B', R, V] with logits_at; hidden float[B, Q, Dm]; cache)."""
 
     def draft(self, params: Any, hidden: jax.Array, site: DraftSite | None = None) -> jax.Array:
         """hidden float[B, Dm] at a row's last accepted position t -> int32[B, num_draft_heads] drafts for

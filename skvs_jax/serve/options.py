@@ -24,6 +24,7 @@ from skvs_jax.policies import Policy
 from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.acceptance import POSTERIOR_ALPHA, POSTERIOR_THRESHOLD
 from skvs_jax.serve.model_runner import ModelRunner
+from skvs_jax.serve.sampling_params import check_tpot_target
 from skvs_jax.victims import VictimRule, check_custom_rule
 
 STEP_COSTS = ("fit", "flat")
@@ -71,6 +72,8 @@ class EngineOptions:
         width change, a first token (`serve.dispatch`). 1: the one-step programs with the host between every
         two steps (the engine before dispatches of many steps).
       seed: the engine's seed, from which requests without one get theirs; in [0, 2**32).
+      tpot_target: the TPOT objective [s] of a request whose SamplingParams.tpot_target is None (None: no
+        objective): what the goodput draft controller drafts first for, and what SLO attainment counts.
       clock: the engine's clock (seconds); `time.perf_counter` by default.
     """
 
@@ -97,6 +100,7 @@ class EngineOptions:
     detokenize: bool = False
     steps_per_dispatch: int | str = "auto"
     seed: int = 0
+    tpot_target: float | None = None
     clock: Callable[[], float] = time.perf_counter
 
     def __post_init__(self) -> None:
@@ -142,6 +146,8 @@ class EngineOptions:
                             f"{type(self.tokenizer).__name__}")
         if not isinstance(self.detokenize, bool):
             raise TypeError(f"detokenize must be a bool, got {type(self.detokenize).__name__}")
+        if self.tpot_target is not None:
+            object.__setattr__(self, "tpot_target", check_tpot_target("tpot_target", self.tpot_target))
         if not callable(self.clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type(self.clock).__name__}")
 

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from skvs_jax import checks
+from skvs_jax import scheduler as sc
 from skvs_jax.serve import engine_step
 from skvs_jax.serve import sampling as sampling_mod
 from skvs_jax.serve.sampling_params import SamplingParams
@@ -319,17 +320,18 @@ class RequestTable:
 
     def admission_arrays(self, ids: Sequence[int]) -> tuple[np.ndarray, ...]:
         """`engine_step.add_requests`'s host arrays for these requests in rows 0..: (prompts int32[B, max_len],
-        prompt_len, max_new, priority, request_id, cache_salt int32[B]); rows past them are padding."""
+        prompt_len, max_new, priority, request_id, cache_salt, tpot_target int32[B]); rows past them are padding."""
         b = self.max_seqs
         prompts = np.zeros((b, self.max_len), np.int32)
-        lens, new, prio, ids_, salts = (np.zeros(b, np.int32) for _ in range(5))
+        lens, new, prio, ids_, salts, targets = (np.zeros(b, np.int32) for _ in range(6))
         new[:] = 1
         for row, rid in enumerate(ids):
             r = self.requests[rid]
             prompts[row, : len(r.prompt)], lens[row], new[row], ids_[row] = (r.prompt, len(r.prompt),
                                                                              r.sampling.max_tokens, rid)
             salts[row] = salt_id(r.cache_salt)
-        return prompts, lens, new, prio, ids_, salts
+            targets[row] = sc.tpot_target_us(r.sampling.tpot_target)
+        return prompts, lens, new, prio, ids_, salts, targets
 
     # --------------------------------------------------------------------------------------- a step's outputs
 

@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 
 from skvs_jax import checks
+from skvs_jax import scheduler as sc
 from skvs_jax.serve import engine_step
 from skvs_jax.serve import sampling as sampling_mod
 
@@ -18,6 +19,12 @@ def _real(name: str, value, lo: float, hi: float, *, open_lo: bool = False) -> f
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
             or value < lo or value > hi or (open_lo and value == lo)):
         raise ValueError(f"{name} must be a finite float in {'(' if open_lo else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def check_tpot_target(name: str, value) -> float:
+    """A TPOT target in seconds (`scheduler.tpot_target_us`'s range); ValueError naming `name` otherwise."""
+    sc.tpot_target_us(value, name)
     return float(value)
 
 
@@ -48,6 +55,11 @@ class SamplingParams:
     (`RequestOutputKind`): what a streamed `RequestOutput` holds, everything so far (CUMULATIVE), the new part
     (DELTA), or nothing until the end (FINAL_ONLY).
 
+    tpot_target (not vLLM's): the request's time per output token objective in seconds (None: the engine's
+    `EngineOptions.tpot_target`). Under the goodput draft controller a row whose decode steps run slower per
+    token than it is drafted first (`scheduler.draft_control.over_target`); the benchmarks report the share of
+    requests that met theirs (`metrics`: tpot_slo_attainment, goodput).
+
     Fields are normalised to Python types (numpy scalars are accepted); token ids are checked against the
     model's vocabulary when the request is added.
     """
@@ -74,6 +86,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = None  # type: ignore[assignment]  # None: CUMULATIVE (set in __post_init__)
+    tpot_target: float | None = None
 
     def __post_init__(self) -> None:
         if not checks.is_int(self.max_tokens) or self.max_tokens < 1:
@@ -124,6 +137,8 @@ class SamplingParams:
                                  f"[0, {sampling_mod.MAX_LOGPROBS}], got {value!r}")
         if not checks.is_int(self.n) or not 1 <= self.n <= sampling_mod.MAX_N:
             raise ValueError(f"n must be an int in [1, {sampling_mod.MAX_N}], got {self.n!r}")
+        if self.tpot_target is not None:
+            object.__setattr__(self, "tpot_target", check_tpot_target("tpot_target", self.tpot_target))
         self._check_constraints()
         for name, value in (("n", int(self.n)), ("seed", None if self.seed is None else int(self.seed)),
                             ("top_k", max(int(self.top_k), 0)), ("top_p", top_p), ("min_p", min_p),

@@ -46,11 +46,14 @@ def serve(model, heads, policy: policies.Policy, trace: workloads.Trace) -> engi
     return e
 
 
-def samples(e: engine.Engine) -> list[cm.StepSample]:
+def samples(e: engine.Engine, padded: bool = False) -> list[cm.StepSample]:
+    """Every step of `e` as a `cost_model.StepSample`: its shape and its start-to-start time. padded: with the query
+    slots and logit rows the engine computed (to fit a device the simulator prices with `simulate.EngineLayout`)."""
     log = e.step_log
     gaps = [b["start"] - a["start"] for a, b in zip(log, log[1:])] + [log[-1]["duration"]]
     return [cm.StepSample(s["prefill_tokens"], s["decode_tokens"], s["kv_tokens_read"], g, s["num_seqs"],
-                          s["drafting_rows"]) for s, g in zip(log, gaps)]
+                          s["drafting_rows"], s["query_slots"] if padded else 0, s["logit_rows"] if padded else 0)
+            for s, g in zip(log, gaps)]
 
 
 def replay(e: engine.Engine, trace: workloads.Trace, device: cm.DeviceSpec, runner, params) -> dict:

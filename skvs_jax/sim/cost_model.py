@@ -44,6 +44,11 @@ Assumptions (each one a simplification a reader should know about):
   token and one row per prefilling sequence (mean-field: one, when the step has prefill tokens; the measured
   mode counts the same rows). A device with a finite `logit_elements_per_s` (the fitted CPU) also pays for the
   vocabulary-sized work around them, (logit rows + R * Medusa heads) * V elements, added to the step.
+- Padding: by default a step computes only its tokens, as a ragged engine (vLLM's flattened batch) does. This
+  engine computes a padded [rows, Q] query (`scheduler.buckets.query_slots`) and logits at every row's sampling
+  slots; pass `query_slots` and `logit_rows` to price that instead (the simulator's `EngineLayout`). The weight
+  matmuls and the LM head then run on the padded counts (never fewer than the tokens); attention and the KV
+  traffic stay the real tokens' (an empty slot attends to nothing and writes nothing).
 - Activations, logits, norms, rotary embeddings and sampling move bytes and FLOPs we ignore: at small T they
   are tiny next to the weights, at large T the step is compute-bound and the matmuls dominate.
 - Tensor parallelism (Megatron-style) splits weights, FLOPs and Medusa heads t ways and KV heads min(t, Hkv)
@@ -213,8 +218,11 @@ class CostModel:
         return self.model.kv_bytes_per_token / min(self.tp, self.model.num_kv_heads)
 
     def breakdown(self, prefill_tokens: jax.Array, decode_tokens: jax.Array, kv_tokens_read: jax.Array,
-                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> dict[str, jax.Array]:
-        """The terms of `step_time`, each float32 of the inputs' broadcast shape [...].
+                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0, query_slots: jax.Array | int = 0,
+                  logit_rows: jax.Array | int = 0) -> dict[str, jax.Array]:
+        """The terms of `step_time`, each float32 of the inputs' broadcast shape [...]. query_slots and logit_rows:
+        what a padding engine computes (module docstring, "Padding"); 0 (or anything below the step's tokens and
+        sampling rows) prices the tokens alone.
 
         Keys, roofline mode and a fitted device: flops and bytes (per device), compute_s, memory_s, roofline_s
         (compute and memory combined), allreduce_s, host_overhead_s, step_s (the total; 0 where the step has no
@@ -223,10 +231,10 @@ class CostModel:
         allreduce_s, host_overhead_s, step_s.
         """
         inputs = jnp.broadcast_arrays(*(jnp.asarray(x, dtype=jnp.float32) for x in (
-            prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)))
+            prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows, query_slots, logit_rows)))
         terms = (self._roofline_terms(*inputs) if self.resolved_mode == "roofline" or self.device.fitted
                  else self._measured_terms(*inputs))
-        p, d, _, _, r = inputs
+        p, d, _, _, r, _, _ = inputs
         active = (p + d + r) > 0.0
         terms["allreduce_s"] = self._allreduce_s(p + d, active)
         terms["host_overhead_s"] = jnp.where(active, self.device.host_overhead_s, 0.0)
@@ -245,15 +253,16 @@ class CostModel:
         per_call_s = self.device.allreduce_latency_s + tokens * ring_s_per_token
         return jnp.where(active, 2 * m.num_layers * per_call_s, 0.0)
 
-    def _roofline_terms(self, p, d, c, b, r) -> dict[str, jax.Array]:
+    def _roofline_terms(self, p, d, c, b, r, q, lr) -> dict[str, jax.Array]:
         m, t = self.model, self.tp
         tokens = p + d  # T
         queries_per_seq = tokens / jnp.maximum(b, 1.0)  # T / B
         attention_pairs = queries_per_seq * c + tokens * (queries_per_seq + 1.0) / 2.0
         drafting = r > 0.0
         head_params = m.vocab_size * m.hidden_size
-        logit_rows = d + jnp.where(p > 0.0, 1.0, 0.0)  # the engine's sampling rows (module docstring)
-        flops = (tokens * (2.0 * (m.matmul_params - head_params) / t) + logit_rows * (2.0 * head_params / t)
+        matmul_rows = jnp.maximum(tokens, q)  # padded query slots, where the engine computes them
+        logit_rows = jnp.maximum(d + jnp.where(p > 0.0, 1.0, 0.0), lr)  # the sampling rows (module docstring)
+        flops = (matmul_rows * (2.0 * (m.matmul_params - head_params) / t) + logit_rows * (2.0 * head_params / t)
                  + attention_pairs * (m.attention_flops_per_pair / t)
                  + r * (m.medusa_flops_per_row / t))
         logit_elements = (logit_rows + r * m.num_medusa_heads) * float(m.vocab_size)
@@ -267,7 +276,7 @@ class CostModel:
         return {"flops": flops, "bytes": nbytes, "logit_elements": logit_elements, "compute_s": compute_s,
                 "memory_s": memory_s, "roofline_s": roofline_s}
 
-    def _measured_terms(self, p, d, c, b, r) -> dict[str, jax.Array]:
+    def _measured_terms(self, p, d, c, b, r, q, lr) -> dict[str, jax.Array]:
         """Vidur's composition of a step (`ExecutionTime`): per layer, the non-attention operators at the step's
         token count, the KV write, decode attention over the decoding rows, prefill attention over the chunk; all
         layers; plus, outside Vidur, the embedding, the LM head and the Medusa heads.
@@ -299,7 +308,8 @@ class CostModel:
             return ms
 
         tokens = p + d
-        linear_ms = gemm_ms(tab["linear"][t], tokens, m._layer_matmul_params / ref_m._layer_matmul_params)
+        linear_ms = gemm_ms(tab["linear"][t], jnp.maximum(tokens, q),
+                            m._layer_matmul_params / ref_m._layer_matmul_params)
         # Attention kernels, measured at tp = 1: KV heads split min(t, Hkv) ways, query heads t ways.
         kv_ratio = ((m.num_kv_heads * m.head_dim * m.kv_dtype_bytes / min(t, m.num_kv_heads))
                     / (ref_m.num_kv_heads * ref_m.head_dim * ref_m.kv_dtype_bytes)
@@ -335,7 +345,7 @@ class CostModel:
                                / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
             emb_ms = jnp.where(tokens > 0, jnp.interp(tokens, grid, tab["emb"][t]), 0.0) * (
                 m.hidden_size * m.weight_dtype_bytes / (dm_ref * ref_m.weight_dtype_bytes) * bandwidth_ratio)
-            logit_rows = d + prefilling
+            logit_rows = jnp.maximum(d + prefilling, lr)
             lm_ms = jnp.where(logit_rows > 0, gemm_ms(up, logit_rows, m.vocab_size * m.hidden_size
                                                       / (2 * f_ref * dm_ref)), 0.0)
             medusa_params = m.num_medusa_heads * (m.medusa_layers * m.hidden_size ** 2 + m.vocab_size * m.hidden_size)
@@ -353,14 +363,17 @@ class CostModel:
                            m.weight_dtype_bytes / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
 
     def step_time(self, prefill_tokens: jax.Array, decode_tokens: jax.Array, kv_tokens_read: jax.Array,
-                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0) -> jax.Array:
+                  num_seqs: jax.Array, medusa_rows: jax.Array | int = 0, query_slots: jax.Array | int = 0,
+                  logit_rows: jax.Array | int = 0) -> jax.Array:
         """Seconds for one step: float32 [...] from int32/float32 inputs of one broadcastable shape [...].
+        query_slots, logit_rows: a padding engine's (`breakdown`), 0 for the tokens alone.
 
         Pure `jnp` arithmetic without data-dependent Python branches: works under jit, vmap and loops.
         Non-decreasing in prefill_tokens, decode_tokens, kv_tokens_read and medusa_rows; non-increasing in
         num_seqs (the same query tokens spread over more sequences attend to less context each).
         """
-        return self.breakdown(prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows)["step_s"]
+        return self.breakdown(prefill_tokens, decode_tokens, kv_tokens_read, num_seqs, medusa_rows, query_slots,
+                              logit_rows)["step_s"]
 
     def swap_time(self, blocks_out: jax.Array, blocks_in: jax.Array, block_size: int,
                   disk_blocks: jax.Array | int = 0) -> jax.Array:
@@ -419,6 +432,8 @@ class StepSample(NamedTuple):
     seconds: float
     num_seqs: int = 1
     medusa_rows: int = 0
+    query_slots: int = 0  # what a padding engine computed (`CostModel.breakdown`); 0: the tokens alone
+    logit_rows: int = 0
 
 
 def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS["tiny"], *,
@@ -437,14 +452,16 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
 
     Args:
       samples: `StepSample`s, or tuples (prefill_tokens, decode_tokens, kv_tokens_read, seconds[, num_seqs
-        [, medusa_rows]]), e.g. the engine's per-step log. Needs steps of varied size and context to separate the
-        per-token from the per-KV-byte cost.
+        [, medusa_rows[, query_slots, logit_rows]]]), e.g. the engine's per-step log. Needs steps of varied size
+        and context to separate the per-token from the per-KV-byte cost. With query_slots and logit_rows (what
+        the engine computed, padding included) the per-token cost is fitted to the slots computed.
       model: the model the engine ran (the shipped tiny model by default).
       name: the device's name.  memory_bytes: its memory, for `max_kv_tokens` (unbounded by default).
     """
     rows = [StepSample(*s) for s in samples]
     for s in rows:
-        counts = (s.prefill_tokens, s.decode_tokens, s.kv_tokens_read, s.num_seqs, s.medusa_rows)
+        counts = (s.prefill_tokens, s.decode_tokens, s.kv_tokens_read, s.num_seqs, s.medusa_rows, s.query_slots,
+                  s.logit_rows)
         if not all(math.isfinite(c) and c >= 0 for c in counts):
             raise ValueError(f"samples' token and sequence counts must be finite and >= 0, got {s}")
     rows = [s for s in rows if s.prefill_tokens + s.decode_tokens + s.medusa_rows > 0]
@@ -454,7 +471,7 @@ def fit_cpu_device(samples: Iterable[Sequence[float]], model: ModelSpec = MODELS
                       compute_efficiency=1.0, bandwidth_efficiency=1.0, link_bytes_per_s=math.inf,
                       allreduce_latency_s=0.0, compute_memory_overlap=0.0)
     columns = [np.asarray([getattr(s, f) for s in rows]) for f in StepSample._fields]
-    terms = CostModel(model, unit, tp=1).breakdown(*(columns[i] for i in (0, 1, 2, 4, 5)))
+    terms = CostModel(model, unit, tp=1).breakdown(*(columns[i] for i in (0, 1, 2, 4, 5, 6, 7)))
     a = np.stack([np.ones(len(rows)), np.asarray(terms["flops"], np.float64), np.asarray(terms["bytes"], np.float64),
                   np.asarray(terms["logit_elements"], np.float64)], axis=1)
     y = np.asarray(columns[3], np.float64)

@@ -7,12 +7,14 @@
    (two seeds of the same workload), serves each policy with the oracle drafter at the acceptance profile
    (`serve.oracle_drafter`; its reference pass first), each engine warmed up so no step includes a compilation.
 2. Refits the `cpu-measured` device for this shape: `cost_model.fit_cpu_device` over every step of the fit
-   trace's runs, with the shape's `ModelSpec` (no Medusa heads: the oracle costs nothing to run).
+   trace's runs, with the shape's `ModelSpec` (no Medusa heads: the oracle costs nothing to run), twice: to the
+   query slots the engine computed (its padding included: `simulate.EngineLayout`) and to the tokens alone.
 3. Simulates each check-trace run: the same trace, KV budget, options and policy, the engine's own step cost as
    the draft controller's (so the simulated controller decides as the engine's did), the acceptance replayed
-   from the oracle's hash (`oracle_drafter.accept_runs`: the decisions the engine met), priced by the refitted
-   device and by the preset `cpu-measured` (fitted on the shipped tiny model). Prints simulated / real of
-   throughput, TPOT P50, engine steps, preemptions and hit rate.
+   from the oracle's hash (`oracle_drafter.accept_runs`: the decisions the engine met), priced by the padded
+   refit with the engine's layout ("refit"), by the tokens-only refit ("tokens") and by the preset
+   `cpu-measured` (fitted on the shipped tiny model, tokens only). Prints simulated / real of throughput, TPOT
+   P50, engine steps, preemptions and hit rate.
 
 Where the schedules are the same (equal steps and counters) the throughput and TPOT ratios measure the cost model
 alone; the fit trace and the check trace differ, so the refit is judged out of sample.
@@ -33,7 +35,7 @@ from reference_models.llama import Llama, LlamaConfig
 from reference_models.medusa import untrained_heads
 from skvs_jax import metrics, model_shapes, policies, workloads
 from skvs_jax.config import CacheConfig
-from skvs_jax.serve import engine, oracle_drafter
+from skvs_jax.serve import engine, engine_step, oracle_drafter
 from skvs_jax.sim import acceptance_model, calibrate
 from skvs_jax.sim import cost_model as cm
 from skvs_jax.sim import simulate as sim
@@ -107,15 +109,24 @@ def engine_summary(e: engine.Engine) -> dict[str, float]:
         finish_time=r.finish_time, num_prompt_tokens=len(r.prompt), num_output_tokens=len(r.tokens),
         num_cached_prompt_tokens=r.cached_tokens, num_admitted_prompt_tokens=r.admitted_tokens,
         num_preemptions=r.preemptions, aborted=not r.finished, num_first_cached_prompt_tokens=r.first_cached_tokens,
+        tpot_target=r.sampling.tpot_target,
     ) for r in e.requests.values()]
     return metrics.summarize(records, steps) | {"steps": len(log),
+                                                "query_slots": sum(s["query_slots"] for s in log),
                                                 "preemptions": int(e.state.sched.counters.preempt_recompute)
                                                 + int(e.state.sched.counters.preempt_swap)}
 
 
+def layout_of(e: engine.Engine) -> sim.EngineLayout:
+    """The engine's query layout, for a simulator that prices its padding."""
+    return sim.EngineLayout(prompt_width=e.picker.prompt_width, split_rows=e.cfg.split_rows,
+                            logit_slots=engine_step.logit_slots(e.cfg))
+
+
 def simulated(e: engine.Engine, trace: workloads.Trace, s: Setup, table: np.ndarray | None,
-              device: cm.DeviceSpec) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
-    """The engine's run simulated: (summary with steps and preemptions, counters that differ engine vs sim)."""
+              device: cm.DeviceSpec, padded: bool = False) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
+    """The engine's run simulated: (summary with steps and preemptions, counters that differ engine vs sim).
+    padded: the clock prices the engine's padded query (`layout_of`), else the tokens alone."""
     cfg = e.cfg.sched
     outputs = {rid: list(r.tokens) for rid, r in e.requests.items()}
     runs = None
@@ -125,12 +136,14 @@ def simulated(e: engine.Engine, trace: workloads.Trace, s: Setup, table: np.ndar
                                           [r.request_id for r in trace.requests], width)
     st_trace = sim.make_trace(trace, cfg, outputs=outputs, accept_runs=runs, vocab_size=s.spec.vocab_size)
     st, log = sim.simulate(st_trace, e.knobs, cfg=cfg, cost=cm.CostModel(s.spec, device),
-                           max_steps=4 * len(e.step_log) + 16, controller_cost=e.step_cost)
+                           max_steps=4 * len(e.step_log) + 16, controller_cost=e.step_cost,
+                           layout=layout_of(e) if padded else None)
     ce, cs = jax.device_get((e.state.sched.counters, st.counters))
     differ = {f: (int(getattr(ce, f)), int(getattr(cs, f))) for f in ce.__dataclass_fields__
               if int(getattr(ce, f)) != int(getattr(cs, f))}
     summary = sim.summarize(log, st_trace, cfg) | {
         "steps": int(np.asarray(log.active).sum()),
+        "query_slots": int(np.asarray(log.query_slots)[np.asarray(log.active)].sum()),
         "preemptions": int(cs.preempt_recompute) + int(cs.preempt_swap)}
     return summary, differ
 
@@ -149,14 +162,15 @@ def serve_all(s: Setup, names: list[str], trace: workloads.Trace, say=None) -> t
 
 
 def compare(s: Setup, served: dict, table: np.ndarray, trace: workloads.Trace,
-            devices: dict[str, cm.DeviceSpec]) -> dict[str, dict]:
-    """Per policy: the engine's summary ("real"), the simulation priced by each of `devices` (by label), the
-    counters that differ engine vs simulator, and how many outputs equal the reference pass."""
+            devices: dict[str, tuple[cm.DeviceSpec, bool]]) -> dict[str, dict]:
+    """Per policy: the engine's summary ("real"), the simulation priced by each of `devices` (label -> (device,
+    padded: price the engine's padding)), the counters that differ engine vs simulator, and how many outputs
+    equal the reference pass."""
     rows = {}
     for n, e in served.items():
         row = {"real": engine_summary(e)}
-        for label, dev in devices.items():
-            row[label], row["differs"] = simulated(e, trace, s, table, dev)
+        for label, (dev, padded) in devices.items():
+            row[label], row["differs"] = simulated(e, trace, s, table, dev, padded)
         row["outputs_as_reference"] = sum(
             list(r.tokens) == [t for t in table[r.request_id, len(r.prompt):].tolist() if t >= 0]
             for r in e.requests.values())
@@ -166,15 +180,18 @@ def compare(s: Setup, served: dict, table: np.ndarray, trace: workloads.Trace,
 
 def fidelity(s: Setup, names: list[str], fit_trace: workloads.Trace, check_trace: workloads.Trace,
              verbose: bool = True) -> dict:
-    """Serve both traces, refit the device on the fit trace's steps, simulate the check trace's runs with the refit
-    and the preset `cpu-measured` (the module docstring). Returns {"device", "samples", "rows"}."""
+    """Serve both traces, refit the device on the fit trace's steps (padded and tokens only), simulate the check
+    trace's runs with both refits and the preset `cpu-measured` (the module docstring). Returns {"device" (the
+    padded refit), "tokens_device", "samples", "rows"}."""
     say = print if verbose else None
     _, fit_runs = serve_all(s, names, fit_trace, say)
     table, served = serve_all(s, names, check_trace, say)
-    samples = [x for n in names for x in calibrate.samples(fit_runs[n])]
-    device = cm.fit_cpu_device(samples, s.spec, name=f"cpu-measured {s.spec.name}")
-    rows = compare(s, served, table, check_trace, {"refit": device, "preset": cm.DEVICES["cpu-measured"]})
-    return {"device": device, "rows": rows, "samples": len(samples)}
+    fit = {padded: cm.fit_cpu_device([x for n in names for x in calibrate.samples(fit_runs[n], padded)], s.spec,
+                                     name=f"cpu-measured {s.spec.name}") for padded in (True, False)}
+    rows = compare(s, served, table, check_trace, {"refit": (fit[True], True), "tokens": (fit[False], False),
+                                                   "preset": (cm.DEVICES["cpu-measured"], False)})
+    return {"device": fit[True], "tokens_device": fit[False], "rows": rows,
+            "samples": sum(len(fit_runs[n].step_log) for n in names)}
 
 
 def format_rows(rows: dict[str, dict], labels: list[str], num_requests: int) -> str:
@@ -194,15 +211,20 @@ def format_rows(rows: dict[str, dict], labels: list[str], num_requests: int) -> 
     return "\n".join(lines)
 
 
+def _device_line(label: str, d: cm.DeviceSpec) -> str:
+    return (f"{label}: {d.host_overhead_s * 1e3:.2f} ms/step + {d.peak_flops_per_s / 1e9:.1f} GFLOP/s + "
+            f"{d.hbm_bytes_per_s / 1e9:.2f} GB/s + {d.logit_elements_per_s / 1e9:.2f} G logit elements/s")
+
+
 def format_report(result: dict, s: Setup, check_trace: workloads.Trace) -> str:
-    d = result["device"]
     return "\n".join([
-        f"refit device on {result['samples']} steps of the fit trace: {d.host_overhead_s * 1e3:.2f} ms/step + "
-        f"{d.peak_flops_per_s / 1e9:.1f} GFLOP/s + {d.hbm_bytes_per_s / 1e9:.2f} GB/s + "
-        f"{d.logit_elements_per_s / 1e9:.2f} G logit elements/s (inf: the fit found no separate cost)",
-        format_rows(result["rows"], ["refit", "preset"], len(check_trace.requests)),
-        "real: the engine on this CPU, the check trace; sim: the simulator of the same runs priced by the refit "
-        "device and by the preset cpu-measured (fitted on the shipped tiny model)"])
+        f"devices refit on {result['samples']} steps of the fit trace (inf: the fit found no separate cost):",
+        "  " + _device_line("refit (the query slots computed, padding included)", result["device"]),
+        "  " + _device_line("tokens (the tokens scheduled alone)", result["tokens_device"]),
+        format_rows(result["rows"], ["refit", "tokens", "preset"], len(check_trace.requests)),
+        "real: the engine on this CPU, the check trace; sim: the simulator of the same runs priced by the padded "
+        "refit and the engine's layout (refit), by the tokens-only refit (tokens), and by the preset cpu-measured "
+        "(fitted on the shipped tiny model, tokens only)"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,12 +19,17 @@ step. What replaces the model:
   for a greedy engine run, from the model itself (`replay_acceptance`): with greedy Medusa verification the
   accepted run depends only on the text, not on the schedule.
 
+Padding: by default the clock prices the tokens scheduled, as for a ragged engine. `EngineLayout` makes it price
+what this engine computes: the padded [rows, Q] query of the width the host would pick, and logits at every row's
+sampling slots (`cost_model`'s "Padding"; `sim.fidelity` checks it against the engine on this CPU).
+
 Arrivals: a request enters the engine's queue at `arrival`; when nothing runs and nothing has arrived, the clock
 jumps to the next arrival. Everything is one jitted program; `vmap` it over knobs or traces for sweeps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -55,6 +60,7 @@ class SimTrace:
     tokens: jax.Array  # int32[requests, width] prompt then outputs
     accept_run: jax.Array  # int32[requests, width] drafts the target accepts at each length (module docstring)
     request_id: jax.Array  # int32[requests] the trace's ids (the simulator itself numbers requests from 0)
+    tpot_target: jax.Array  # int32[requests] microseconds per output token each asks for (0: none; draft control)
 
 
 @struct.dataclass
@@ -74,6 +80,7 @@ class StepRow:
     oom: jax.Array  # bool[]
     output_tokens: jax.Array  # int32[]
     preempted: jax.Array  # int32[] sequences preempted (recompute or swap)
+    query_slots: jax.Array  # int32[] what the clock priced: the engine's padded query (`EngineLayout`), else tokens
     spec_blocks: jax.Array  # int32[] blocks holding only unvalidated or rejected drafts
     start_time: jax.Array  # float32[] simulated seconds
     verifications: jax.Array  # int32[] rows that verified >= 1 draft
@@ -107,8 +114,10 @@ class SimLog(RequestStats, StepRow):
 
 def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[int, list[int]] | None = None,
                accept_runs: dict[int, np.ndarray] | None = None, *, alphas=None, seed: int = 0,
-               vocab_size: int = 256) -> SimTrace:
-    """A `workloads.Trace` as `SimTrace` arrays. outputs: request id -> output tokens (default synthetic); accept_runs:
+               vocab_size: int = 256, tpot_target: float | None = None) -> SimTrace:
+    """A `workloads.Trace` as `SimTrace` arrays. tpot_target: every request's TPOT objective in seconds (None:
+    none), which the goodput controller drafts first for and `summarize` reports attainment of. outputs: request id
+    -> output tokens (default synthetic); accept_runs:
     request id -> int array over sequence lengths; or alphas: a chain acceptance model (`chain_acceptance`, drawn
     with `jax.random.key(seed)`; the draws depend on the trace, K and seed only, so policies with the same K meet
     the same ones): float[K], or float[requests, K] per request id (classes of requests that accept differently).
@@ -144,7 +153,8 @@ def make_trace(trace: workloads.Trace, cfg: sc.SchedulerConfig, outputs: dict[in
         max_new=jnp.asarray(col(lambda r: r.max_new_tokens, np.int32)),
         priority=jnp.asarray(col(lambda r: r.priority, np.int32)),
         arrival=jnp.asarray(col(lambda r: r.arrival_time, np.float32)), tokens=jnp.asarray(tokens),
-        accept_run=jnp.asarray(runs), request_id=jnp.asarray(col(lambda r: r.request_id, np.int32)))
+        accept_run=jnp.asarray(runs), request_id=jnp.asarray(col(lambda r: r.request_id, np.int32)),
+        tpot_target=jnp.full((r_n,), sc.tpot_target_us(tpot_target), jnp.int32))
 
 
 def synthetic_outputs(request: workloads.Request, vocab_size: int) -> list[int]:
@@ -195,6 +205,28 @@ def replay_acceptance(runner, params, sequences: dict[int, list[int]], k: int, *
             run[n] = int(np.cumprod(match).sum()) if len(target) else 0
         out[r] = run
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLayout:
+    """How this engine lays out a step's query, for a clock that prices padding (`serve.engine`): a step runs at
+    the width the host picked before scheduling it, the prompt width when it has prompt work or admits, else
+    1 + the draft width its bound snaps up to (`WidthPicker.pick`); at the prompt width the batch takes the first
+    layout that fits (`scheduler.buckets.query_layout`); every row computes logits at its sampling slots.
+    `sim.fidelity.layout_of(engine)` reads the three numbers off an engine."""
+
+    prompt_width: int  # max(prefill chunk, 1 + K)
+    split_rows: int  # the prompt width's extra rows (`EngineConfig.split_rows`), 0: no split layout
+    logit_slots: int  # sampling slots per row: K + 1 for a chain
+
+    def computed(self, batch: sc.Batch, decode_step: jax.Array, bound: jax.Array, draft_widths: jax.Array,
+                 k: int) -> tuple[jax.Array, jax.Array]:
+        """(query slots, logit rows) int32[] the engine computes for `batch`: decode_step bool[] (no prompt work
+        and no admission: a draft width), bound int32[] the draft bound that picks it, draft_widths int32[widths]."""
+        width = jnp.where(decode_step, 1 + sc.buckets.snap_up(bound, draft_widths), self.prompt_width)
+        b = batch.scheduled.shape[0]
+        return (sc.buckets.query_slots(batch, width, 1 + k, self.split_rows),
+                jnp.asarray(b * self.logit_slots, i32))
 
 
 def swap_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig) -> jax.Array:
@@ -284,7 +316,8 @@ def admit(st: sc.SchedState, ok: jax.Array, idx: jax.Array, trace: SimTrace, cfg
     def add(st):
         return sc.add_unchecked(st, jnp.where(ok[:, None], trace.prompts[ci], 0),
                                 jnp.where(ok, trace.prompt_len[ci], 0), jnp.where(ok, trace.max_new[ci], 1),
-                                trace.priority[ci], jnp.where(ok, idx, -1), cfg=cfg)[0]
+                                trace.priority[ci], jnp.where(ok, idx, -1), None, trace.tpot_target[ci],
+                                cfg=cfg)[0]
 
     return vmap_flow.when(jnp.any(ok), add, st, identity_when_false=True)
 
@@ -303,12 +336,14 @@ def stand_in_model(st: sc.SchedState, batch: sc.Batch, rid: jax.Array, trace: Si
     return accepted, next_token, drafts
 
 
-def step_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig) -> tuple[jax.Array, sc.StepShape]:
+def step_seconds(batch: sc.Batch, cost: CostModel, cfg: sc.SchedulerConfig, query_slots: jax.Array | int = 0,
+                 logit_rows: jax.Array | int = 0) -> tuple[jax.Array, sc.StepShape]:
     """(float32[] the step's simulated time, its shape): the cost model's price of the batch's shape, plus the
-    swaps' transfer time where the policy swaps (static: programs that cannot swap are unchanged)."""
+    swaps' transfer time where the policy swaps (static: programs that cannot swap are unchanged). query_slots,
+    logit_rows: what a padding engine computes (`EngineLayout.computed`); 0 prices the tokens alone."""
     shape = sc.step_shape(batch)
     dt = cost.step_time(shape.prefill_tokens, shape.decode_tokens, shape.kv_tokens_read, shape.num_seqs,
-                        shape.drafting_rows).astype(f32)
+                        shape.drafting_rows, query_slots, logit_rows).astype(f32)
     if cfg.policy.preemption == "swap" and cfg.swap_blocks > 0:
         dt = dt + swap_seconds(batch, cost, cfg)
     return dt, shape
@@ -349,7 +384,8 @@ def record_requests(req: RequestStats, batch: sc.Batch, res: sc.StepResult, rid:
 
 
 def step_row(batch: sc.Batch, res: sc.StepResult, shape: sc.StepShape, start_time: jax.Array, dt: jax.Array,
-             withheld: jax.Array, prompt_work: jax.Array, ok: jax.Array, bound: jax.Array, k: int) -> StepRow:
+             withheld: jax.Array, prompt_work: jax.Array, ok: jax.Array, bound: jax.Array, k: int,
+             query_slots: jax.Array) -> StepRow:
     """The step's row of the log: a decode step has no prompt work before admission and admits nobody."""
     return StepRow(active=jnp.asarray(True), start_time=start_time, duration=dt,
                    blocks_used=batch.blocks_used - withheld, spec_blocks=batch.spec_blocks, oom=batch.oom,
@@ -358,7 +394,7 @@ def step_row(batch: sc.Batch, res: sc.StepResult, shape: sc.StepShape, start_tim
                    verifications=jnp.sum(batch.num_drafts > 0, dtype=i32),
                    output_tokens=jnp.sum(res.num_new, dtype=i32), num_seqs=shape.num_seqs.astype(i32),
                    draft_hist=draft_hist(batch, k), decode_step=~prompt_work & ~jnp.any(ok),
-                   draft_bound=bound.astype(i32))
+                   draft_bound=bound.astype(i32), query_slots=jnp.asarray(query_slots, i32))
 
 
 def idle_row(k: int) -> StepRow:
@@ -367,18 +403,21 @@ def idle_row(k: int) -> StepRow:
     return StepRow(active=jnp.asarray(False), start_time=jnp.zeros((), f32), duration=jnp.zeros((), f32),
                    blocks_used=zero, spec_blocks=zero, oom=jnp.asarray(False), preempted=zero, drafted=zero,
                    accepted=zero, verifications=zero, output_tokens=zero, num_seqs=zero,
-                   draft_hist=jnp.zeros((k + 1,), i32), decode_step=jnp.asarray(False), draft_bound=zero)
+                   draft_hist=jnp.zeros((k + 1,), i32), decode_step=jnp.asarray(False), draft_bound=zero,
+                   query_slots=zero)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
 
 
 def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel,
-            steps: int, controller_cost: sc.StepCost | None = None) -> tuple[SimCarry, StepRow]:
+            steps: int, controller_cost: sc.StepCost | None = None,
+            layout: EngineLayout | None = None) -> tuple[SimCarry, StepRow]:
     """`steps` more engine steps (steps after `done` are idle rows with active False). Returns the carry and the
     per-step rows (a `StepRow` of [steps] arrays). Traceable: jit it, or vmap it over lanes. controller_cost: the
     step cost the goodput draft controller plans with (default: `cost_model.step_cost(cost)`, the clock's own
-    costs; pass another to replay an engine that planned with its own, e.g. `scheduler.flat_step_cost`)."""
+    costs; pass another to replay an engine that planned with its own, e.g. `scheduler.flat_step_cost`).
+    layout: price this engine's padded steps (`EngineLayout`), static; None prices the tokens scheduled."""
     b, k = cfg.cache.max_seqs, cfg.policy.draft_len
     r_n = trace.prompt_len.shape[0]
     slots = jnp.arange(b, dtype=i32)
@@ -400,11 +439,15 @@ def advance(carry: SimCarry, trace: SimTrace, knobs: Knobs, *, cfg: sc.Scheduler
         accepted, next_token, drafts = stand_in_model(st, batch, rid, trace, k)
         st, res = sc.update_unchecked(st, batch, accepted, next_token, drafts, jnp.zeros((b,), bool), knobs, cfg=cfg)
 
-        dt, shape = step_seconds(batch, cost, cfg)
+        padded = (0, 0)
+        if layout is not None:
+            padded = layout.computed(batch, ~prompt_work & ~jnp.any(ok), bound, st.draft_widths, k)
+        dt, shape = step_seconds(batch, cost, cfg, *padded)
+        priced = padded[0] if layout is not None else shape.prefill_tokens + shape.decode_tokens
         end, end_err = advance_clock(c.clock, c.clock_err, dt)
         since = (end - trace.arrival[rid]) - end_err  # [B] seconds since each row's arrival, exact subtraction
         req = record_requests(c.req, batch, res, rid, since, admitted_len)
-        row = step_row(batch, res, shape, c.clock, dt, withheld, prompt_work, ok, bound, k)
+        row = step_row(batch, res, shape, c.clock, dt, withheld, prompt_work, ok, bound, k, priced)
         return c.replace(st=st, clock=end, clock_err=end_err, nxt=nxt, req=req), row
 
     # A while_loop, not a scan over `cond(done, idle, step)`: a cond whose idle branch returns the carry makes
@@ -436,26 +479,27 @@ def finish(carry: SimCarry, rows: StepRow) -> SimLog:
 def simulate(trace: SimTrace, knobs: Knobs, *, cfg: sc.SchedulerConfig, cost: CostModel, max_steps: int,
              kv_blocks: jax.Array | int | None = None,
              controller_cost: sc.StepCost | None = None,
-             draft_widths: jax.Array | None = None) -> tuple[sc.SchedState, SimLog]:
+             draft_widths: jax.Array | None = None,
+             layout: EngineLayout | None = None) -> tuple[sc.SchedState, SimLog]:
     """Run the trace to completion (or max_steps steps), one jitted program. Returns the final scheduler state
     and the log. kv_blocks: the KV budget (see `start`), data, so sweeps over memory need no recompilation;
     checked to lie in [1, cfg.cache.usable_blocks] when concrete (a larger one put blocks that do not exist on
     the free stack). A budget smaller than one request needs stalls that request until max_steps.
     For runs of unknown length, `sweep.run` advances in chunks and stops when every lane is done.
-    controller_cost: see `advance`; draft_widths: see `start`."""
+    controller_cost, layout: see `advance`; draft_widths: see `start`."""
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
         raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
     if kv_blocks is not None:
         checks.scalar_int("kv_blocks", kv_blocks)
         checks.in_range("kv_blocks", kv_blocks, 1, cfg.cache.usable_blocks)
     return _simulate(trace, knobs, cfg=cfg, cost=cost, max_steps=max_steps, kv_blocks=kv_blocks,
-                     controller_cost=controller_cost, draft_widths=draft_widths)
+                     controller_cost=controller_cost, draft_widths=draft_widths, layout=layout)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps"))
-def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks, controller_cost, draft_widths=None):
+@functools.partial(jax.jit, static_argnames=("cfg", "cost", "max_steps", "layout"))
+def _simulate(trace, knobs, *, cfg, cost, max_steps, kv_blocks, controller_cost, draft_widths=None, layout=None):
     carry, rows = advance(start(trace, cfg, kv_blocks, draft_widths), trace, knobs, cfg=cfg, cost=cost, steps=max_steps,
-                          controller_cost=controller_cost)
+                          controller_cost=controller_cost, layout=layout)
     return carry.st, finish(carry, rows)
 
 
@@ -486,6 +530,7 @@ def request_records(log: SimLog, trace: SimTrace) -> list[metrics.RequestRecord]
     of the run, or its arrival if it had not arrived by then."""
     log = jax.device_get(log)
     arrival, plen = np.asarray(trace.arrival).astype(np.float64), np.asarray(trace.prompt_len)
+    target = np.asarray(trace.tpot_target)
     end = float(np.nanmax(log.start_time + log.duration, initial=0.0))
     return [metrics.RequestRecord(
         request_id=int(trace.request_id[i]), arrival_time=arrival[i],
@@ -496,6 +541,7 @@ def request_records(log: SimLog, trace: SimTrace) -> list[metrics.RequestRecord]
         num_preemptions=int(log.preemptions[i]), num_drafted=int(log.req_drafted[i]),
         num_accepted=int(log.req_accepted[i]), aborted=not np.isfinite(log.e2e[i]),
         num_first_cached_prompt_tokens=int(log.first_cached_tokens[i]),
+        tpot_target=float(target[i]) * 1e-6 if target[i] > 0 else None,
     ) for i in range(len(arrival))]
 
 
@@ -517,7 +563,8 @@ def summarize(log: SimLog, trace: SimTrace, cfg: sc.SchedulerConfig) -> dict[str
     return out
 
 
-GROUP_METRICS = ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput")
+GROUP_METRICS = ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput",
+                 "tpot_slo_attainment")
 
 
 def summarize_groups(log: SimLog, trace: SimTrace, group_of: np.ndarray) -> list[dict[str, float]]:

@@ -175,6 +175,7 @@ class OracleScheduler:
         self.draft_widths = list(buckets) + [buckets[-1]] * (self.pol.width_slots - len(buckets))
         self.pending = [False] * b
         self.cache_salt = [0] * b
+        self.tpot_target = [0] * b  # microseconds per output token, 0 = none
         self.step = 0
         self.next_arrival = 0
         self.swap_used = 0
@@ -213,8 +214,10 @@ class OracleScheduler:
 
     # ------------------------------------------------------------------------------------- transitions
 
-    def add(self, prompts, max_new_tokens, priority=None, request_id=None, cache_salt=None) -> list[int]:
-        """prompts: list of token lists (empty = padding row); cache_salt: an int per row (default 0). Returns the
+    def add(self, prompts, max_new_tokens, priority=None, request_id=None, cache_salt=None,
+            tpot_target=None) -> list[int]:
+        """prompts: list of token lists (empty = padding row); cache_salt, tpot_target: an int per row (default 0).
+        Returns the
         slot of each (-1: none)."""
         slots = []
         empty = [b for b in range(self.cfg.cache.max_seqs) if self.status[b] == EMPTY]
@@ -237,6 +240,7 @@ class OracleScheduler:
             self.lag[b] = self.elapsed[b] = self.undrafted[b] = 0
             self.pending[b] = False
             self.cache_salt[b] = 0 if cache_salt is None else int(cache_salt[r])
+            self.tpot_target[b] = 0 if tpot_target is None else max(int(tpot_target[r]), 0)
             slots.append(b)
         return slots
 
@@ -392,7 +396,11 @@ class OracleScheduler:
             s_pop = s_pop * ((p * one + dc.POP_PRIOR_W * dc.POP_PRIOR) // (t + dc.POP_PRIOR_W)) // one
             pop.append(s_pop)
         probe = [decoding[b] and self.undrafted[b] >= dc.PROBE_AFTER for b in slots]
-        behind = [decoding[b] and self.lag[b] > self.elapsed[b] // dc.LAG_SLACK and not probe[b]
+        # over its TPOT target: decode steps slower per token than asked (every output but the first is theirs)
+        over = [self.pol.tpot_targets and self.tpot_target[b] > 0
+                and self.elapsed[b] // max(len(self.tokens[b]) - self.prompt_len[b] - 1, 1) > self.tpot_target[b]
+                for b in slots]
+        behind = [decoding[b] and (self.lag[b] > self.elapsed[b] // dc.LAG_SLACK or over[b]) and not probe[b]
                   and dc.PROTECT_WITHIN * surv[b][0] >= pop[0] for b in slots]
         forced = [behind[b] or probe[b] for b in slots]
         key = [[max(surv[b][d], hope[b][d]) if behind[b] else surv[b][d] for d in range(k)] for b in slots]

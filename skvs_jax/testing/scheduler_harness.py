@@ -57,20 +57,21 @@ class Harness:
         self.oracle.draft_widths = list(widths)
 
     def add(self, prompts: list[list[int]], max_new: list[int], priority: list[int] | None = None,
-            salts: list[int] | None = None):
+            salts: list[int] | None = None, targets: list[int] | None = None):
         # Padded to a fixed shape (rows of length 0 are ignored), so that `add` compiles once per config.
         a = len(prompts)
         rows = max(4, a)
         arr = np.zeros((rows, self.cfg.max_len), np.int32)
         lens, new, prio = (np.zeros(rows, np.int32), np.ones(rows, np.int32), np.zeros(rows, np.int32))
-        salt = np.zeros(rows, np.int32)
+        salt, target = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         for r, p in enumerate(prompts):
             arr[r, : len(p)], lens[r], new[r] = p, len(p), max_new[r]
             prio[r] = 0 if priority is None else priority[r]
             salt[r] = 0 if salts is None else salts[r]
+            target[r] = 0 if targets is None else targets[r]
         self.st, slots = sc.add(self.st, jnp.asarray(arr), jnp.asarray(lens), jnp.asarray(new), jnp.asarray(prio),
-                                cache_salt=jnp.asarray(salt), cfg=self.cfg)
-        want = self.oracle.add(prompts, max_new, prio[:a], cache_salt=salt[:a])
+                                cache_salt=jnp.asarray(salt), tpot_target=jnp.asarray(target), cfg=self.cfg)
+        want = self.oracle.add(prompts, max_new, prio[:a], cache_salt=salt[:a], tpot_target=target[:a])
         got = np.asarray(slots)[:a].tolist()
         assert got == want, f"add placed {got}, oracle {want}"
         self.check()
@@ -191,7 +192,7 @@ class Harness:
                            ("num_cached", o.num_cached), ("accept_hist", o.hist), ("index_pending", o.pending),
                            ("draft_tried", o.draft_tried), ("draft_passed", o.draft_passed),
                            ("lag", o.lag), ("elapsed", o.elapsed), ("undrafted", o.undrafted),
-                           ("cache_salt", o.cache_salt)):
+                           ("cache_salt", o.cache_salt), ("tpot_target", o.tpot_target)):
             got = np.asarray(getattr(st.seqs, name))
             np.testing.assert_array_equal(got[live], np.asarray(want)[live], err_msg=name)
         got = {k: int(v) for k, v in dataclasses.asdict(st.counters).items()}
