@@ -96,8 +96,9 @@ def _cache_holds_exactly(e: engine.Engine) -> int:
     for got_pages, want_pages in zip(runner.kv_pages(e.state.cache), runner.kv_pages(fresh)):
         for r, b in enumerate(rows):
             c = committed[b]
-            got = np.asarray(got_pages)[table[b]].reshape(width, -1)[:c]
-            want = np.asarray(want_pages)[fresh_table[r]].reshape(width, -1)[:c]
+            # [M, L, S, ...] -> [M * S, L * ...]: token positions first (the layer axis sits before the token's)
+            got = np.moveaxis(np.asarray(got_pages)[table[b]], 1, 2).reshape(width, -1)[:c]
+            want = np.moveaxis(np.asarray(want_pages)[fresh_table[r]], 1, 2).reshape(width, -1)[:c]
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
     return len(rows)
 
@@ -247,7 +248,8 @@ def test_compilations_over_a_long_varied_run_are_bounded_by_the_buckets(shipped)
     batch_buckets = 1
     assert compiled <= len(e.picker.widths) * batch_buckets, (compiled, e.picker.widths)
     assert len(e.picker.width_hist) >= 3 and len(drafts_seen) >= 5  # draft lengths and widths really varied
-    assert sum(e.picker.width_hist.values()) == 2000
+    # every step the engine ran is in the histogram (a call with nothing to serve runs no step)
+    assert sum(e.picker.width_hist.values()) == len(e.step_log) > 500
 
 
 @pytest.mark.slow  # the default run's time budget (`pytest -m slow`); test_scheduler checks the budget's shares
