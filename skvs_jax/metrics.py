@@ -474,6 +474,34 @@ def summarize(requests: Iterable[RequestRecord], steps: StepRecord | None, *,
     return {key: out[key] for key in SUMMARY_KEYS}
 
 
+GROUP_METRICS = ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "throughput",
+                 "tpot_slo_attainment")
+
+
+def summarize_groups(requests: Sequence[RequestRecord], group_of: np.ndarray) -> list[dict[str, float]]:
+    """Per group of requests (a workload's phases, `workloads.phase_of`; acceptance classes), the request metrics
+    of `GROUP_METRICS` over its requests alone (`summarize`; throughput over the group's own span, first
+    arrival to last finish), with `requests` and `drafts_per_step` (draft tokens verified per decode step of its
+    requests: drafted / (output tokens - accepted drafts)).
+    group_of: int[ids] the group of each request id. One dict per group 0..max(group_of), in order; a group with
+    no request among `requests` has only requests = 0."""
+    records = list(requests)
+    group_of = np.asarray(group_of)
+    out = []
+    for g in range(int(group_of.max()) + 1 if group_of.size else 0):
+        mine = [r for r in records if group_of[r.request_id] == g]
+        if not mine:
+            out.append({"requests": 0.0})
+            continue
+        m = summarize(mine, None)
+        out.append({k: m[k] for k in GROUP_METRICS} | {
+            "requests": float(len(mine)),
+            # a decode step emits 1 + its accepted drafts, so a request took about output - accepted of them
+            "drafts_per_step": safe_ratio(sum(r.num_drafted for r in mine),
+                                          sum(r.num_output_tokens - r.num_accepted for r in mine))})
+    return out
+
+
 def with_units(summary: Mapping[str, object]) -> dict[str, object]:
     """A summary (`summarize`'s, or a subset, or one with extra keys) as the commands report it: each key of
     `UNITS` renamed to its reported key, its value scaled to that unit; every other key (fractions, counts,

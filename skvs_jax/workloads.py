@@ -451,11 +451,13 @@ TINY_SYSTEM_PROMPT_LEN = 48
 
 
 def tiny_model_trace(kind: str = "system_prompts", num_requests: int = 32, *, seed: int = 0,
-                     rate: float | None = None, max_output_len: int = 32, burstiness: float = 1.0) -> Trace:
+                     rate: float | None = None, max_output_len: int = 32, burstiness: float = 1.0,
+                     **kwargs: Any) -> Trace:
     """The trace `skvs bench` serves the shipped tiny model by default: prompts capped at 96 bytes (system prompts
-    of 48), outputs at `max_output_len`. One builder, so the bench and the acceptance model read the same trace."""
+    of 48), outputs at `max_output_len`; kwargs go to the generator (a phased trace's `phases`). One builder, so
+    the bench and the acceptance model read the same trace."""
     kw: dict[str, Any] = dict(rate=rate, burstiness=burstiness, max_output_len=max_output_len,
-                              max_prompt_len=TINY_PROMPT_LEN)
+                              max_prompt_len=TINY_PROMPT_LEN, **kwargs)
     if kind == "system_prompts":
         kw |= dict(system_prompt_len=TINY_SYSTEM_PROMPT_LEN)
     return make(kind, num_requests, seed=seed, **kw)

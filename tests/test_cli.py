@@ -622,6 +622,10 @@ def test_bench_ablation_checks_every_variant_and_refuses_policies(tmp_path, caps
     ("--burstiness 0", "--burstiness must be a finite number > 0"),
     ("--max-concurrency 0", "--max-concurrency must be >= 1"),
     ("--trace t.jsonl --request-rate 2", "--trace gives every request its arrival time"),
+    ("--trace t.jsonl --burstiness 2", "leave out --burstiness"),
+    ("--trace t.jsonl --phases 2x1,2x4", "leave out --phases"),
+    ("--phases 2x1,2@4", "--phases must be COUNTxMULTIPLE"),
+    ("--workload sharegpt --phases 2x1,2x4", "--phases sets a phased workload, not --workload sharegpt"),
     ("--ablation --request-rate 1,2", "--ablation serves one --request-rate"),
     ("--trace /nonexistent/t.jsonl", "--trace: [Errno 2] No such file"),
 ])
@@ -633,6 +637,36 @@ def test_bench_refuses_bad_flags_before_serving(flags, says, monkeypatch):
     with pytest.raises(SystemExit, match=re.escape(says)) as exc:
         commands.main(["bench", "--quiet", "--no-plot", *flags.split()])
     assert str(exc.value.code).startswith("skvs bench: ")
+
+
+def test_bench_reports_a_phased_trace_per_phase_with_the_best_fixed_k(capsys):
+    """--phases: the report adds TPOT P50/P99 per phase for each policy (its reported run's requests, grouped by
+    `workloads.phase_of`), the best fixed K per phase in hindsight and each adaptive policy's ratio to it, as
+    `skvs simulate` prints them; bench.json records the same. A trace without phases gets none."""
+    trace = workloads.tiny_model_trace("phased", 6, seed=0, rate=10.0, max_output_len=4, phases=[[2, 1.0], [4, 4.0]])
+    assert workloads.phase_of(trace).tolist() == [0, 0, 1, 1, 1, 1]
+
+    def records(tpot_of_phase):  # 5 tokens each: TPOT = (finish - first) / 4
+        return [metrics.RequestRecord(request_id=r.request_id, arrival_time=0.0, first_token_time=1.0,
+                                      finish_time=1.0 + 4 * tpot_of_phase[p], num_prompt_tokens=3,
+                                      num_output_tokens=5, num_drafted=4 * p, num_accepted=p)
+                for r, p in zip(trace.requests, workloads.phase_of(trace).tolist())]
+
+    results = {"vllm_default": {"records": records([0.010, 0.020])},
+               "naive_spec:1": {"records": records([0.008, 0.030])},
+               "skvs": {"records": records([0.009, 0.018])}}
+    args = argparse.Namespace(rate=10.0, draft_len=4)
+    doc = bench._print_phases(results, list(results), trace, args)
+    out = capsys.readouterr().out
+    assert "| phase 0: 2 @ 10 req/s |" in out and "| phase 1: 4 @ 40 req/s |" in out
+    assert "skvs / best: P50, P99" in out
+    p99 = [row["p99_tpot_ms"] for row in doc["hindsight"]]
+    assert [r["best_k"] for r in p99] == [[1], [0]]  # naive_spec:1 in phase 0, no speculation in phase 1
+    assert p99[0]["skvs"]["over_best"] == pytest.approx([9 / 8]) and p99[1]["skvs"]["over_best"] == pytest.approx([0.9])
+    assert doc["by_policy"]["skvs"][1]["requests"] == 4.0
+    assert doc["by_policy"]["skvs"][1]["drafts_per_step"] == pytest.approx(4 / 4)  # 4 drafted / (5 - 1) steps
+    plain = workloads.tiny_model_trace("sharegpt", 6, seed=0)
+    assert bench._print_phases(results, list(results), plain, args) is None
 
 
 def test_bench_refuses_an_out_folder_it_cannot_make_before_serving(tmp_path, monkeypatch):
@@ -986,7 +1020,7 @@ def test_the_commands_cache_compilations_where_told_and_never_in_home(hf_checkpo
 
 
 def test_simulate_hindsight_picks_the_best_fixed_k_per_group_and_seed():
-    from skvs_jax.commands import simulate
+    from skvs_jax.commands import group_report, trace_flags
 
     def lane(seed, *p99):
         return {"seed": seed, "phase": [{"median_tpot_ms": x / 2, "p99_tpot_ms": x, "drafts_per_step": 0.0,
@@ -996,17 +1030,17 @@ def test_simulate_hindsight_picks_the_best_fixed_k_per_group_and_seed():
              "naive_spec:1": [lane(0, 1.0, 4.0), lane(1, 3.0, 4.0)],
              "skvs": [lane(0, 1.5, 3.0), lane(1, 1.5, 3.3)]}
     names = list(lanes)
-    fixed = simulate.fixed_names(names, 4)
+    fixed = group_report.fixed_names(names, 4)
     assert fixed == {0: "vllm_default", 1: "naive_spec:1"}
-    rows = simulate.hindsight(lanes, names, "phase", fixed)
+    rows = group_report.hindsight(lanes, names, "phase", fixed)
     assert rows[0]["p99_tpot_ms"]["best_k"] == [1, 0] and rows[1]["p99_tpot_ms"]["best_k"] == [0, 0]
     assert rows[0]["p99_tpot_ms"]["skvs"]["over_best"] == [1.5, 0.75]
     assert rows[1]["p99_tpot_ms"]["skvs"]["over_no_spec"] == pytest.approx([1.0, 1.1])
-    table = simulate.group_table(lanes, names, "phase", ["a", "b"], fixed)
+    table = group_report.group_table(lanes, names, "phase", ["a", "b"], fixed)
     assert "| a |" in table and "1.50x" in table.replace("0.75-1.50x", "1.50x")
-    assert simulate.parse_phases("96x1,256x12") == [[96, 1.0], [256, 12.0]]
+    assert trace_flags.parse_phases("96x1,256x12") == [[96, 1.0], [256, 12.0]]
     with pytest.raises(ValueError, match="phases"):
-        simulate.parse_phases("96@1")
+        trace_flags.parse_phases("96@1")
 
 
 # ------------------------------------------------------------------------------ load controls and one vocabulary
@@ -1176,6 +1210,7 @@ def test_simulate_takes_a_request_file_and_burstiness(tmp_path, monkeypatch):
     assert np.asarray(traces.prompt_len)[0][:3].tolist() == [5, 7, 20]
     for flags, says in ((["--sweep"], "leave out --sweep"), (["--workload", "sharegpt"], "leave out --workload"),
                         (["--burstiness", "0.5"], "leave out --burstiness"),
+                        (["--phases", "2x1,2x4"], "leave out --phases"),
                         (["--max-output-len", "8"], "has a request of 9 tokens, more than --max-output-len 8")):
         with pytest.raises(SystemExit, match=re.escape(says)):
             commands.main(base + ["--trace", str(path)] + flags)

@@ -21,8 +21,9 @@ Each command's module: `bench` (with `bench_serving` and `bench_report`), `simul
 `serve`, `gpu_check`, `micro_allocator`, `micro_scheduler`, `micro_precision`, `micro_simulate`, `micro_attention`,
 `micro_buckets`, `micro_host`, `micro_program`, `micro_compile`.
 Beside them: `checkpoints` (--model / --medusa), `policy_flags` (the policy switches bench and simulate share),
-`micro_common` (the micro-benchmarks' pool flags and checks) and `startup` (the compilation cache and the --out
-folder). Commands are dispatched by one table, `COMMANDS`.
+`trace_flags` (the arrival flags they share: --burstiness, --phases, --trace), `group_report` (their per-phase and
+per-class tables and the hindsight oracle), `micro_common` (the micro-benchmarks' pool flags and checks) and
+`startup` (the compilation cache and the --out folder). Commands are dispatched by one table, `COMMANDS`.
 
 generate, serve, bench and simulate keep compiled programs in a persistent XLA cache (`skvs_jax.compile_cache`:
 --compile-cache DIR|off, SKVS_COMPILE_CACHE, default ~/.cache/skvs_jax/xla).

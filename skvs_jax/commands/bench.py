@@ -17,7 +17,10 @@ Load, as `vllm bench serve` drives a server: `--request-rate R1,R2,...` serves e
 (each rate its report, then a table of the load-dependent metrics per rate; `inf`, the default, puts every request
 at t = 0), with Poisson arrivals or, with `--burstiness B`, Gamma gaps of shape B (`workloads.arrival_gaps`);
 `--max-concurrency N` keeps at most N requests unfinished (`bench_serving`'s module docstring); `--trace FILE`
-serves a JSONL file's requests at its own arrival times (`workloads.read_requests`). With arrivals after t = 0
+serves a JSONL file's requests at its own arrival times (`workloads.read_requests`); `--phases COUNTxMULTIPLE,...`
+serves a phased trace whose rate steps (`workloads.phased`) and adds a table of TPOT P50/P99 per phase, with the
+best fixed K per phase in hindsight when vllm_default and naive_spec:K are served (`_print_phases`; the flags are
+`trace_flags`', shared with `skvs simulate`). With arrivals after t = 0
 they follow each engine's clock, so which requests share a step — and the non-timing metrics — depend on timing;
 with every request at t = 0 everything but the timings is reproducible from the seed.
 
@@ -58,7 +61,7 @@ bench.json (SCHEMA_VERSION 3). Units are in the keys: `_ms` latencies, `_s` dura
 fractions and counts have none. Version 2 had unitless keys ("throughput" tok/s, "ttft_p50" s, series "time", runs
 "throughput", config "rate"), no per-request records and no headline; its shape otherwise is version 3's at one rate.
   schema_version, command, versions; config: every flag (request_rate_per_s: the rates, "inf" for t = 0;
-    burstiness, max_concurrency, trace), the policy flags and every policy's fields ("policy_fields").
+    burstiness, phases, max_concurrency, trace), the policy flags and every policy's fields ("policy_fields").
   Per rate: at the top level with one --request-rate, else in "by_rate", a list in the flag's order whose entries
   also hold their "request_rate_per_s" (`sections_of(doc)` gives the list either way):
     trace                     kind, seed, params, requests (count).
@@ -78,6 +81,8 @@ fractions and counts have none. Version 2 had unitless keys ("throughput" tok/s,
                               95% bootstrap interval of that ratio's median, `bootstrap_median_ci`).
     ablation                  with --ablation (one rate only): `ablation_report`.
     priced_schedules          `bench_report.priced_schedules`, when a policy fitted its step cost.
+    phases                    a phased trace's: by_policy (policy -> per phase, `metrics.summarize_groups` with
+                              units) and hindsight (`group_report.hindsight`'s rows, null without fixed K policies).
 
 The command is three modules: this one (the flags, `setup`, and `run`: `serve_all` -> `print_report` ->
 `write_outputs`), `bench_serving` (the engines, lockstep, the rounds and groups) and `bench_report` (what a
@@ -96,12 +101,13 @@ import statistics
 import time
 
 import jax
+import numpy as np
 
 import skvs_jax
 from skvs_jax import metrics, policies, workloads
 from skvs_jax.commands import bench_report as report
 from skvs_jax.commands import bench_serving as serving
-from skvs_jax.commands import checkpoints, policy_flags, startup
+from skvs_jax.commands import checkpoints, group_report, policy_flags, startup, trace_flags
 from skvs_jax.config import CacheConfig
 from skvs_jax.serve import engine as eng
 from skvs_jax.serve import speculation
@@ -109,8 +115,12 @@ from skvs_jax.serve import speculation
 SCHEMA_VERSION = 3
 
 
+DEFAULT_WORKLOAD = "system_prompts"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", default="system_prompts", choices=sorted(workloads.GENERATORS))
+    parser.add_argument("--workload", default=None, choices=sorted(workloads.GENERATORS),
+                        help="default: system_prompts, or phased with --phases")
     parser.add_argument("--requests", type=int, default=32, help="requests in the trace")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--policies", "--policy", dest="policies", default="vllm_default,naive_spec,skvs",
@@ -135,16 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", "--rate", dest="request_rate", default=None, metavar="R[,R...]",
                         help="arrival rates, requests/s, comma-separated: every policy serves the trace at each, and "
                              "each gets its report (inf: every request at t = 0, the default)")
-    parser.add_argument("--burstiness", type=float, default=None,
-                        help="arrival gaps Gamma-distributed with this shape and mean 1 / rate (vLLM's benchmark: "
-                             "1 = Poisson, the default; < 1 burstier, > 1 more even)")
     parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                         help="at most N requests in flight: an arrived request is added to the engine only while "
                              "fewer than N are unfinished (default: no limit)")
-    parser.add_argument("--trace", default=None, metavar="FILE",
-                        help="serve the requests of a JSONL file instead of --workload, one a line: {\"prompt\": "
-                             "TEXT (its UTF-8 bytes) or \"prompt_len\": N, \"output_len\": N, \"arrival_s\": T} "
-                             "(workloads.read_requests); its arrivals replace --request-rate and --burstiness")
+    trace_flags.add_arguments(parser, verb="serve", rate_flag="--request-rate")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--tree", default="chain", choices=("chain", "small"),
                         help="draft tree of the speculating policies: a chain of --draft-len drafts, or the 15-node "
@@ -221,9 +225,9 @@ def make_trace(args: argparse.Namespace, rate: float | None | str = "first") -> 
             raise SystemExit(f"skvs bench: --trace: {err}") from None
     if rate == "first":
         rate = arrival_rates(args)[0]
-    burstiness = 1.0 if getattr(args, "burstiness", None) is None else args.burstiness
-    return workloads.tiny_model_trace(args.workload, args.requests, seed=args.seed, rate=rate,
-                                      max_output_len=args.max_output, burstiness=burstiness)
+    return workloads.tiny_model_trace(args.workload or DEFAULT_WORKLOAD, args.requests, seed=args.seed, rate=rate,
+                                      max_output_len=args.max_output, burstiness=trace_flags.burstiness(args),
+                                      **(trace_flags.phases(args) if args.workload == "phased" else {}))
 
 
 def trace_rate(trace: workloads.Trace) -> float | None:
@@ -233,17 +237,15 @@ def trace_rate(trace: workloads.Trace) -> float | None:
 
 
 def _check_load_flags(args: argparse.Namespace) -> list[float | None]:
-    """--request-rate, --burstiness, --max-concurrency and --trace, checked; returns the rates."""
+    """--request-rate, --burstiness, --phases, --max-concurrency and --trace, checked; returns the rates."""
     rates = arrival_rates(args)
-    burstiness = getattr(args, "burstiness", None)
-    if burstiness is not None and not (math.isfinite(burstiness) and burstiness > 0):
-        raise SystemExit(f"skvs bench: --burstiness must be a finite number > 0, got {burstiness}")
+    trace_flags.check(args, "skvs bench")
+    args.workload = args.workload or DEFAULT_WORKLOAD
     concurrency = getattr(args, "max_concurrency", None)
     if concurrency is not None and concurrency < 1:
         raise SystemExit(f"skvs bench: --max-concurrency must be >= 1, got {concurrency}")
-    if getattr(args, "trace", None) is not None and (args.request_rate is not None or burstiness is not None):
-        raise SystemExit("skvs bench: --trace gives every request its arrival time: leave out --request-rate and "
-                         "--burstiness")
+    if getattr(args, "trace", None) is not None and args.request_rate is not None:
+        raise SystemExit("skvs bench: --trace gives every request its arrival time: leave out --request-rate")
     if getattr(args, "ablation", False) and len(rates) > 1:
         raise SystemExit("skvs bench: --ablation serves one --request-rate (the decomposition is per load)")
     return rates
@@ -503,6 +505,7 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
     _print_acceptance(results, names, trace, args)
+    phases = _print_phases(results, names, trace, args)
     ablation = None
     if args.ablation:
         paired_runs = {n: ([r["metrics"][report.THROUGHPUT] for r in rs], [bool(report.stall(r)) for r in rs])
@@ -511,7 +514,30 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
         print()
         print(report.format_ablation(ablation))
     return dict(results=results, throughputs=throughputs, stalled=stalled, paired=paired, paired_ci=paired_ci,
-                same=same, ablation=ablation, priced=priced, headline=head)
+                same=same, ablation=ablation, priced=priced, headline=head, phases=phases)
+
+
+def _print_phases(results: dict, names: list[str], trace, args) -> dict | None:
+    """A phased trace's table of TPOT P50/P99 per phase (`group_report.group_table`, as `skvs simulate` prints it;
+    each policy's reported run; with vllm_default and naive_spec:K policies, the best fixed K per phase in
+    hindsight); returns what bench.json records of it ("by_policy": per policy, per phase, the metrics; "hindsight":
+    `group_report.hindsight`'s rows), None for a trace without phases."""
+    if "phases" not in trace.params:
+        return None
+    ids = [r.request_id for r in trace.requests]
+    by_id = np.zeros(max(ids) + 1, np.int64)  # summarize_groups indexes by request id
+    by_id[ids] = workloads.phase_of(trace)
+    lanes = {n: [{"seed": trace.seed, "phase": [metrics.with_units(g) for g in
+                                               metrics.summarize_groups(results[n]["records"], by_id)]}]
+             for n in names}
+    rate = args.rate or 0.0
+    labels = [f"phase {p}: {c} @ {rate * m:g} req/s" if rate else f"phase {p}: {c} requests"
+              for p, (c, m) in enumerate(trace.params["phases"])]
+    fixed = group_report.fixed_names(names, args.draft_len)
+    print(f"per phase (TPOT in ms; each policy's reported run; trace seed {trace.seed}):")
+    print(group_report.group_table(lanes, names, "phase", labels, fixed))
+    return {"by_policy": {n: lanes[n][0]["phase"] for n in names},
+            "hindsight": group_report.hindsight(lanes, names, "phase", fixed) if fixed else None}
 
 
 def describe_arrivals(trace, args) -> str:
@@ -522,7 +548,7 @@ def describe_arrivals(trace, args) -> str:
     elif args.rate is None:
         what = "every request at t = 0"
     else:
-        b = 1.0 if getattr(args, "burstiness", None) is None else args.burstiness
+        b = trace_flags.burstiness(args)
         what = (f"{args.rate:g} req/s, " + ("Poisson" if b == 1.0 else f"Gamma gaps of shape {b:g} (burstiness)")
                 + ", on each engine's clock")
     cap = getattr(args, "max_concurrency", None)
@@ -624,6 +650,8 @@ def section(reported: dict, names: list[str], trace, args) -> dict:
         doc["ablation"] = reported["ablation"]
     if reported["priced"] is not None:
         doc["priced_schedules"] = reported["priced"]
+    if reported.get("phases") is not None:
+        doc["phases"] = reported["phases"]
     return doc
 
 
@@ -641,7 +669,7 @@ def write_outputs(sections: list[dict], specs: dict, budget, cache, args) -> Non
     config = {k: getattr(args, k) for k in ("workload", "requests", "policies", "kv_blocks", "block_size", "max_seqs",
                                             "draft_len", "token_budget", "prefill_chunk", "max_output",
                                             "temperature", "tree", "acceptance", "impl", "seed", "ablation", "repeats",
-                                            "step_cost", "burstiness", "max_concurrency", "trace")}
+                                            "step_cost", "burstiness", "phases", "max_concurrency", "trace")}
     config["request_rate_per_s"] = [_rate_json(r) for r in args.rates]
     config["verify_budget"] = budget
     config |= {"model": args.model, "medusa": args.medusa, "model_shape": args.model_shape, "dtype": args.dtype,

@@ -229,7 +229,8 @@ class Serving:
         counters = {k: int(v) for k, v in dataclasses.asdict(e.state.sched.counters).items()}
         result |= metrics.attribution(counters, len(records))  # what the drafts cost in memory
         fitted = self.fitted
-        return {"metrics": result, "requests": metrics.request_rows(records), "outputs": outputs, "series": series,
+        return {"metrics": result, "requests": metrics.request_rows(records), "records": records,
+                "outputs": outputs, "series": series,
                 "counters": counters,
                 "compiled": sorted(e.compiled), "bucket_hist": e.picker.bucket_hist, "padding": e.picker.padding,
                 "fitted": fitted,

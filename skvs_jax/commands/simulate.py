@@ -23,12 +23,12 @@ keys as bench.json's (`metrics.with_units`: `_ms`, `_s`, `_per_s`).
                and preemption counters, and per phase / acceptance class ("phase", "class") a list of the
                group's metrics (median_tpot_ms, p99_tpot_ms, ..., requests, drafts_per_step).
   by_rate      str(rate) -> policy -> the mean over its seeds.
-  hindsight    "phase" / "class" -> str(rate) -> `hindsight`'s rows.
+  hindsight    "phase" / "class" -> str(rate) -> `group_report.hindsight`'s rows.
 
 Breakdowns: a phased workload (`--phases`, `workloads.phased`) gets a table of TPOT P50/P99 per phase, and an
 acceptance of several classes (`--acceptance A/B`: request i draws from class i mod classes) one per class.
 `--oracle` adds the fixed draft lengths K = 0 (vllm_default) .. --draft-len (`naive_spec:K`) and reports, per phase
-or class and per seed, the best of them in hindsight beside each adaptive policy (`hindsight`).
+or class and per seed, the best of them in hindsight beside each adaptive policy (`group_report.hindsight`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import numpy as np
 
 from skvs_jax import metrics, policies, workloads
 from skvs_jax import scheduler as sc
-from skvs_jax.commands import policy_flags, startup
+from skvs_jax.commands import group_report, policy_flags, startup, trace_flags
 from skvs_jax.config import CacheConfig
 from skvs_jax.sim import acceptance_model, cost_model, simulate, sweep
 from skvs_jax.sim.specs import HOST_LINKS
@@ -75,10 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a100-80gb: pcie-gen4-x16, h100-sxm and h200: pcie-gen5-x16)")
     parser.add_argument("--workload", default=None, choices=sorted(workloads.GENERATORS),
                         help="default: sharegpt, or phased with --phases")
-    parser.add_argument("--phases", default=None,
-                        help="a phased workload's phases, COUNTxMULTIPLE,...: COUNT requests (in proportion to "
-                             "--requests) arriving at MULTIPLE x --rate (workloads.phased; default with --workload "
-                             "phased: 96x1,256x12,96x1)")
     parser.add_argument("--oracle", action="store_true",
                         help="also run every fixed draft length (vllm_default, naive_spec:1..K) and report the best "
                              "of them per phase or class in hindsight beside each other policy")
@@ -89,13 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "is a fixed chain of 2), on the same acceptance draws; name=LABEL names the variant")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (inf: all at t = 0)")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="arrival gaps Gamma-distributed with this shape and mean 1 / --rate (vLLM's benchmark: 1 "
-                             "= Poisson; < 1 burstier, > 1 more even)")
-    parser.add_argument("--trace", default=None, metavar="FILE",
-                        help="simulate the requests of a JSONL file instead of --workload, one a line: {\"prompt\": "
-                             "TEXT (its UTF-8 bytes count as tokens) or \"prompt_len\": N, \"output_len\": N, "
-                             "\"arrival_s\": T} (workloads.read_requests); its arrival times replace --rate")
+    trace_flags.add_arguments(parser, verb="simulate", rate_flag="--rate")
     parser.add_argument("--seeds", type=int, default=2, help="traces (seeds 0..N-1), one lane each")
     parser.add_argument("--scale", type=float, default=1.0, help="length scale of the workload (1: published means)")
     parser.add_argument("--max-prompt-len", type=int, default=1024)
@@ -142,22 +132,11 @@ def acceptance_classes(spec: str, k: int) -> np.ndarray:
     return np.stack([acceptance(part, k) for part in spec.split("/")])
 
 
-def parse_phases(spec: str) -> list[list]:
-    """--phases COUNTxMULTIPLE,... as `workloads.phased`'s phases."""
-    try:
-        pairs = [part.split("x") for part in spec.split(",") if part.strip()]
-        return [[int(n), float(m)] for n, m in pairs]
-    except ValueError:
-        raise ValueError(f"--phases must be COUNTxMULTIPLE,... (e.g. 96x1,256x12,96x1), got {spec!r}") from None
-
-
 def workload_kwargs(args) -> dict:
     """The workload's arguments besides count, seed and rate."""
     kw = dict(max_prompt_len=args.max_prompt_len, max_output_len=args.max_output_len, scale=args.scale,
-              burstiness=getattr(args, "burstiness", 1.0))
-    if args.workload == "phased" and args.phases is not None:
-        kw["phases"] = parse_phases(args.phases)
-    return kw
+              burstiness=trace_flags.burstiness(args))
+    return kw | (trace_flags.phases(args) if args.workload == "phased" else {})
 
 
 def class_of(alphas: np.ndarray, requests: int) -> np.ndarray:
@@ -334,8 +313,7 @@ def _file_trace(args) -> workloads.Trace:
 def _check_trace(args) -> None:
     """--trace FILE: it replaces the workload, --requests and the arrivals (--rate becomes its rate: its requests
     over its last arrival, inf when all arrive at t = 0), and its requests must fit the length caps."""
-    for flag, given in (("--workload", args.workload is not None), ("--phases", args.phases is not None),
-                        ("--sweep", args.sweep), ("--burstiness", args.burstiness != 1.0)):
+    for flag, given in (("--workload", args.workload is not None), ("--sweep", args.sweep)):
         if given:
             raise SystemExit(f"skvs simulate: --trace gives the requests and their arrival times: leave out {flag}")
     trace = _file_trace(args)
@@ -355,14 +333,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"skvs simulate: --model is a checkpoint folder in skvs bench and skvs generate; the "
                          f"simulator prices a model shape: use --model-shape NAME[:LAYERS] "
                          f"({', '.join(sorted(cost_model.MODELS))}), got --model {args.model}")
-    if not (math.isfinite(args.burstiness) and args.burstiness > 0):
-        raise SystemExit(f"skvs simulate: --burstiness must be a finite number > 0, got {args.burstiness}")
+    trace_flags.check(args, "skvs simulate")
     if args.trace is not None:
         _check_trace(args)
-    if args.phases is not None:
-        if args.workload not in (None, "phased"):
-            raise SystemExit(f"skvs simulate: --phases sets a phased workload, not --workload {args.workload}")
-        args.workload = "phased"
     if args.oracle:  # every fixed draft length beside the policies asked for, each on the same draws
         have = policies.split_policies(args.policies)
         extra = [n for n in ["vllm_default"] + [f"naive_spec:{k}" for k in range(1, args.draft_len + 1)]
@@ -474,10 +447,10 @@ def run(args: argparse.Namespace) -> int:
             for r in rates:
                 lanes_at = {n: [m for m in per_policy[n] if m["request_rate_per_s"] == r] for n in names}
                 labels = _group_labels(args, group, r, alphas)
-                print(group_table(lanes_at, names, group, labels, fixed_names(names, args.draft_len)))
-                groups.setdefault(group, {})[str(r)] = hindsight(lanes_at, names, group,
-                                                                 fixed_names(names, args.draft_len))
-    fixed = fixed_names(names, args.draft_len)
+                fixed = group_report.fixed_names(names, args.draft_len)
+                print(group_report.group_table(lanes_at, names, group, labels, fixed))
+                groups.setdefault(group, {})[str(r)] = group_report.hindsight(lanes_at, names, group, fixed)
+    fixed = group_report.fixed_names(names, args.draft_len)
     for r in rates if fixed else []:
         for n in [n for n in names if n not in fixed.values()]:
             best = [max(per_policy[f][i][THROUGHPUT] for f in fixed.values())
@@ -571,91 +544,8 @@ def _plot(by_rate, names, path: pathlib.Path) -> None:
 # ------------------------------------------------------------------------------ breakdowns and the hindsight oracle
 
 
-def fixed_names(names: list[str], k: int) -> dict[int, str]:
-    """The fixed draft lengths among the policies: K -> name (0: vllm_default, K >= 1: naive_spec:K; naive_spec
-    itself is K = --draft-len)."""
-    out = {0: "vllm_default"} if "vllm_default" in names else {}
-    for j in range(1, k + 1):
-        for name in (f"naive_spec:{j}",) + (("naive_spec",) if j == k else ()):
-            if name in names:
-                out.setdefault(j, name)
-    return out
-
-
-def hindsight(lanes: dict[str, list[dict]], names: list[str], group: str, fixed: dict[int, str]) -> list[dict]:
-    """Per group (phase or class), per seed: the best fixed draft length in hindsight for TPOT median and P99
-    (MEDIAN_TPOT, P99_TPOT: the smallest value over `fixed`, and its K), and every other policy's ratio to it and to
-    vllm_default (no speculation). lanes: name -> its lanes at one rate, one per seed, in the same seed order, with
-    the reported keys (`_with_units`)."""
-    seeds = [m["seed"] for m in lanes[names[0]]]
-    out = []
-    for g in range(len(lanes[names[0]][0][group])):
-        row: dict = {"requests": lanes[names[0]][0][group][g].get("requests", 0.0), "seeds": seeds}
-        for key in (MEDIAN_TPOT, P99_TPOT):
-            per_k = {k: [lanes[n][i][group][g].get(key, math.nan) for i in range(len(seeds))] for k, n in fixed.items()}
-            best_k = [min(per_k, key=lambda k: (np.nan_to_num(per_k[k][i], nan=math.inf), k)) if per_k else None
-                      for i in range(len(seeds))]
-            best = [per_k[k][i] if k is not None else math.nan for i, k in enumerate(best_k)]
-            row[key] = {"best": best, "best_k": best_k}
-            for n in names:
-                mine = [lanes[n][i][group][g].get(key, math.nan) for i in range(len(seeds))]
-                none = [lanes["vllm_default"][i][group][g].get(key, math.nan) if "vllm_default" in lanes else math.nan
-                        for i in range(len(seeds))]
-                row[key][n] = {"value": mine, "over_best": [a / b for a, b in zip(mine, best)],
-                               "over_no_spec": [a / b for a, b in zip(mine, none)]}
-        out.append(row)
-    return out
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return float(np.mean(finite)) if finite else math.nan
-
-
 def _group_labels(args, group: str, rate: float, alphas: np.ndarray) -> list[str]:
     if group == "class":
         return [f"class {c} ({acceptance_model.tokens_per_step(a):.2f} tok/verif.)" for c, a in enumerate(alphas)]
     phases = workloads.make("phased", args.requests, seed=0, rate=None, **workload_kwargs(args)).params["phases"]
     return [f"phase {p}: {n} @ {rate * m:g} req/s" for p, (n, m) in enumerate(phases)]
-
-
-def _span(values: list[float], fmt: str = "{:.2f}") -> str:
-    v = [x for x in values if math.isfinite(x)]
-    if not v:
-        return "n/a"
-    lo, hi = min(v), max(v)
-    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
-
-
-def group_table(lanes: dict[str, list[dict]], names: list[str], group: str, labels: list[str],
-                fixed: dict[int, str]) -> str:
-    """Markdown: per phase or class, each policy's TPOT P50 / P99 (ms, mean over seeds), drafts per decode step and,
-    with --tpot-target, the share of requests that met it;
-    with fixed draft lengths, the best of them in hindsight (per seed) and each adaptive policy's ratio to it and
-    to no speculation (the range over seeds)."""
-    rows = hindsight(lanes, names, group, fixed)
-    adaptive = [n for n in names if n not in fixed.values()]
-    head = [group] + [f"{n} P50 / P99 ms (drafts/step)" for n in names]
-    if fixed:
-        head += ["best fixed K: P50 / P99 ms (K)"]
-        head += [f"{n} / best: P50, P99" for n in adaptive]
-        head += [f"{n} / no spec.: P99" for n in adaptive if "vllm_default" in names]
-    lines = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
-    for g, row in enumerate(rows):
-        cells = [labels[g] if g < len(labels) else str(g)]
-        for n in names:
-            ms = [m[group][g] for m in lanes[n]]
-            mean = {key: _nanmean([m.get(key, math.nan) for m in ms])
-                    for key in (MEDIAN_TPOT, P99_TPOT, "drafts_per_step", "tpot_slo_attainment")}
-            slo = mean["tpot_slo_attainment"]  # with --tpot-target: the share of the group's requests that met it
-            cells.append(f"{mean[MEDIAN_TPOT]:.1f} / {mean[P99_TPOT]:.1f} "
-                         f"({mean['drafts_per_step']:.2f}){f'; SLO {100 * slo:.0f}%' if math.isfinite(slo) else ''}")
-        if fixed:
-            p50, p99 = row[MEDIAN_TPOT], row[P99_TPOT]
-            cells.append(f"{np.nanmean(p50['best']):.1f} / {np.nanmean(p99['best']):.1f} "
-                         f"({','.join(map(str, p50['best_k']))} / {','.join(map(str, p99['best_k']))})")
-            cells += [f"{_span(p50[n]['over_best'])}x, {_span(p99[n]['over_best'])}x" for n in adaptive]
-            if "vllm_default" in names:
-                cells += [f"{_span(p99[n]['over_no_spec'])}x" for n in adaptive]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
