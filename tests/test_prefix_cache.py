@@ -1,10 +1,11 @@
 """The prefix cache against a plain-Python oracle (a dict from token prefixes to block ids), its collision
 safety under a deliberately weak hash, its boundary checks, and its use together with the allocator."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as hs
 
 from skvs_jax import testing
@@ -166,6 +167,65 @@ def test_matches_the_oracle_exactly(ops):
 def test_collisions_never_return_wrong_content(ops):
     """With a 2-bit hash almost every insert collides or finds its bucket full; hits must still be exact."""
     run_workload(ops, WEAK, check_exact=False)
+
+
+@pytest.mark.parametrize("cfg", [CFG, WEAK], ids=["strong", "weak"])
+@given(ops=hs.lists(operation, max_size=8), rows=rows_st, nv=hs.lists(hs.integers(0, L), min_size=B, max_size=B),
+       reuse=hs.lists(hs.booleans(), min_size=B, max_size=B), scramble=hs.lists(hs.integers(0, 40), max_size=B * M),
+       window=hs.sampled_from([1, 2, 4]))
+def test_a_windowed_insert_equals_the_dense_one(cfg, ops, rows, nv, reuse, scramble, window):
+    """`insert_unchecked(window=)` finds where each row's insert starts from its own indexed blocks and a window
+    past them (probing every position of the rows that leaves undecided): the table, the ids and the counters
+    must equal the dense probe's, on any index (a weak hash: collisions, full buckets) and any table, including
+    tables whose ids are scrambled so that a row's block is indexed under another row's content."""
+    cache = run_workload(ops, cfg, check_exact=False)
+    oracle = OraclePrefixCache()
+    oracle.index = testing.prefix_index_as_dict(cache, cfg)
+    table = block_table_for(rows, reuse, oracle)
+    flat = table.reshape(-1)
+    flat[: len(scramble)] = np.where(np.arange(len(scramble)) % 3 == 0, scramble, flat[: len(scramble)])
+    args = (cache, jnp.asarray(rows, i32), jnp.asarray(nv, i32), jnp.asarray(flat.reshape(B, M)))
+    dense = pc.insert_unchecked(*args, cfg=cfg)
+    windowed = pc.insert_unchecked(*args, cfg=cfg, window=window)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), dense, windowed)
+    assert all(jax.tree.leaves(same)), same
+    blocks = jnp.asarray(rows, i32).reshape(B, M, S)
+    full = jnp.minimum(jnp.asarray(nv, i32) // S, M)
+    _, conclusive = pc._start_windowed(cache, blocks, full, args[3], jnp.zeros((B,), i32), cfg, window)
+    undecided = int(jnp.sum(~conclusive))  # B = 4: one such row is probed alone, more by one dense probe of all
+    event("the window decides" if undecided == 0 else "one row probed alone" if undecided == 1 else "all probed")
+
+
+@pytest.mark.parametrize("undecided_rows", [1, 3])
+def test_rows_indexed_through_other_rows_blocks_fall_back_to_the_full_probe(undecided_rows):
+    """Rows whose whole prefix is indexed, but by another row's blocks (their own are duplicates), are not decided
+    by a window of 2: one such row is probed alone, three (more than B/8) by a dense probe of every row. Either
+    way the result is the dense probe's."""
+    others = [[0] * L, [0, 1] * (L // 2), [1, 0] * (L // 2)]  # distinct first blocks: each row owns its entries
+    rows = [[1] * L] * undecided_rows + others[: B - undecided_rows]
+    first = np.arange(1, B * M + 1, dtype=np.int32).reshape(B, M)
+    cache, _ = pc.insert_unchecked(pc.init(CFG), jnp.asarray(rows, i32), jnp.full((B,), L, i32), jnp.asarray(first),
+                                   cfg=CFG)
+    fresh = np.where(np.arange(B)[:, None] < undecided_rows, first + B * M, first)  # the others keep their own
+    args = (cache, jnp.asarray(rows, i32), jnp.full((B,), L, i32), jnp.asarray(fresh))
+    _, conclusive = pc._start_windowed(cache, jnp.asarray(rows, i32).reshape(B, M, S), jnp.full((B,), M, i32),
+                                       args[3], jnp.zeros((B,), i32), CFG, 2)
+    assert int(jnp.sum(~conclusive)) == undecided_rows
+    dense, windowed = pc.insert_unchecked(*args, cfg=CFG), pc.insert_unchecked(*args, cfg=CFG, window=2)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), dense, windowed)))
+
+
+def test_a_chain_goes_on_one_block_at_a_time_as_the_cumulative_form_computes_it():
+    """`_next_chain` from the seed, block after block, gives `chains`' columns (and so the same keys), salted
+    or not: the windowed insert continues a row's chain from its entry's stored value."""
+    rng = np.random.default_rng(0)
+    blocks = jnp.asarray(rng.integers(0, 300, (3, 6, S)), i32)
+    for salt in (None, jnp.asarray([0, 5, -7], i32)):
+        full = np.asarray(pc.chains(blocks, salt))
+        chain = pc._seed(jnp.zeros((3,), i32) if salt is None else salt)
+        for j in range(6):
+            chain = pc._next_chain(chain, blocks[:, j])
+            np.testing.assert_array_equal(np.asarray(chain), full[:, j])
 
 
 def test_the_weak_hash_really_collides_and_hits_stay_exact():

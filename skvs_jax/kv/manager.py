@@ -290,8 +290,11 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
 
     A step usually has far fewer rows to index than R, and the insert's cost is per row, whether live or not.
     So it runs on the first R/4 rows when no more are live (skipped when none are): the rows left out are
-    padding, which an insert ignores, so the table, the ids and the counters are the same as over all R.
-    Under vmap, R/4 only when no lane has more live rows (`vmap_flow.all_lanes`); all R is right for every lane.
+    padding, which an insert ignores, so the table, the ids and the counters are the same as over all R. With
+    the costly passes' skips (`KVConfig.skip_costly`: the CPU's and the mixed program), the insert probes a window
+    past each row's own indexed blocks instead of every block position (`prefix_cache.insert_unchecked(window=)`:
+    the same result). Under vmap, R/4 only when no lane has more live rows (`vmap_flow.all_lanes`); all R is right
+    for every lane.
     """
     b, r = tokens.shape[0], sel.shape[0]
     count = jnp.sum(sel < b, dtype=i32)
@@ -301,7 +304,8 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
             s = sel[:rows_run]
             live, rows = s < b, jnp.clip(s, 0, b - 1)
             prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
-                                              None if salt is None else salt[rows], cfg=cfg.prefix)
+                                              None if salt is None else salt[rows], cfg=cfg.prefix,
+                                              window=pc.INSERT_WINDOW if cfg.skip_costly else 0)
             return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
         return run
 

@@ -144,6 +144,7 @@ class PrefixCache:
     slot_of_block: jax.Array  # int32[N] slot indexing each block, -1 if none (a block is indexed at most once)
     counters: PrefixCounters
     salt: jax.Array  # int32[C] the cache salt of the entry's chain (0 = none); a hit needs the request's own salt
+    chain: jax.Array  # uint32[C, 2] h_j before its finaliser: an insert continues a row's chain from its entry
 
 
 @struct.dataclass
@@ -190,6 +191,7 @@ def init(cfg: PrefixCacheConfig) -> PrefixCache:
         slot_of_block=jnp.full((cfg.num_blocks,), -1, i32),
         counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
         salt=jnp.zeros((c,), i32),
+        chain=jnp.zeros((c, 2), u32),
     )
 
 
@@ -205,25 +207,51 @@ def _fmix32(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-def chain_keys(blocks: jax.Array, hash_bits: int, salt: jax.Array | None = None) -> jax.Array:
-    """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block; salt int32[B]
+def _digest(blocks: jax.Array) -> jax.Array:
+    """int32[..., S] token blocks -> uint32[..., 2] digest of each (order-sensitive: position is mixed in)."""
+    s, lead = blocks.shape[-1], (1,) * (blocks.ndim - 1)
+    t = jax.lax.bitcast_convert_type(blocks, u32)[..., None]  # [..., S, 1]
+    pos = jnp.arange(1, s + 1, dtype=u32).reshape(lead + (s, 1))
+    tok_mul, pos_mul = (jnp.asarray(m, u32).reshape(lead + (1, 2)) for m in (_TOKEN_MUL, _POS_MUL))
+    return jnp.sum(_fmix32(t * tok_mul + pos * pos_mul), axis=-2, dtype=u32)
+
+
+def _seed(salt: jax.Array) -> jax.Array:
+    """int32[B] salts -> uint32[B, 2] h_{-1} = fmix(salt) (0 for salt 0)."""
+    return _fmix32(jax.lax.bitcast_convert_type(salt, u32)[:, None] * jnp.asarray(_SALT_MUL, u32)[None, :])
+
+
+def _finalise(chain: jax.Array, hash_bits: int) -> jax.Array:
+    """uint32[..., 2] chain values h_j -> the stored keys."""
+    return _fmix32(chain ^ jnp.asarray(_FINAL_XOR, u32).reshape((1,) * (chain.ndim - 1) + (2,))) & u32(
+        (1 << hash_bits) - 1)
+
+
+def _next_chain(chain: jax.Array, blocks: jax.Array) -> jax.Array:
+    """uint32[B, 2] h_{j-1} and int32[B, S] block j -> h_j = A h_{j-1} + digest (mod 2^32): the chain one block on,
+    equal to `chains`' column j (modular arithmetic is exact)."""
+    return jnp.asarray(_CHAIN_MUL, u32)[None, :] * chain + _digest(blocks)
+
+
+def chains(blocks: jax.Array, salt: jax.Array | None = None) -> jax.Array:
+    """int32[B, J, S] token blocks -> uint32[B, J, 2] chain values h_j (before the finaliser); salt int32[B]
     (default 0) seeds each row's chain."""
-    b, j, s = blocks.shape
-    t = jax.lax.bitcast_convert_type(blocks, u32)[..., None]  # [B, J, S, 1]
-    pos = jnp.arange(1, s + 1, dtype=u32)[None, None, :, None]  # [1, 1, S, 1]
-    tok_mul = jnp.asarray(_TOKEN_MUL, u32)[None, None, None, :]  # [1, 1, 1, 2]
-    pos_mul = jnp.asarray(_POS_MUL, u32)[None, None, None, :]
-    digest = jnp.sum(_fmix32(t * tok_mul + pos * pos_mul), axis=2, dtype=u32)  # [B, J, 2]
+    b, j, _ = blocks.shape
+    digest = _digest(blocks)  # [B, J, 2]
     # h_j = A^j * sum_{i<=j} digest_i * A^-i (mod 2^32): the affine chain h_j = A h_{j-1} + digest_j by cumsum.
     powers = np.array([[pow(a, i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
     inverse = np.array([[pow(a, -i, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
     chain = jnp.asarray(powers) * jnp.cumsum(digest * jnp.asarray(inverse), axis=1, dtype=u32)
     if salt is not None:  # the seed h_{-1} = fmix(salt): h_j gains A^(j+1) * h_{-1}
-        seed = _fmix32(jax.lax.bitcast_convert_type(salt, u32)[:, None] * jnp.asarray(_SALT_MUL, u32)[None, :])
         reach = np.array([[pow(a, i + 1, 2**32) for a in _CHAIN_MUL] for i in range(j)], np.uint32).reshape(1, j, 2)
-        chain = chain + jnp.asarray(reach) * seed.reshape(b, 1, 2)
-    key = _fmix32(chain ^ jnp.asarray(_FINAL_XOR, u32)[None, None, :])
-    return key & u32((1 << hash_bits) - 1)
+        chain = chain + jnp.asarray(reach) * _seed(salt).reshape(b, 1, 2)
+    return chain
+
+
+def chain_keys(blocks: jax.Array, hash_bits: int, salt: jax.Array | None = None) -> jax.Array:
+    """int32[B, J, S] token blocks -> uint32[B, J, 2] keys of the prefixes ending with each block; salt int32[B]
+    (default 0) seeds each row's chain."""
+    return _finalise(chains(blocks, salt), hash_bits)
 
 
 def _bucket(key: jax.Array, cfg: PrefixCacheConfig) -> jax.Array:
@@ -252,14 +280,16 @@ def _salts(salt: jax.Array | None, b: int) -> jax.Array:
 
 
 def _longest_chain(
-    cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, salt: jax.Array, key: jax.Array | None = None
+    cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, salt: jax.Array, key: jax.Array | None = None,
+    first_parent: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """For int32[B, J, S] blocks under salt int32[B]: (matched int32[B] leading blocks found, ids int32[B, J]
     their block ids).
 
     Every block position is probed in parallel; the parent test against the previous position's candidate
     makes the accepted run a verified chain (see the module docstring), and the salt test keeps it the row's
-    own tenant's. `key`: the blocks' chain keys, when the caller has them already.
+    own tenant's. `key`: the blocks' chain keys, when the caller has them already. first_parent int32[B]: the
+    block indexing the prefix before the first of `blocks` (default ROOT: they start the sequence).
     """
     b, j, _ = blocks.shape
     key = chain_keys(blocks, cfg.hash_bits, salt) if key is None else key  # [B, J, 2]
@@ -268,7 +298,8 @@ def _longest_chain(
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
     slot = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[..., None], axis=-1)[..., 0]  # [B, J]
     ids = jnp.where(found, cache.block[slot], BROKEN)
-    prev = jnp.concatenate([jnp.full((b, 1), ROOT, i32), ids[:, :-1]], axis=1)
+    first = jnp.full((b,), ROOT, i32) if first_parent is None else first_parent
+    prev = jnp.concatenate([first[:, None], ids[:, :-1]], axis=1)
     valid = found & (cache.parent[slot] == prev) & jnp.all(cache.tokens[slot] == blocks, axis=-1)
     valid &= cache.salt[slot] == salt[:, None]
     matched = count_leading(valid, axis=1)
@@ -306,7 +337,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     row's own, an older entry's, or a duplicate's leader's; BROKEN if refused), ids[b] the block newly indexed.
     """
     cache, prev = carry  # prev: int32[B] block indexing the row's prefix through j_b - 1 (ROOT, or BROKEN)
-    key, toks, bid, want, salt = x  # [B, 2] uint32, [B, S], [B], [B] bool, [B] int32
+    key, toks, bid, want, salt, chain = x  # [B, 2] uint32, [B, S], [B], [B] bool, [B] int32, [B, 2] uint32
     c, n, ways = cfg.capacity, cfg.num_blocks, cfg.ways
     rows = jnp.arange(bid.shape[0], dtype=i32)
     want = want & (prev != BROKEN)
@@ -355,6 +386,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
         tokens=cache.tokens.at[dst].set(toks, mode="drop"),
         slot_of_block=cache.slot_of_block.at[jnp.where(got, bid, n)].set(dst, mode="drop"),
         salt=cache.salt.at[dst].set(salt, mode="drop"),
+        chain=cache.chain.at[dst].set(chain, mode="drop"),
     )
 
     leader_block = jnp.where(got, bid, BROKEN)
@@ -370,43 +402,131 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     return (cache, resolved), jnp.where(got, bid, NULL_BLOCK)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cfg: PrefixCacheConfig):
+INSERT_WINDOW = 4  # block positions past a row's own indexed prefix that `insert_unchecked(window=)` probes
+
+
+def _start_dense(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt: jax.Array,
+                 cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(start int32[B], prev int32[B], chain uint32[B, 2]): where each row's insert starts, its first full block
+    not indexed as its prefix (at most num_full), the block indexing the prefix before it (ROOT at 0) and the
+    chain value there (the seed at 0), by probing every block position of every row (`_longest_chain`)."""
+    rows = jnp.arange(blocks.shape[0], dtype=i32)
+    ch = chains(blocks, salt)
+    matched, found = _longest_chain(cache, blocks, cfg, salt, _finalise(ch, cfg.hash_bits))
+    start = jnp.minimum(matched, num_full)
+    before = jnp.maximum(start - 1, 0)
+    return (start, jnp.where(start > 0, found[rows, before], ROOT),
+            jnp.where((start > 0)[:, None], ch[rows, before], _seed(salt)))
+
+
+def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, block_table: jax.Array,
+                    salt: jax.Array, cfg: PrefixCacheConfig, window: int) -> tuple[tuple, jax.Array]:
+    """`_start_dense`'s answer from a window: ((start, prev, chain), conclusive bool[B]), exact where conclusive.
+
+    A row's leading blocks indexed as its own (the entry of table[b, j] is live, under the row's salt, holds the
+    row's tokens of block j, and has parent table[b, j - 1]) form a verified chain of the row's prefix, and the
+    index's keys are those chains' hashes, unique in the table: so the dense probe finds the same entries, and its
+    matched count is at least that run's length h, with the same ids. Found through the row's own block ids, this
+    costs no hashing and no probe of the ways. Only the next `window` positions are then probed, continuing the
+    chain from the entry at h - 1 (`PrefixCache.chain`); the answer is exact unless all of them matched and the
+    row has full blocks beyond them (not conclusive: the caller probes densely)."""
+    b, j, _ = blocks.shape
+    n, c = cfg.num_blocks, cfg.capacity
+    rows = jnp.arange(b, dtype=i32)
+    own = block_table[:, :j]
+    slot = cache.slot_of_block[jnp.clip(own, 0, n - 1)]
+    at = jnp.clip(slot, 0, c - 1)
+    parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
+    mine = ((own > 0) & (slot >= 0) & (cache.block[at] == own) & (cache.parent[at] == parent)
+            & (cache.salt[at] == salt[:, None]) & jnp.all(cache.tokens[at] == blocks, axis=-1))
+    h = jnp.minimum(count_leading(mine, axis=1), num_full)
+    last = jnp.maximum(h - 1, 0)
+    first_prev = jnp.where(h > 0, own[rows, last], ROOT)
+    first_chain = jnp.where((h > 0)[:, None], cache.chain[at[rows, last]], _seed(salt))
+    cols = jnp.clip(h[:, None] + jnp.arange(window, dtype=i32)[None, :], 0, j - 1)  # [B, W]
+    wblocks = blocks[rows[:, None], cols]  # [B, W, S]
+    wchain, ch = [], first_chain
+    for i in range(window):  # static and small
+        ch = _next_chain(ch, wblocks[:, i])
+        wchain.append(ch)
+    wchain = jnp.stack(wchain, axis=1)  # [B, W, 2]
+    matched, found = _longest_chain(cache, wblocks, cfg, salt, _finalise(wchain, cfg.hash_bits), first_prev)
+    matched = jnp.minimum(matched, num_full - h)  # past num_full, the clipped columns repeat the last block
+    conclusive = (matched < window) | (h + window >= num_full)
+    before = jnp.maximum(matched - 1, 0)
+    start = h + matched
+    prev = jnp.where(matched > 0, found[rows, before], first_prev)
+    chain = jnp.where((matched > 0)[:, None], wchain[rows, before], first_chain)
+    return (start, prev, chain), conclusive
+
+
+def _start_rest(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt: jax.Array, cfg: PrefixCacheConfig,
+                found: tuple, undecided: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`found` (start, prev, chain) with the rows the window left undecided (bool[B]) answered by `_start_dense`: a
+    row's answer depends on its own blocks alone, so up to B/8 such rows are probed on their own (gathered, then
+    scattered back), more as one dense probe of every row; nothing runs when every row is decided."""
+    b = blocks.shape[0]
+    few = max(b // 8, 1)
+    count = jnp.sum(undecided, dtype=i32)
+
+    def some(x):
+        idx = jnp.nonzero(undecided, size=few, fill_value=b)[0]
+        rows = jnp.clip(idx, 0, b - 1)
+        answer = _start_dense(cache, blocks[rows], num_full[rows], salt[rows], cfg)
+        return tuple(v.at[idx].set(a, mode="drop") for v, a in zip(x, answer))
+
+    found = vmap_flow.when((count > 0) & (count <= few), some, found)
+    return vmap_flow.when(count > few, lambda _: _start_dense(cache, blocks, num_full, salt, cfg), found)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cfg: PrefixCacheConfig,
+                     window: int = 0):
+    """window: 0 probes every block position of every row for its indexed prefix (`_start_dense`); > 0 probes
+    only `window` positions past each row's own indexed blocks, and every position only in a call where that
+    is not conclusive (`_start_windowed`: a row's blocks indexed by others' entries, or more than `window` of
+    them; `_start_rest`). The same table and result either way; the window is far cheaper in a decode step (a
+    row's prefix is indexed, one block new), and its fallback is a data-dependent skip (a host round trip on a
+    GPU)."""
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)  # [B, J, S]
     b, j, _ = blocks.shape
     rows = jnp.arange(b, dtype=i32)
     salt = _salts(salt, b)
-    key = chain_keys(blocks, cfg.hash_bits, salt)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
     num_full = jnp.minimum(num_validated // s, j)
-    # Each row's already-indexed prefix (one parallel lookup) is skipped; the loop below walks the rest.
-    matched, found = _longest_chain(cache, blocks, cfg, salt, key)
-    start = jnp.minimum(matched, num_full)
 
     # Iteration k handles block start[b] + k of every row: a block's parent is what its row's previous block
     # resolved to, possibly another row's block inserted in the same call, so block positions go in order.
     # Rows holding the same new prefix have the same start, so they meet in the same iteration and dedup.
     # The trip count is data: the most new blocks of any row (0-2 in a decode step, chunk / S in prefill).
-    # Past a row's last block the body changes nothing (no row is live, prev is kept, k stops), which lets a
-    # vmapped sweep run the longest lane's trip count without selecting the table (`vmap_flow.while_loop`).
+    # Past a row's last block the body changes nothing (no row is live, prev and the chain are kept, k stops),
+    # which lets a vmapped sweep run the longest lane's trip count without selecting the table
+    # (`vmap_flow.while_loop`). Each row's chain value goes one block on per iteration (`_next_chain`).
     def body(carry):
-        k, cache, prev, ids = carry
+        k, cache, prev, chain, ids = carry
         col = start + k
         live = col < num_full
         c = jnp.clip(col, 0, j - 1)
-        x = (key[rows, c], blocks[rows, c], block_table[rows, c], live, salt)
+        toks = blocks[rows, c]
+        here = _next_chain(chain, toks)
+        x = (_finalise(here, cfg.hash_bits), toks, block_table[rows, c], live, salt, here)
         (cache, resolved), new_ids = _insert_position(cfg, (cache, prev), x)
         return (k + (k < steps).astype(i32), cache, jnp.where(live, resolved, prev),
-                ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop"))
+                jnp.where(live[:, None], here, chain), ids.at[rows, jnp.where(live, col, j)].set(new_ids, mode="drop"))
 
     before = cache.counters
     ids = jnp.zeros((b, j), i32)
     if j > 0:  # static: tokens shorter than a block hold no full block
-        prev = jnp.where(start > 0, found[rows, jnp.maximum(start - 1, 0)], ROOT)
+        # Each row's already-indexed prefix is skipped; the loop below walks the rest.
+        if window:
+            found, conclusive = _start_windowed(cache, blocks, num_full, block_table, salt, cfg, window)
+            start, prev, chain = _start_rest(cache, blocks, num_full, salt, cfg, found, ~conclusive)
+        else:
+            start, prev, chain = _start_dense(cache, blocks, num_full, salt, cfg)
         steps = jnp.max(num_full - start, initial=0)
-        init = (jnp.zeros((), i32), cache, prev, ids)
-        _, cache, _, ids = vmap_flow.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
+        init = (jnp.zeros((), i32), cache, prev, chain, ids)
+        _, cache, _, _, ids = vmap_flow.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
     after = cache.counters
     result = InsertResult(
         block_ids=_pad_cols(ids, m),
