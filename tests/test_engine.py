@@ -385,10 +385,13 @@ def test_bench_json_matches_its_schema_and_the_same_seed_repeats(tmp_path, capsy
 
 @pytest.fixture(scope="module")
 def served(shipped, trace):
-    """The real engine (skvs, greedy; the configuration of the greedy test above, so its programs are reused) on
-    the trace, warmed up, every request arriving at t = 0."""
+    """The real engine (skvs, greedy; the configuration of the greedy test above) on the trace, warmed up, every
+    request arriving at t = 0, one step per dispatch: within a dispatch of several, a step that needs a narrower
+    width runs on at the wider one when the fitted step cost says its padding is cheap (`dispatch.fits_width`),
+    which depends on the warm-up's timings; one step per dispatch runs every step at the host's pick, the layout
+    the simulator's `EngineLayout` reproduces (as `sim.fidelity` serves)."""
     model, heads = shipped
-    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32)
+    e = engine.Engine(model, heads, policies.skvs(4), CACHE, token_budget=96, prefill_chunk=32, steps_per_dispatch=1)
     e.warmup()
     for r in trace.requests:
         e.add_request(r.prompt, engine.SamplingParams(max_tokens=r.max_new_tokens), request_id=r.request_id,

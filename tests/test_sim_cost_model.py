@@ -148,6 +148,25 @@ def test_empty_step_costs_nothing():
     assert float(cm.step_time(0, 0, 4096, 3, 0)) == 0.0
 
 
+def test_a_padding_engines_logit_rows_are_priced_as_given():
+    """A step of 4 rows, one ending its prompt with a 23-token chunk: 26 decode tokens (a sampling row's whole last
+    chunk counts), but the engine computes logits at its 8 rows' sampling slots. Given logit_rows, exactly those
+    are priced (the LM head and the vocabulary's elements); without, the shape's bound (decode tokens + 1 for a
+    prefill) is. Strictly cheaper where the head's rows cost time (a fitted device: additive FLOPs and logit
+    elements); an A100 at these row counts is weight-bound, so there (both modes) the step only never costs more,
+    to float32 rounding."""
+    for cm, strict in ((CostModel(LLAMA_8B, DEVICES["cpu-measured"]), True),
+                       (CostModel(LLAMA_8B, A100, mode="roofline"), False), (CostModel(LLAMA_8B, A100), False)):
+        given = {k: float(v) for k, v in cm.breakdown(9, 26, 900, 4, 0, query_slots=64, logit_rows=8).items()}
+        bound = {k: float(v) for k, v in cm.breakdown(9, 26, 900, 4, 0, query_slots=64).items()}
+        more = {k: float(v) for k, v in cm.breakdown(9, 26, 900, 4, 0, query_slots=64, logit_rows=40).items()}
+        assert given["step_s"] <= bound["step_s"] * (1 + 1e-6) and bound["step_s"] <= more["step_s"] * (1 + 1e-6)
+        if strict:
+            assert given["step_s"] < bound["step_s"] < more["step_s"]
+            assert given["logit_elements"] == 8 * LLAMA_8B.vocab_size
+            assert bound["logit_elements"] == 27 * LLAMA_8B.vocab_size
+
+
 # ------------------------------------------------------------------------------------------ traced behaviour
 
 

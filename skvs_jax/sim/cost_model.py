@@ -47,7 +47,9 @@ Assumptions (each one a simplification a reader should know about):
 - Padding: by default a step computes only its tokens, as a ragged engine (vLLM's flattened batch) does. This
   engine computes a padded [rows, Q] query (`scheduler.buckets.query_slots`) and logits at every row's sampling
   slots; pass `query_slots` and `logit_rows` to price that instead (the simulator's `EngineLayout`). The weight
-  matmuls and the LM head then run on the padded counts (never fewer than the tokens); attention and the KV
+  matmuls then run on the padded slots (never fewer than the tokens) and the LM head on exactly the logit rows
+  given (a padding engine's count is at least its sampling rows; without one, the sampling rows are bounded by
+  the decode tokens plus one for a prefill, which counts a row's whole last prompt chunk); attention and the KV
   traffic stay the real tokens' (an empty slot attends to nothing and writes nothing).
 - Activations, logits, norms, rotary embeddings and sampling move bytes and FLOPs we ignore: at small T they
   are tiny next to the weights, at large T the step is compute-bound and the matmuls dominate.
@@ -221,8 +223,8 @@ class CostModel:
                   num_seqs: jax.Array, medusa_rows: jax.Array | int = 0, query_slots: jax.Array | int = 0,
                   logit_rows: jax.Array | int = 0) -> dict[str, jax.Array]:
         """The terms of `step_time`, each float32 of the inputs' broadcast shape [...]. query_slots and logit_rows:
-        what a padding engine computes (module docstring, "Padding"); 0 (or anything below the step's tokens and
-        sampling rows) prices the tokens alone.
+        what a padding engine computes (module docstring, "Padding"); 0 prices the tokens alone (query slots below
+        the step's tokens count as the tokens).
 
         Keys, roofline mode and a fitted device: flops and bytes (per device), compute_s, memory_s, roofline_s
         (compute and memory combined), allreduce_s, host_overhead_s, step_s (the total; 0 where the step has no
@@ -261,7 +263,9 @@ class CostModel:
         drafting = r > 0.0
         head_params = m.vocab_size * m.hidden_size
         matmul_rows = jnp.maximum(tokens, q)  # padded query slots, where the engine computes them
-        logit_rows = jnp.maximum(d + jnp.where(p > 0.0, 1.0, 0.0), lr)  # the sampling rows (module docstring)
+        # The engine's logit rows when given (its padding: at least its sampling rows), else the sampling rows as
+        # the shape bounds them (module docstring, "Padding").
+        logit_rows = jnp.where(lr > 0.0, lr, d + jnp.where(p > 0.0, 1.0, 0.0))
         flops = (matmul_rows * (2.0 * (m.matmul_params - head_params) / t) + logit_rows * (2.0 * head_params / t)
                  + attention_pairs * (m.attention_flops_per_pair / t)
                  + r * (m.medusa_flops_per_row / t))
@@ -345,7 +349,7 @@ class CostModel:
                                / (dev.hbm_bytes_per_s * dev.bandwidth_efficiency))
             emb_ms = jnp.where(tokens > 0, jnp.interp(tokens, grid, tab["emb"][t]), 0.0) * (
                 m.hidden_size * m.weight_dtype_bytes / (dm_ref * ref_m.weight_dtype_bytes) * bandwidth_ratio)
-            logit_rows = jnp.maximum(d + prefilling, lr)
+            logit_rows = jnp.where(lr > 0.0, lr, d + prefilling)
             lm_ms = jnp.where(logit_rows > 0, gemm_ms(up, logit_rows, m.vocab_size * m.hidden_size
                                                       / (2 * f_ref * dm_ref)), 0.0)
             medusa_params = m.num_medusa_heads * (m.medusa_layers * m.hidden_size ** 2 + m.vocab_size * m.hidden_size)
