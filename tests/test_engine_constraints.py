@@ -6,13 +6,17 @@ greedy token is the argmax of the constrained logits at its position, and the ou
 it. Lossless: the speculating engine emits what the engine without speculation emits, greedy and sampled.
 """
 
+import types
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from skvs_jax import policies
 from skvs_jax.config import CacheConfig
-from skvs_jax.serve import engine
+from skvs_jax.serve import engine, engine_step, sampling
+from skvs_jax.serve import speculation as spec
 from skvs_jax.serve.tokenizer import ByteTokenizer
 
 # The engine runs of this file are in the slow set (`pytest -m slow`, README): their compilations would push the
@@ -228,3 +232,28 @@ def test_constraint_bounds_and_types_are_refused_naming_the_field(shipped):
         with pytest.raises(ValueError, match=word):
             e.add_request(PROMPT, sp)
     assert not e.requests
+
+
+def test_a_sampled_drafts_constraint_at_one_slot_is_that_slot_of_the_whole_term():
+    """`engine_step._constraint(slot=i)` (each sampled draft computes its own slot's term, not the whole chain's)
+    equals slot i of the term at every slot, with every kind of constraint on some row, skipped or not."""
+    rng = np.random.default_rng(0)
+    b, k, v = 3, 4, 50
+    rows = sampling.default_rows(b)
+    rows = rows.replace(min_tokens=jnp.asarray([3, 0, 5], jnp.int32),
+                        min_ban=rows.min_ban.at[:, 0].set(jnp.asarray([7, 8, 9], jnp.int32)),
+                        allowed=rows.allowed.at[1, :3].set(jnp.asarray([1, 2, 3], jnp.int32)),
+                        bias_ids=rows.bias_ids.at[0, 0].set(4), bias=rows.bias.at[0, 0].set(2.5),
+                        bad=rows.bad.at[2, 0, :2].set(jnp.asarray([5, 6], jnp.int32)),
+                        bad_len=rows.bad_len.at[2, 0].set(2))
+    seqs = types.SimpleNamespace(tokens=jnp.asarray(rng.integers(0, 10, (b, 64)), jnp.int32),
+                                 prompt_len=jnp.asarray([10, 12, 8], jnp.int32))
+    pos0 = jnp.asarray([15, 20, 9], jnp.int32)
+    for _ in range(3):
+        nodes = jnp.asarray(rng.integers(0, 10, (b, k)), jnp.int32)
+        for skip in (True, False):
+            full = np.asarray(engine_step._constraint(rows, seqs, pos0, nodes, spec.chain(k), v, skip=skip))
+            assert np.isinf(full).any() and np.isfinite(full).any()
+            for i in range(k):
+                one = engine_step._constraint(rows, seqs, pos0, nodes, spec.chain(k), v, skip=skip, slot=i)
+                np.testing.assert_array_equal(np.asarray(one), full[:, i: i + 1])

@@ -204,16 +204,19 @@ def _with_drafts(context: _PenaltyContext, drafted: jax.Array) -> tuple[jax.Arra
 
 
 def _constraint(rows: sampling.SamplingRows, seqs: sc.SeqTable, pos0: jax.Array, nodes: jax.Array | None,
-                tree: spec.DraftTree | None, vocab: int, *, skip: bool = True) -> jax.Array:
-    """`constraints.term` at the tree's sampling slots (float32[B, slots, V]; the root alone without a tree);
-    computed only when some row has a constraint (zeros otherwise), or always when skip=False."""
+                tree: spec.DraftTree | None, vocab: int, *, skip: bool = True, slot: int | None = None) -> jax.Array:
+    """`constraints.term` at the tree's sampling slots (float32[B, slots, V]; the root alone without a tree; slot:
+    that slot alone, float32[B, 1, V], the term being per slot); computed only when some row has a constraint
+    (zeros otherwise), or always when skip=False."""
     def compute(_):
         ctx = constraints.contexts(seqs.tokens, seqs.prompt_len, pos0, nodes, tree)
+        if slot is not None:
+            ctx = tuple(x[:, slot: slot + 1] for x in ctx)
         return constraints.term(rows, *ctx, vocab)
 
     if not skip:
         return compute(None)
-    slots = 1 if tree is None else tree.num_slots
+    slots = 1 if tree is None or slot is not None else tree.num_slots
     return jax.lax.cond(constraints.active(rows), compute,
                         lambda _: jnp.zeros((pos0.shape[0], slots, vocab), jnp.float32), None)
 
@@ -230,7 +233,7 @@ def _sample_drafts(head_logits: jax.Array, rows: sampling.SamplingRows, context:
     for i in range(k):  # K is static and small; draft i's penalties depend on drafts < i
         seen, out = _with_drafts(context, drafted[:, None])
         so_far = jnp.stack(drafts + [jnp.zeros((b,), i32)] * (k - i), axis=1)  # drafts < i, then padding
-        term = _constraint(rows, seqs, pos0, so_far, spec.chain(k), v, skip=skip)[:, i: i + 1]
+        term = _constraint(rows, seqs, pos0, so_far, spec.chain(k), v, skip=skip, slot=i)
         logits_i, temp = sampling.process(head_logits[:, i: i + 1], seen, out, rows, skip=skip, constraint=term)
         keys = sampling.position_keys(rows.stream, (pos0 + i)[:, None], sampling.DRAFT)
         draft = sampling.sample(keys, logits_i, temp)[:, 0]
