@@ -163,7 +163,9 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
     model, heads = shipped
     cache = CacheConfig(num_blocks=48, block_size=8, max_seqs=8, max_blocks_per_seq=16)
     policy = policies.skvs(4).replace(bucket_budget=3)
-    e = engine.Engine(model, heads, policy, cache, token_budget=96, prefill_chunk=32)
+    # Two steps a dispatch: the knob below drops at a known engine step (a dispatch of up to 32 could finish every
+    # request before it), and the steps still run through the multi-step program whose compilations are counted.
+    e = engine.Engine(model, heads, policy, cache, token_budget=96, prefill_chunk=32, steps_per_dispatch=2)
     e.picker.chooser.every = 6
     before = dispatch.run_steps._cache_size()
     assert e.warmup({4: 40}) == [e.picker.prompt_width, 5] and e.picker.decode_widths == (5,)  # only K was ever wanted
@@ -171,12 +173,12 @@ def test_the_engine_compiles_one_program_per_width_it_has_and_re_chooses_on_drif
     rng = np.random.default_rng(1)
     prompts = [rng.integers(32, 127, size=int(rng.integers(6, 20))).tolist() for _ in range(3)]
     ids = [e.add_request(p, engine.SamplingParams(max_tokens=48)) for p in prompts]
-    steps = 0
+    dropped = False
     while e.has_work():
-        if steps == 8:
-            e.knobs = e.knobs.replace(draft_len=jnp.asarray(2, jnp.int32))
+        if not dropped and len(e.step_log) >= 8:  # engine steps, not calls to step()
+            e.knobs, dropped = e.knobs.replace(draft_len=jnp.asarray(2, jnp.int32)), True
         e.step()
-        steps += 1
+    assert dropped
     for rid, p in zip(ids, prompts):
         assert e.requests[rid].tokens == greedy_generate(model, np.asarray([p]), 48)[0, len(p):].tolist()
     compiled = dispatch.run_steps._cache_size() - before
