@@ -1,5 +1,7 @@
 """The JAX allocator against the plain-Python oracle, its invariants, and its boundary checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,6 +120,25 @@ def test_window_never_changes_a_granted_result(cfg, spec, window, data):
     assert not np.asarray(res_n.ok)[wide & (np.asarray(counts) > 0)].any()
     if not wide.any():
         jax.tree.map(np.testing.assert_array_equal, (st_w, res_w), (st_n, res_n))
+
+
+@settings(max_examples=25)
+@given(cfg=hs.sampled_from(testing.SMALL_CONFIGS), spec=hs.sampled_from(testing.SPEC_CONFIGS), data=hs.data())
+def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):
+    """`pin_unchecked` and `unpin_unchecked` (what the KV manager calls every step) leave out passes, not
+    effects: on any reachable state and any ids (repeats, padding, free and held blocks) they equal
+    `set_cached_unchecked` with every flag True / False; `distinct=True` equals it on distinct ids."""
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+    for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
+        st = testing.apply(op, st, oracle, cfg, spec, generation=step)
+    ids = jnp.asarray(data.draw(hs.lists(hs.integers(-1, cfg.num_blocks - 1), min_size=1, max_size=12)), i32)
+    same = functools.partial(jax.tree.map, np.testing.assert_array_equal)
+    same(allocator.pin_unchecked(st, ids), allocator.set_cached_unchecked(st, ids, jnp.ones(ids.shape, bool)))
+    none = jnp.zeros(ids.shape, bool)
+    same(allocator.unpin_unchecked(st, ids), allocator.set_cached_unchecked(st, ids, none))
+    distinct = jnp.asarray(sorted(set(np.asarray(ids).tolist())), i32)
+    same(allocator.unpin_unchecked(st, distinct, distinct=True),
+         allocator.set_cached_unchecked(st, distinct, jnp.zeros(distinct.shape, bool)))
 
 
 # --------------------------------------------------------------------------------------- examples

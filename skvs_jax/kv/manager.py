@@ -42,8 +42,9 @@ class KVConfig:
       spec: what the allocator needs of the policy (K, release mode, speculative pool).
       prefix: the prefix index's geometry (C slots in buckets of `ways`).
       rows_indexed: R, rows offered to the prefix index per step (see `index_rows`).
-      impl: the block-state kernel `commit` runs (`pallas_kernels.update_block_states`): "xla" (its jnp
-        reference), "pallas" or "auto" (Pallas on a GPU); the engine passes its own `impl`.
+      impl: how `commit` writes block states (`allocator.commit`): "pallas" (the Pallas kernel
+        `pallas_kernels.update_block_states`), "xla" (two scatters) or "auto" (the kernel on a GPU); the engine
+        passes its own `impl`.
       skip: rare work is skipped by control flow (True) or computed every call and selected (False: no host
         round trip on a GPU); `SchedulerConfig.control_flow`. Eviction and the index's insert skip either way.
       skip_costly: the same for the rare passes over [B, M], [N] or [C] (frees, the full-table allocation and
@@ -199,7 +200,7 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
 
 
 def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array | None, cfg: KVConfig, *,
-             speculative: bool, ahead: jax.Array | None = None) -> tuple[KVState, AllocResult]:
+             speculative: bool, ahead: jax.Array | None = None, copies: bool = True) -> tuple[KVState, AllocResult]:
     """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`, in two passes: rows
     whose request spans <= W columns (every decode row) in a [B, W] window, then, only if some row is wider
     (prefill chunks, swap-ins), those rows over the full [B, M] table. The scheduler has already made everything
@@ -208,11 +209,13 @@ def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: j
     ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the window pass refuses
     it as the full one would (one `_grow` fewer to compile and run). ahead bool[B, B]: the order as `arrays.before`
     of its rank, for dense prefix sums (then order may be None; the scheduler built it, so it is not checked to be
-    a permutation)."""
+    a permutation). copies False (drafts only): a draft request that would copy its partial block is refused, and
+    the copy's passes are left out (`allocator.allocate_unchecked(copies=)`)."""
     s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
     if speculative:
         alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                                  window=w, speculative=True, skip=cfg.skip_costly, ahead=ahead)
+                                                  window=w, speculative=True, skip=cfg.skip_costly, ahead=ahead,
+                                                  copies=copies)
         return kv.replace(alloc=alloc), res
     have = alloc.seqs.num_allocated
     narrow = cdiv(have + num_tokens, s) - have // s <= w
@@ -267,8 +270,8 @@ def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array, skip: bool
 def pin(alloc: AllocatorState, ids: jax.Array, skip: bool = True) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
     pinning nothing changes nothing, so the pass over them is skipped then (unless not skip: `KVConfig.skip`)."""
-    return vmap_flow.when_for(skip)(jnp.any(ids > 0), lambda alloc: allocator.set_cached_unchecked(alloc, ids, ids > 0),
-                                    alloc, identity_when_false=True)
+    return vmap_flow.when_for(skip)(jnp.any(ids > 0), lambda alloc: allocator.pin_unchecked(alloc, ids), alloc,
+                                    identity_when_false=True)
 
 
 def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
@@ -278,7 +281,7 @@ def unpin(alloc: AllocatorState, ids: jax.Array) -> AllocatorState:
     n = alloc.blocks.state.shape[0]
     marked = jnp.zeros((n,), bool).at[jnp.where(ids > 0, ids, n)].set(True, mode="drop")
     in_order = jnp.where(marked, jnp.arange(n, dtype=i32), NULL_BLOCK)
-    return allocator.set_cached_unchecked(alloc, in_order, jnp.zeros((n,), bool))
+    return allocator.unpin_unchecked(alloc, in_order, distinct=True)
 
 
 def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, table: jax.Array, sel: jax.Array,
@@ -374,5 +377,5 @@ def reset_prefix(kv: KVState, cfg: KVConfig) -> KVState:
     every cached block is unpinned, and the ones no sequence holds go to the free stack in id order. Blocks that
     sequences hold are untouched; their rows are indexed again when they next fill a block."""
     ids = jnp.where(kv.alloc.blocks.cached, jnp.arange(cfg.cache.num_blocks, dtype=i32), NULL_BLOCK)
-    alloc = allocator.set_cached_unchecked(kv.alloc, ids, jnp.zeros(ids.shape, bool))
+    alloc = allocator.unpin_unchecked(kv.alloc, ids, distinct=True)
     return KVState(alloc=alloc, prefix=pc.init(cfg.prefix).replace(counters=kv.prefix.counters))

@@ -551,7 +551,8 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
     n = cfg.num_blocks
     live = cache.block > 0
     requested = jnp.zeros((n,), bool).at[jnp.where(block_ids > 0, block_ids, n)].set(True, mode="drop")
-    gone = live & requested[cache.block]  # [C] slots to clear
+    named = requested[cache.block]  # [C] slots whose block was named
+    gone = live & named  # [C] slots to clear
 
     if loop:  # a child goes when its parent does (depth <= M, so <= M trips)
         def grow(state):
@@ -566,9 +567,10 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
         parent_slot = cache.slot_of_block[jnp.clip(cache.parent, 0, n - 1)]
         up = jnp.where(live & (cache.parent != ROOT) & (parent_slot >= 0), parent_slot, c)  # c: none
         for _ in range((cfg.max_blocks_per_seq - 1).bit_length()):
-            gone = gone | jnp.append(gone, False)[up]
-            up = jnp.append(up, c)[up]
-    descendants = jnp.where(gone & ~requested[cache.block], cache.block, NULL_BLOCK)
+            # One gather a round for both (a kernel launch each on a GPU): row 0 the flags, row 1 the pointers.
+            both = jnp.stack([jnp.append(gone.astype(i32), 0), jnp.append(up, c)])[:, up]  # [2, C]
+            gone, up = gone | (both[0] > 0), both[1]
+    descendants = jnp.where(gone & ~named, cache.block, NULL_BLOCK)
     slot_of_block = cache.slot_of_block.at[jnp.where(gone, cache.block, n)].set(-1, mode="drop")
     num_removed = jnp.sum(gone, dtype=i32)
     cache = cache.replace(
@@ -597,13 +599,13 @@ def subtree_max(cache: PrefixCache, value: jax.Array, cfg: PrefixCacheConfig) ->
     n = cfg.num_blocks
     live = cache.block > 0
     up = jnp.zeros((n,), i32).at[jnp.where(live, cache.block, n)].set(cache.parent, mode="drop")  # ROOT: none
-    val, height = value.astype(i32), jnp.zeros((n,), i32)
+    # Row 0 the value, row 1 the height: one scatter-max a round for both (a kernel launch each on a GPU).
+    both = jnp.stack([value.astype(i32), jnp.zeros((n,), i32)])  # [2, N]
     for r in range((cfg.max_blocks_per_seq - 1).bit_length()):
         dst = jnp.where(up != ROOT, up, n)  # n: dropped
-        val = val.at[dst].max(val, mode="drop")
-        height = height.at[dst].max(height + (1 << r), mode="drop")
+        both = both.at[:, dst].max(both + jnp.asarray([[0], [1 << r]], i32), mode="drop")
         up = up[up]  # up[ROOT] = ROOT: block 0 is never indexed
-    return val, height
+    return both[0], both[1]
 
 
 # ------------------------------------------------------------------- public API (validated at the boundary)

@@ -610,11 +610,14 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
         running_sum(real.astype(i32), cfg.dense) <= cfg.max_running - room.running)
     admitted = jnp.arange(a, dtype=i32) < count_leading(fit)  # stop at the first that does not fit
     dst = jnp.where(admitted, cand, b)
-    rows = jnp.zeros((b,), bool).at[dst].set(True, mode="drop")
-    hit_tokens = jnp.zeros((b,), i32).at[dst].set(hit, mode="drop")
+    # The candidates' columns to their slots in one scatter (a kernel each on a GPU): admitted, hit, query, drafts.
+    to_slot = jnp.zeros((b, 4), i32).at[dst].set(jnp.stack([jnp.ones_like(hit), hit, a_query, a_drafts], axis=1),
+                                                  mode="drop")
+    rows, hit_tokens = to_slot[:, 0] > 0, to_slot[:, 1]
     kv = manager.share(st.kv, jnp.zeros((b, m), i32).at[dst].set(hit_ids, mode="drop"), hit_tokens, cfg.kv)
-    grant = grant._replace(query=grant.query.at[dst].set(a_query, mode="drop"),
-                           drafts=grant.drafts.at[dst].set(a_drafts, mode="drop"))
+    # An admitted row was WAITING, so its grant was 0: the scattered values replace nothing.
+    grant = grant._replace(query=jnp.where(rows, to_slot[:, 2], grant.query),
+                           drafts=jnp.where(rows, to_slot[:, 3], grant.drafts))
     seqs = seqs.replace(status=jnp.where(rows, RUNNING, seqs.status).astype(jnp.int8),
                         num_cached=seqs.num_cached + hit_tokens)
     ct = st.counters
@@ -646,8 +649,12 @@ def evict_and_allocate(st: SchedState, grant: Grant, room: Room, restored: SwapI
                                speculative=False)
     ok = jnp.all(res.ok)
     if cfg.policy.speculation:
+        # Draft slots never copy: a row has them only with its whole chunk (query > 0), whose allocation just
+        # left its partial block one it alone holds (popped, copied, or its own unshared one) or none (the chunk
+        # ended on a block boundary). So the draft pass leaves the copy's passes out; a request that would copy
+        # is refused, which alloc_ok reports.
         kv, spec_res = manager.allocate(kv, grant.drafts, st.step, order.order, cfg.kv, speculative=True,
-                                        ahead=order.ahead)
+                                        ahead=order.ahead, copies=False)
         ok &= jnp.all(spec_res.ok)
     return st.replace(kv=kv), res, ok
 

@@ -70,9 +70,11 @@ from skvs_jax.kv.allocator.transitions import (
     fork_unchecked,
     free_unchecked,
     lru_order,
+    pin_unchecked,
     reclaim_expired_unchecked,
     set_cached_unchecked,
     share_unchecked,
+    unpin_unchecked,
 )
 
 __all__ = [
@@ -81,5 +83,6 @@ __all__ = [
     "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
     "set_cached", "share", "accepted_lengths",
     "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked", "fork_unchecked",
-    "free_unchecked", "lru_order", "reclaim_expired_unchecked", "set_cached_unchecked", "share_unchecked",
+    "free_unchecked", "lru_order", "pin_unchecked", "reclaim_expired_unchecked", "set_cached_unchecked",
+    "share_unchecked", "unpin_unchecked",
 ]

@@ -37,7 +37,7 @@ def check_state(st: AllocatorState, cfg: CacheConfig) -> None:
     _check_type(st)
     n, b, m = cfg.num_blocks, cfg.max_seqs, cfg.max_blocks_per_seq
     checks.array("st.blocks.state", st.blocks.state, (n,), "i")
-    checks.array("st.blocks.pool_stack", st.blocks.pool_stack, (cfg.pool_capacity,), "i")
+    checks.array("st.blocks.stacks", st.blocks.stacks, (n + cfg.pool_capacity,), "i")
     checks.array("st.seqs.block_table", st.seqs.block_table, (b, m), "i")
 
 
@@ -121,8 +121,9 @@ def commit(
     first non-full committed block: a decode step with windowed allocations needs ceil((1 + K) / S) + 1.
     A sequence whose span (num_blocks - num_committed // S) exceeds it is left untouched with ok=False
     (commit it again with a wider window); with the default every sequence fits. `impl` (static) picks the
-    block-state kernel (`pallas_kernels.update_block_states`): "xla" / "reference" its jnp reference, "pallas"
-    the Pallas kernel (interpreted off-GPU), "auto" Pallas on a GPU.
+    block-state transition: "pallas" the Pallas kernel `pallas_kernels.update_block_states` (interpreted off-GPU),
+    "auto" that kernel on a GPU; "xla" / "reference" (and "auto" elsewhere) the same states written by two scatters
+    over the examined entries (the kernel's `jnp` reference reduces over all N blocks).
     """
     check_state(st, cfg)
     if impl not in pk.IMPLS:

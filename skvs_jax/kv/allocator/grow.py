@@ -57,8 +57,9 @@ class _Window(NamedTuple):
 
 
 def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_tokens: jax.Array, *,
-                      speculative: bool, max_draft_len: int, window: int) -> _Request:
-    """Validity, copy-on-write and new blocks of each row's request to extend num_allocated by num_tokens[B]."""
+                      speculative: bool, max_draft_len: int, window: int, copies: bool = True) -> _Request:
+    """Validity, copy-on-write and new blocks of each row's request to extend num_allocated by num_tokens[B].
+    copies False: a request that would copy its partial block is refused instead."""
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
     alloc, held = seqs.num_allocated, seqs.num_blocks
@@ -76,6 +77,9 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
     partial_col = alloc // s
     partial_blk = seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
     cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
+    if not copies:
+        bad |= requested & cow
+        cow = jnp.zeros_like(cow)
     need = jnp.maximum(cdiv(new_alloc, s) - held, 0) + cow.astype(i32)
     # The window covers logical blocks partial_col .. ceil(new_alloc / S) - 1.
     bad |= cdiv(new_alloc, s) - partial_col > window
@@ -123,18 +127,11 @@ def _pop_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Requ
     is_held = in_range & ~is_new & (col >= cdiv(alloc, s)[:, None])  # lazily held blocks, reused in place
     take = is_cow | is_new
     pop_index = offset[:, None] + jnp.where(is_cow, 0, col - held[:, None] + cow[:, None].astype(i32))
-    if speculative and use_pool:
-        new_id, from_first = pop_two(
-            blocks.pool_stack, blocks.pool_top, blocks.free_stack, blocks.free_top, pop_index
-        )
-        from_pool = take & from_first
-    elif use_pool:
-        new_id, from_first = pop_two(
-            blocks.free_stack, blocks.free_top, blocks.pool_stack, blocks.pool_top, pop_index
-        )
-        from_pool = take & ~from_first
+    if use_pool:
+        new_id, from_first = pop_two(blocks, pop_index, pool_first=speculative)
+        from_pool = take & (from_first if speculative else ~from_first)
     else:
-        new_id = blocks.free_stack[jnp.clip(blocks.free_top - 1 - pop_index, 0, cfg.num_blocks - 1)]
+        new_id = blocks.stacks[jnp.clip(blocks.free_top - 1 - pop_index, 0, cfg.num_blocks - 1)]
         from_pool = jnp.zeros_like(take)
     taken = jnp.sum(take, dtype=i32)
     taken_pool = jnp.sum(from_pool, dtype=i32)
@@ -142,11 +139,12 @@ def _pop_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Requ
 
 
 def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Request, ok: jax.Array,
-                            win: _Window, *, speculative: bool,
-                            generation: jax.Array) -> tuple[BlockPool, jax.Array, jax.Array]:
+                            win: _Window, *, speculative: bool, generation: jax.Array,
+                            copies: bool = True) -> tuple[BlockPool, jax.Array, jax.Array]:
     """Write the popped blocks into the table and give every touched block its state (a copy VALIDATED, others
     RESERVED or SPECULATIVE with the generation), ref count 1, the copied blocks one reference less; pop the
-    stacks. Returns (blocks, block_table int32[B, M], old_cow_blk int32[B]: each copied block, N = none)."""
+    stacks. Returns (blocks, block_table int32[B, M], old_cow_blk int32[B]: each copied block, N = none).
+    copies False: the request copies nothing (`_requested_blocks`), so no copied block loses a reference."""
     m, n = cfg.max_blocks_per_seq, cfg.num_blocks
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
     take, new_id = win.take, win.new_id
@@ -164,7 +162,8 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     if speculative:
         generation_arr = generation_arr.at[jnp.where(win.is_cow, n, touched)].set(generation, mode="drop")
     ref_count = blocks.ref_count.at[jnp.where(take, new_id, n)].set(1, mode="drop")
-    ref_count = ref_count.at[old_cow_blk].add(-1, mode="drop")
+    if copies:
+        ref_count = ref_count.at[old_cow_blk].add(-1, mode="drop")
 
     free_taken = win.taken - win.taken_pool
     blocks = blocks.replace(
@@ -223,20 +222,25 @@ def _grow(
     window: int,
     skip: bool = True,
     ahead: jax.Array | None = None,
+    copies: bool = True,
 ) -> tuple[AllocatorState, AllocResult]:
     """Shared body of `allocate` and `allocate_speculative`: extend num_allocated by num_tokens[B].
 
     In phases: what each row asks for, which requests fit in priority order, the blocks each pops into its
-    [B, W] window, the table and block-state writes, the release of the blocks copied away, the counters."""
+    [B, W] window, the table and block-state writes, the release of the blocks copied away, the counters.
+    copies False: a request that would copy a shared partial block is refused (a flag), and the copy's passes
+    are left out of the program."""
     seqs = st.seqs
     req = _requested_blocks(cfg, seqs, st.blocks, num_tokens, speculative=speculative, max_draft_len=max_draft_len,
-                            window=window)
+                            window=window, copies=copies)
     ok, offset = _grant_in_order(st.blocks, req, order, ahead, use_pool=use_pool)
     win = _pop_blocks(cfg, seqs, st.blocks, req, ok, offset, speculative=speculative, use_pool=use_pool,
                       window=window)
     blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win,
-                                                               speculative=speculative, generation=generation)
-    blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool, skip=skip)
+                                                               speculative=speculative, generation=generation,
+                                                               copies=copies)
+    if copies:
+        blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool, skip=skip)
 
     grant = ok & req.requested
     seqs = seqs.replace(
@@ -253,7 +257,7 @@ def _grow(
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative", "skip"))
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative", "skip", "copies"))
 def allocate_unchecked(
     st: AllocatorState,
     num_tokens: jax.Array,
@@ -266,9 +270,12 @@ def allocate_unchecked(
     speculative: bool,
     skip: bool = True,
     ahead: jax.Array | None = None,
+    copies: bool = True,
 ) -> tuple[AllocatorState, AllocResult]:
     """`_grow` jitted; skip=False: no control flow (the rare release of copied blocks runs every call); ahead
-    bool[B, B]: dense prefix sums in the order it encodes (`_grant_in_order`; order may then be None)."""
+    bool[B, B]: dense prefix sums in the order it encodes (`_grant_in_order`; order may then be None); copies
+    False: a request that would copy its partial block is refused, and the copy's passes are not in the program
+    (for a caller that knows none copies, as the scheduler's draft pass)."""
     return _grow(
         cfg,
         st,
@@ -281,4 +288,5 @@ def allocate_unchecked(
         window=window or cfg.max_blocks_per_seq,
         skip=skip,
         ahead=ahead,
+        copies=copies,
     )

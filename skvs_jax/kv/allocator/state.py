@@ -36,18 +36,28 @@ class Counters:
 
 @struct.dataclass
 class BlockPool:
-    """Per-block metadata and the two stacks."""
+    """Per-block metadata and the two stacks, kept in one array so that a release pushes onto both, and an
+    allocation pops from both, with one scatter or gather (a kernel launch each on a GPU)."""
 
     state: jax.Array  # int8[N] FREE / RESERVED / SPECULATIVE / VALIDATED / STALE (block 0: VALIDATED, never used)
     ref_count: jax.Array  # int32[N] block-table references
     generation: jax.Array  # int32[N] step that last gave the block SPECULATIVE state
     cached: jax.Array  # bool[N] pinned by the prefix cache (kept after ref_count reaches 0, evictable)
     last_used: jax.Array  # int32[N] `clock` value when the block last lost its final reference (LRU key)
-    free_stack: jax.Array  # int32[N] free_stack[:free_top] are free ids; the top is free_stack[free_top - 1]
-    free_top: jax.Array  # int32[]
-    pool_stack: jax.Array  # int32[P] pool_stack[:pool_top] are speculative-pool ids, most recently released on top
-    pool_top: jax.Array  # int32[]
+    stacks: jax.Array  # int32[N + P] the free stack in [:N], the speculative pool in [N:] (`free_stack`, `pool_stack`)
+    free_top: jax.Array  # int32[] free_stack[:free_top] are free ids; the top is free_stack[free_top - 1]
+    pool_top: jax.Array  # int32[] pool_stack[:pool_top] are speculative-pool ids, most recently released on top
     clock: jax.Array  # int32[] advances on every `free` and `evict_lru`
+
+    @property
+    def free_stack(self) -> jax.Array:
+        """int32[N] the free stack's region of `stacks` (entries at free_top and above are stale)."""
+        return self.stacks[: self.state.shape[0]]
+
+    @property
+    def pool_stack(self) -> jax.Array:
+        """int32[P] the speculative pool's region of `stacks` (entries at pool_top and above are stale)."""
+        return self.stacks[self.state.shape[0]:]
 
 
 @struct.dataclass
@@ -95,7 +105,7 @@ class CommitResult:
 def init(cfg: CacheConfig) -> AllocatorState:
     """A pool with every usable block on the free stack (block 1 on top, so allocation order is 1, 2, …)."""
     n, b, m, p = cfg.num_blocks, cfg.max_seqs, cfg.max_blocks_per_seq, cfg.pool_capacity
-    free_stack = jnp.zeros((n,), i32).at[: n - 1].set(jnp.arange(n - 1, 0, -1, dtype=i32))
+    stacks = jnp.zeros((n + p,), i32).at[: n - 1].set(jnp.arange(n - 1, 0, -1, dtype=i32))
     state = jnp.full((n,), FREE, jnp.int8).at[NULL_BLOCK].set(VALIDATED)
     zero = jnp.zeros((), i32)
     blocks = BlockPool(
@@ -104,9 +114,8 @@ def init(cfg: CacheConfig) -> AllocatorState:
         generation=jnp.zeros((n,), i32),
         cached=jnp.zeros((n,), bool),
         last_used=jnp.zeros((n,), i32),
-        free_stack=free_stack,
+        stacks=stacks,
         free_top=jnp.asarray(n - 1, i32),
-        pool_stack=jnp.zeros((p,), i32),
         pool_top=zero,
         clock=zero,
     )
@@ -132,19 +141,28 @@ def with_budget(st: AllocatorState, kv_blocks: jax.Array) -> AllocatorState:
     k + 1 blocks would, and blocks above k are never on the free stack (they stay FREE and untouched). Only for
     a state from `init`."""
     blocks = st.blocks
-    idx = jnp.arange(blocks.free_stack.shape[0], dtype=i32)
-    stack = jnp.where(idx < kv_blocks, kv_blocks - idx, 0).astype(i32)
-    return st.replace(blocks=blocks.replace(free_stack=stack, free_top=jnp.asarray(kv_blocks, i32)))
+    n = blocks.state.shape[0]
+    idx = jnp.arange(blocks.stacks.shape[0], dtype=i32)
+    stacks = jnp.where(idx < kv_blocks, kv_blocks - idx, jnp.where(idx < n, 0, blocks.stacks)).astype(i32)
+    return st.replace(blocks=blocks.replace(stacks=stacks, free_top=jnp.asarray(kv_blocks, i32)))
 
 
-def push(stack, top, ids, mask, rank) -> tuple[jax.Array, jax.Array]:
-    """Push ids[mask] (flat [X]) onto a stack in their given order; rank = inclusive count of mask so far.
+def push(blocks: BlockPool, ids: jax.Array, to_free: jax.Array, free_rank: jax.Array,
+         to_pool: jax.Array | None = None, pool_rank: jax.Array | None = None) -> BlockPool:
+    """Push ids[to_free] onto the free stack and ids[to_pool] onto the speculative pool (flat [X], disjoint
+    masks), each in the given order (rank: the inclusive count of its mask so far), with one scatter.
 
     The caller computes the ranks, so that several pushes share one cumsum (on CPU each cumsum is several
     reduce-window ops, the single largest cost of a step).
     """
-    stack = stack.at[jnp.where(mask, top + rank - 1, stack.shape[0])].set(ids, mode="drop")
-    return stack, top + rank[-1]
+    n, size = blocks.state.shape[0], blocks.stacks.shape[0]
+    dst = jnp.where(to_free, blocks.free_top + free_rank - 1, size)
+    pool_top = blocks.pool_top
+    if to_pool is not None:
+        dst = jnp.where(to_pool, n + blocks.pool_top + pool_rank - 1, dst)
+        pool_top = pool_top + pool_rank[-1]
+    return blocks.replace(stacks=blocks.stacks.at[dst].set(ids, mode="drop"), free_top=blocks.free_top + free_rank[-1],
+                          pool_top=pool_top)
 
 
 def prefix_counts(*masks: jax.Array) -> jax.Array:
@@ -152,12 +170,18 @@ def prefix_counts(*masks: jax.Array) -> jax.Array:
     return jnp.cumsum(jnp.stack(masks), axis=1, dtype=i32)
 
 
-def pop_two(first, first_top, second, second_top, index):
-    """The block at combined pop position `index` (0 = top of `first`; `second` continues below it)."""
+def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[jax.Array, jax.Array]:
+    """The block at combined pop position `index` (0 = the top of the first stack, the second continuing below
+    it; the pool first when pool_first, else the free stack), with one gather; and bool (same shape) from the
+    first stack. Positions past both stacks read an arbitrary block."""
+    n = blocks.state.shape[0]
+    if pool_first:
+        first_top, first_base, second_top, second_base = blocks.pool_top, n, blocks.free_top, 0
+    else:
+        first_top, first_base, second_top, second_base = blocks.free_top, 0, blocks.pool_top, n
     from_first = index < first_top
-    a = first[jnp.clip(first_top - 1 - index, 0, first.shape[0] - 1)]
-    b = second[jnp.clip(second_top - 1 - (index - first_top), 0, second.shape[0] - 1)]
-    return jnp.where(from_first, a, b), from_first
+    pos = jnp.where(from_first, first_base + first_top - 1 - index, second_base + second_top - 1 - (index - first_top))
+    return blocks.stacks[jnp.clip(pos, 0, blocks.stacks.shape[0] - 1)], from_first
 
 
 def release_blocks(
@@ -168,31 +192,25 @@ def release_blocks(
     cached → evictable (stays VALIDATED); SPECULATIVE/STALE → speculative pool (if enabled and not full);
     everything else, and pool overflow → free stack. Returns the new pool and the number routed.
     """
+    n = blocks.state.shape[0]
     safe = jnp.where(released, ids, NULL_BLOCK)
     cached = released & blocks.cached[safe]
-    state = blocks.state[safe]
-    drafty = (state == SPECULATIVE) | (state == STALE)
     uncached = released & ~cached
-    want_pool = uncached & drafty if use_pool else jnp.zeros_like(released)
-    room = blocks.pool_stack.shape[0] - blocks.pool_top
-    # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
-    want_rank, uncached_rank = prefix_counts(want_pool, uncached)
-    to_pool = want_pool & (want_rank <= room)
-    pool_rank = jnp.minimum(want_rank, room)
-    to_free = uncached & ~to_pool
-
-    pool_stack, pool_top = push(blocks.pool_stack, blocks.pool_top, ids, to_pool, pool_rank)
-    free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, to_free, uncached_rank - pool_rank)
-    n = blocks.state.shape[0]
-    new_state = jnp.where(to_pool, STALE, FREE).astype(jnp.int8)
-    state_arr = blocks.state.at[jnp.where(to_pool | to_free, ids, n)].set(new_state, mode="drop")
+    if use_pool:
+        state = blocks.state[safe]
+        want_pool = uncached & ((state == SPECULATIVE) | (state == STALE))
+        room = blocks.stacks.shape[0] - n - blocks.pool_top
+        # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
+        want_rank, uncached_rank = prefix_counts(want_pool, uncached)
+        to_pool = want_pool & (want_rank <= room)
+        pool_rank = jnp.minimum(want_rank, room)
+        to_free = uncached & ~to_pool
+        blocks = push(blocks, ids, to_free, uncached_rank - pool_rank, to_pool, pool_rank)
+        new_state = jnp.where(to_pool, STALE, FREE).astype(jnp.int8)
+    else:
+        to_free = uncached
+        blocks = push(blocks, ids, to_free, jnp.cumsum(uncached, dtype=i32))
+        new_state = jnp.full(ids.shape, FREE, jnp.int8)
+    state_arr = blocks.state.at[jnp.where(uncached, ids, n)].set(new_state, mode="drop")
     last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(blocks.clock, mode="drop")
-    blocks = blocks.replace(
-        state=state_arr,
-        last_used=last_used,
-        free_stack=free_stack,
-        free_top=free_top,
-        pool_stack=pool_stack,
-        pool_top=pool_top,
-    )
-    return blocks, jnp.sum(released, dtype=i32)
+    return blocks.replace(state=state_arr, last_used=last_used), jnp.sum(released, dtype=i32)

@@ -14,6 +14,7 @@ from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
     SPECULATIVE,
+    STALE,
     VALIDATED,
     AllocatorState,
     BlockPool,
@@ -61,13 +62,19 @@ def commit_unchecked(
     rejected = in_table & (col >= keep[:, None])
     wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
 
-    # The block-state transition is the article's kernel, `pallas_kernels.update_block_states` (impl "pallas"; "xla"
-    # is its jnp reference): entries of committed tokens -> VALIDATED, entries past them -> STALE. Generations
-    # stay what `allocate_speculative` stamped (the step that allocated the block), so its generation output is
-    # not used. A block named by an accepted and a rejected entry stays VALIDATED (never happens: blocks past the
-    # committed prefix are never shared).
-    state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, validate | rejected, 0,
-                                         impl=impl)
+    # The block-state transition is the article's kernel, `pallas_kernels.update_block_states`: entries of committed
+    # tokens -> VALIDATED, entries past them -> STALE. Generations stay what `allocate_speculative` stamped (the
+    # step that allocated the block), so its generation output is not used. A block named by an accepted and a
+    # rejected entry stays VALIDATED (never happens: blocks past the committed prefix are never shared). Off the
+    # Pallas kernel (impl "xla", "reference", or "auto" off a GPU) the states alone are written, by two scatters
+    # over the [B, W] entries, the rejected first, so an accepting entry wins as in the kernel: its jnp reference
+    # reduces over all N blocks (a zero fill, a scatter-max and a select of [N]), most of a commit at N = 65,536.
+    if pk.resolve_impl(impl, None)[0] != "pallas":  # "auto" off a GPU too
+        state = blocks.state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
+        state = state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
+    else:
+        state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, validate | rejected, 0,
+                                             impl=impl)
     blocks = blocks.replace(state=state)
     table = seqs.block_table
     if spec.release == "immediate":
@@ -188,24 +195,20 @@ def reclaim_expired_unchecked(
     st: AllocatorState, current_generation: jax.Array, threshold: jax.Array, *, skip: bool = True
 ) -> tuple[AllocatorState, jax.Array]:
     blocks = st.blocks
-    p = blocks.pool_stack.shape[0]
-    k = jnp.arange(p, dtype=i32)
+    n = blocks.state.shape[0]
+    k = jnp.arange(blocks.stacks.shape[0] - n, dtype=i32)
     ids = blocks.pool_stack
     live = k < blocks.pool_top
     expired = live & (jnp.asarray(current_generation, i32) - blocks.generation[ids] > threshold)
     count = jnp.sum(expired, dtype=i32)
 
     def compact(blocks: BlockPool) -> BlockPool:
+        # The kept entries close ranks from the pool's bottom; the expired go onto the free stack: one scatter.
         kept = live & ~expired
         expired_rank = jnp.cumsum(expired, dtype=i32)
         kept_rank = jnp.minimum(k + 1, blocks.pool_top) - expired_rank
-        pool_stack, pool_top = push(jnp.zeros_like(ids), jnp.zeros((), i32), ids, kept, kept_rank)
-        free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, expired, expired_rank)
-        n = blocks.state.shape[0]
-        state = blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop")
-        return blocks.replace(
-            state=state, free_stack=free_stack, free_top=free_top, pool_stack=pool_stack, pool_top=pool_top
-        )
+        blocks = push(blocks.replace(pool_top=jnp.zeros((), i32)), ids, expired, expired_rank, kept, kept_rank)
+        return blocks.replace(state=blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop"))
 
     blocks = vmap_flow.when_for(skip)(count > 0, compact, blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
@@ -223,12 +226,47 @@ def set_cached_unchecked(st: AllocatorState, block_ids: jax.Array, cached: jax.A
     flags = blocks.cached.at[jnp.where(pin, block_ids, n)].set(True, mode="drop")
     flags = flags.at[jnp.where(unpin, block_ids, n)].set(False, mode="drop")
     orphan = unpin & (blocks.ref_count[safe] == 0)
-    flat = jnp.arange(block_ids.shape[0], dtype=i32)
-    first = jnp.full((n,), block_ids.shape[0], i32).at[jnp.where(orphan, block_ids, n)].min(flat, mode="drop")
-    orphan &= first[safe] == flat
+    orphan &= _first_of_each(block_ids, orphan, n)
     blocks = blocks.replace(cached=flags)
     blocks, _ = release_blocks(blocks, block_ids, orphan, use_pool=False)
     return st.replace(blocks=blocks)
+
+
+def pin_unchecked(st: AllocatorState, block_ids: jax.Array) -> AllocatorState:
+    """`set_cached_unchecked(st, block_ids, block_ids > 0)`: every listed block pinned, none unpinned, so nothing
+    is released, and the unpin and release passes are left out (the index pins what it just inserted, every
+    step). Traceable; block_ids int32[X], ids <= 0 ignored."""
+    blocks = st.blocks
+    n = blocks.state.shape[0]
+    valid = (block_ids > 0) & (block_ids < n)
+    safe = jnp.where(valid, block_ids, NULL_BLOCK)
+    pin = valid & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
+    return st.replace(blocks=blocks.replace(cached=blocks.cached.at[jnp.where(pin, block_ids, n)].set(True,
+                                                                                                   mode="drop")))
+
+
+def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool = False) -> AllocatorState:
+    """`set_cached_unchecked(st, block_ids, False)`: the listed blocks unpinned, the ref-0 ones released to the
+    free stack in list order, and no pin pass. distinct (static): the caller guarantees no id > 0 repeats, so the
+    pass that releases a repeated block once is left out. Traceable; block_ids int32[X], ids <= 0 ignored."""
+    blocks = st.blocks
+    n = blocks.state.shape[0]
+    valid = (block_ids > 0) & (block_ids < n)
+    safe = jnp.where(valid, block_ids, NULL_BLOCK)
+    unpin = valid & blocks.cached[safe]
+    orphan = unpin & (blocks.ref_count[safe] == 0)
+    if not distinct:
+        orphan &= _first_of_each(block_ids, orphan, n)
+    blocks = blocks.replace(cached=blocks.cached.at[jnp.where(unpin, block_ids, n)].set(False, mode="drop"))
+    blocks, _ = release_blocks(blocks, block_ids, orphan, use_pool=False)
+    return st.replace(blocks=blocks)
+
+
+def _first_of_each(block_ids: jax.Array, mask: jax.Array, n: int) -> jax.Array:
+    """bool[X]: entry i of mask is the first masked entry naming its block (a repeated block is released once)."""
+    flat = jnp.arange(block_ids.shape[0], dtype=i32)
+    first = jnp.full((n,), block_ids.shape[0], i32).at[jnp.where(mask, block_ids, n)].min(flat, mode="drop")
+    return first[jnp.where(mask, block_ids, NULL_BLOCK)] == flat
 
 
 @functools.partial(jax.jit, static_argnames=("max_evict",))
@@ -245,17 +283,16 @@ def evict_unchecked(
     # The first num_blocks evictable blocks of `order`, wherever the others stand in it (one prefix sum over N;
     # eviction is rare, only when the free stack runs dry).
     ev = evictable[order]
-    chosen = ev & (jnp.cumsum(ev, dtype=i32) <= num_blocks)
+    rank = jnp.cumsum(ev, dtype=i32)  # the chosen blocks' places in the output, by the one prefix sum
+    chosen = ev & (rank <= num_blocks)
     count = jnp.sum(chosen, dtype=i32)
-    pos = jnp.nonzero(chosen, size=max_evict, fill_value=0)[0]
-    take = jnp.arange(max_evict) < count  # max_evict > N: the tail is padding
-    ids = jnp.where(take, order[pos], NULL_BLOCK).astype(i32)
+    slot = jnp.arange(max_evict, dtype=i32)
+    take = slot < count  # max_evict > N: the tail is padding
+    ids = jnp.full((max_evict,), NULL_BLOCK, i32).at[jnp.where(chosen, rank - 1, max_evict)].set(order, mode="drop")
     flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
-    free_stack, free_top = push(blocks.free_stack, blocks.free_top, ids, take, jnp.cumsum(take, dtype=i32))
     state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
-    blocks = blocks.replace(
-        cached=flags, state=state, free_stack=free_stack, free_top=free_top, clock=blocks.clock + 1
-    )
+    blocks = push(blocks, ids, take, jnp.minimum(slot + 1, count)).replace(cached=flags, state=state,
+                                                                          clock=blocks.clock + 1)
     counters = st.counters.replace(evictions=st.counters.evictions + count)
     return st.replace(blocks=blocks, counters=counters), ids
 
