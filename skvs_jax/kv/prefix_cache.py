@@ -44,7 +44,7 @@ A prompt always keeps at least one token to compute: a hit covers at most (lengt
 that is entirely cached in whole blocks recomputes its last block (vLLM v1 caps the hit at length - 1 tokens the
 same way; sharing S - 1 tokens of the last block would instead need a copy-on-write of a cached block).
 
-Why this module is ~520 lines: one structure, its hash, its three transitions (lookup, insert, remove) and their
+Why this module is ~770 lines: one structure, its hash, its three transitions (lookup, insert, remove) and their
 checked forms; the insert's per-position step is the longest part and reads best beside the table it writes.
 """
 
@@ -133,18 +133,58 @@ class PrefixCounters:
     removed: jax.Array  # entries removed (requested and descendants)
 
 
+# The columns of `PrefixCache.entries`: an entry is one row, so an insert writes it with one scatter and a probe
+# reads what it compares with one gather (a kernel each on a GPU). What a lookup compares is contiguous: the key and
+# block at a bucket's ways, then block, parent, salt and tokens at the slot it found.
+_KEY, _BLOCK, _PARENT, _SALT, _TOKENS = 0, 2, 3, 4, 5  # key: 2 columns; tokens: S columns; the chain: the last 2
+
+
 @struct.dataclass
 class PrefixCache:
-    """The table. A slot is live iff block > 0; live entries form a forest through `parent`."""
+    """The table. A slot is live iff block > 0; live entries form a forest through `parent`. The per-slot fields
+    are column views of `entries`, one row a slot."""
 
-    key: jax.Array  # uint32[C, 2] chain hash of the prefix ending with this block (two lanes)
-    block: jax.Array  # int32[C] physical block id; 0 = empty slot
-    parent: jax.Array  # int32[C] block id of the entry one block shorter; ROOT (0) for a first block
-    tokens: jax.Array  # int32[C, S] the block's token ids (every hit is checked against them)
+    entries: jax.Array  # int32[C, S + 7]: key (2), block, parent, salt, tokens (S), chain (2) per slot
     slot_of_block: jax.Array  # int32[N] slot indexing each block, -1 if none (a block is indexed at most once)
     counters: PrefixCounters
-    salt: jax.Array  # int32[C] the cache salt of the entry's chain (0 = none); a hit needs the request's own salt
-    chain: jax.Array  # uint32[C, 2] h_j before its finaliser: an insert continues a row's chain from its entry
+
+    @property
+    def key(self) -> jax.Array:
+        """uint32[C, 2] chain hash of the prefix ending with this block (two lanes)."""
+        return jax.lax.bitcast_convert_type(self.entries[:, _KEY:_KEY + 2], u32)
+
+    @property
+    def block(self) -> jax.Array:
+        """int32[C] physical block id; 0 = empty slot."""
+        return self.entries[:, _BLOCK]
+
+    @property
+    def parent(self) -> jax.Array:
+        """int32[C] block id of the entry one block shorter; ROOT (0) for a first block."""
+        return self.entries[:, _PARENT]
+
+    @property
+    def salt(self) -> jax.Array:
+        """int32[C] the cache salt of the entry's chain (0 = none); a hit needs the request's own salt."""
+        return self.entries[:, _SALT]
+
+    @property
+    def tokens(self) -> jax.Array:
+        """int32[C, S] the block's token ids (every hit is checked against them)."""
+        return self.entries[:, _TOKENS:-2]
+
+    @property
+    def chain(self) -> jax.Array:
+        """uint32[C, 2] h_j before its finaliser: an insert continues a row's chain from its entry."""
+        return jax.lax.bitcast_convert_type(self.entries[:, -2:], u32)
+
+
+def _entry_rows(key: jax.Array, block: jax.Array, parent: jax.Array, salt: jax.Array, tokens: jax.Array,
+                chain: jax.Array) -> jax.Array:
+    """int32[..., S + 7] `PrefixCache.entries` rows from their fields (key, chain uint32[..., 2]; tokens [..., S])."""
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=i32)
+    return jnp.concatenate([bits(key), block[..., None], parent[..., None], salt[..., None], tokens, bits(chain)],
+                           axis=-1)
 
 
 @struct.dataclass
@@ -184,14 +224,9 @@ def init(cfg: PrefixCacheConfig) -> PrefixCache:
     c, s = cfg.capacity, cfg.block_size
     zero = jnp.zeros((), i32)
     return PrefixCache(
-        key=jnp.zeros((c, 2), u32),
-        block=jnp.zeros((c,), i32),
-        parent=jnp.zeros((c,), i32),
-        tokens=jnp.zeros((c, s), i32),
+        entries=jnp.zeros((c, s + 7), i32),
         slot_of_block=jnp.full((cfg.num_blocks,), -1, i32),
         counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
-        salt=jnp.zeros((c,), i32),
-        chain=jnp.zeros((c, 2), u32),
     )
 
 
@@ -279,6 +314,21 @@ def _salts(salt: jax.Array | None, b: int) -> jax.Array:
     return jnp.zeros((b,), i32) if salt is None else salt.astype(i32)
 
 
+def _ways(cache: PrefixCache, slots: jax.Array) -> jax.Array:
+    """int32[..., 3] the key (2 columns, uint32 bits: `_as_key`) and block of the slots int32[...], one gather."""
+    return cache.entries[slots, _KEY:_BLOCK + 1]
+
+
+def _as_key(probe: jax.Array) -> jax.Array:
+    """uint32[..., 2] the key of `_ways` rows."""
+    return jax.lax.bitcast_convert_type(probe[..., _KEY:_KEY + 2], u32)
+
+
+def _entry_at(cache: PrefixCache, slot: jax.Array) -> jax.Array:
+    """int32[..., 3 + S] block, parent, salt and tokens of the slots int32[...], one gather."""
+    return cache.entries[slot, _BLOCK:-2]
+
+
 def _longest_chain(
     cache: PrefixCache, blocks: jax.Array, cfg: PrefixCacheConfig, salt: jax.Array, key: jax.Array | None = None,
     first_parent: jax.Array | None = None,
@@ -294,14 +344,16 @@ def _longest_chain(
     b, j, _ = blocks.shape
     key = chain_keys(blocks, cfg.hash_bits, salt) if key is None else key  # [B, J, 2]
     slots = _bucket(key, cfg)[..., None] * cfg.ways + jnp.arange(cfg.ways, dtype=i32)[None, None, :]  # [B, J, ways]
-    same_key = (cache.block[slots] > 0) & jnp.all(cache.key[slots] == key[:, :, None, :], axis=-1)
+    probe = _ways(cache, slots)  # [B, J, ways, 3]: key, block
+    same_key = (probe[..., 2] > 0) & jnp.all(_as_key(probe) == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
     slot = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[..., None], axis=-1)[..., 0]  # [B, J]
-    ids = jnp.where(found, cache.block[slot], BROKEN)
+    entry = _entry_at(cache, slot)  # [B, J, 3 + S]: block, parent, salt, tokens
+    ids = jnp.where(found, entry[..., 0], BROKEN)
     first = jnp.full((b,), ROOT, i32) if first_parent is None else first_parent
     prev = jnp.concatenate([first[:, None], ids[:, :-1]], axis=1)
-    valid = found & (cache.parent[slot] == prev) & jnp.all(cache.tokens[slot] == blocks, axis=-1)
-    valid &= cache.salt[slot] == salt[:, None]
+    valid = found & (entry[..., 1] == prev) & jnp.all(entry[..., 3:] == blocks, axis=-1)
+    valid &= entry[..., 2] == salt[:, None]
     matched = count_leading(valid, axis=1)
     return matched, ids
 
@@ -345,11 +397,13 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     # 1. The prefix is already indexed (same key, same content): nothing to insert, follow the entry.
     bucket = _bucket(key, cfg)
     slots = bucket[:, None] * ways + jnp.arange(ways, dtype=i32)[None, :]  # [B, ways]
-    live = cache.block[slots] > 0
-    same_key = live & jnp.all(cache.key[slots] == key[:, None, :], axis=-1)
+    probe = _ways(cache, slots)  # [B, ways, 3]: key, block
+    live = probe[..., 2] > 0
+    same_key = live & jnp.all(_as_key(probe) == key[:, None, :], axis=-1)
     exists = jnp.any(same_key, axis=-1)
     old = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[:, None], axis=-1)[:, 0]
-    same_entry = jnp.all(cache.tokens[old] == toks, axis=-1) & (cache.parent[old] == prev) & (cache.salt[old] == salt)
+    entry = _entry_at(cache, old)  # [B, 3 + S]: block, parent, salt, tokens
+    same_entry = jnp.all(entry[:, 3:] == toks, axis=-1) & (entry[:, 1] == prev) & (entry[:, 2] == salt)
     known = want & exists & same_entry
     clash = want & exists & ~same_entry
 
@@ -380,17 +434,13 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     way = jnp.argmax(free & (free_rank == rank[:, None]), axis=1).astype(i32)
     dst = jnp.where(got, bucket * ways + way, c)  # c: dropped by the scatters
     cache = cache.replace(
-        key=cache.key.at[dst].set(key, mode="drop"),
-        block=cache.block.at[dst].set(bid, mode="drop"),
-        parent=cache.parent.at[dst].set(prev, mode="drop"),
-        tokens=cache.tokens.at[dst].set(toks, mode="drop"),
+        entries=cache.entries.at[dst].set(_entry_rows(key, bid, prev, salt, toks, chain), mode="drop"),
         slot_of_block=cache.slot_of_block.at[jnp.where(got, bid, n)].set(dst, mode="drop"),
-        salt=cache.salt.at[dst].set(salt, mode="drop"),
-        chain=cache.chain.at[dst].set(chain, mode="drop"),
     )
 
     leader_block = jnp.where(got, bid, BROKEN)
-    resolved = jnp.where(known, cache.block[old], jnp.where(duplicate, leader_block[leader], leader_block))
+    # A known row's entry is a live slot, which the scatter above (into free ways) did not touch.
+    resolved = jnp.where(known, entry[:, 0], jnp.where(duplicate, leader_block[leader], leader_block))
     resolved = jnp.where(want, resolved, BROKEN)
     ct = cache.counters
     cache = cache.replace(counters=ct.replace(
@@ -437,12 +487,14 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
     slot = cache.slot_of_block[jnp.clip(own, 0, n - 1)]
     at = jnp.clip(slot, 0, c - 1)
     parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
-    mine = ((own > 0) & (slot >= 0) & (cache.block[at] == own) & (cache.parent[at] == parent)
-            & (cache.salt[at] == salt[:, None]) & jnp.all(cache.tokens[at] == blocks, axis=-1))
+    entry = _entry_at(cache, at)  # [B, J, 3 + S]: block, parent, salt, tokens
+    mine = ((own > 0) & (slot >= 0) & (entry[..., 0] == own) & (entry[..., 1] == parent)
+            & (entry[..., 2] == salt[:, None]) & jnp.all(entry[..., 3:] == blocks, axis=-1))
     h = jnp.minimum(count_leading(mine, axis=1), num_full)
     last = jnp.maximum(h - 1, 0)
     first_prev = jnp.where(h > 0, own[rows, last], ROOT)
-    first_chain = jnp.where((h > 0)[:, None], cache.chain[at[rows, last]], _seed(salt))
+    first_chain = jnp.where((h > 0)[:, None], jax.lax.bitcast_convert_type(cache.entries[at[rows, last], -2:], u32),
+                            _seed(salt))
     cols = jnp.clip(h[:, None] + jnp.arange(window, dtype=i32)[None, :], 0, j - 1)  # [B, W]
     wblocks = blocks[rows[:, None], cols]  # [B, W, S]
     wchain, ch = [], first_chain
@@ -573,13 +625,11 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
     descendants = jnp.where(gone & ~named, cache.block, NULL_BLOCK)
     slot_of_block = cache.slot_of_block.at[jnp.where(gone, cache.block, n)].set(-1, mode="drop")
     num_removed = jnp.sum(gone, dtype=i32)
+    # A cleared slot reads key 0, block NULL_BLOCK, parent ROOT, salt 0 and tokens 0 (all zero); its chain is left.
+    clear = gone[:, None] & (jnp.arange(cache.entries.shape[1]) < cache.entries.shape[1] - 2)[None, :]
     cache = cache.replace(
-        key=jnp.where(gone[:, None], u32(0), cache.key),
-        block=jnp.where(gone, NULL_BLOCK, cache.block),
-        parent=jnp.where(gone, ROOT, cache.parent),
-        tokens=jnp.where(gone[:, None], 0, cache.tokens),
+        entries=jnp.where(clear, 0, cache.entries),
         slot_of_block=slot_of_block,
-        salt=jnp.where(gone, 0, cache.salt),
         counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
     )
     return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
@@ -617,8 +667,7 @@ def check_cache(cache: PrefixCache, cfg: PrefixCacheConfig) -> None:
         raise TypeError(f"cfg must be a PrefixCacheConfig, got {type(cfg).__name__}")
     if not isinstance(cache, PrefixCache):
         raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
-    checks.array("cache.block", cache.block, (cfg.capacity,), "i")
-    checks.array("cache.tokens", cache.tokens, (cfg.capacity, cfg.block_size), "i")
+    checks.array("cache.entries", cache.entries, (cfg.capacity, cfg.block_size + 7), "i")
     checks.array("cache.slot_of_block", cache.slot_of_block, (cfg.num_blocks,), "i")
 
 
