@@ -106,6 +106,11 @@ class Policy:
         1 + tail_guard / 1024, so drafting slows it by at most that share a step (0: not at all). Off, such a row
         is only selected by an optimistic estimate. A row that cannot gain vetoes the batch's drafts while it is
         behind, unless the slack covers them (docs/design.md "Draft control's tail": what it costs, measured).
+      tail_peers: under the goodput controller, None (off) or a slack in 1/1024ths: a decoding row whose TPOT so
+        far is more than that share above its decoding peers' mean (`scheduler.draft_control.over_peers`) counts as
+        behind, like a row over its own target: drafted first and, under the guard, bounding the step. It protects
+        the requests a busy batch makes slowest whether or not speculation caused it (short requests that decode
+        through a burst's longest steps), which a row's own lag does not see (docs/design.md "Draft control's tail").
       tpot_targets: under the goodput controller, a row over its request's TPOT target (`SamplingParams.tpot_target`,
         `scheduler.draft_control.over_target`) counts as behind, so it is drafted first and, under the guard,
         bounds the step; False ignores targets (the ablation: the same requests, measured against the same targets).
@@ -150,6 +155,7 @@ class Policy:
     verify_budget: int | None = None
     draft_control: str = "histogram"
     tail_guard: int | None = None
+    tail_peers: int | None = None
     tpot_targets: bool = True
     victim: str = "lowest_priority"
     draft_memory: str = "opportunistic"
@@ -179,6 +185,10 @@ class Policy:
         tg = self.tail_guard
         if tg is not None and (isinstance(tg, bool) or not isinstance(tg, int) or not 0 <= tg <= 1024):
             raise ValueError(f"tail_guard must be None or an int in [0, 1024] (1/1024ths of a step), got {tg!r}")
+        tp = self.tail_peers
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or not 0 <= tp <= 1024):
+            raise ValueError(f"tail_peers must be None or an int in [0, 1024] (1/1024ths of the peers' TPOT), "
+                             f"got {tp!r}")
         vb = self.verify_budget
         if vb is not None and (isinstance(vb, bool) or not isinstance(vb, int) or not 1 <= vb <= NO_VERIFY_CAP):
             raise ValueError(f"verify_budget must be None or an int in [1, {NO_VERIFY_CAP}], got {vb!r}")
@@ -297,11 +307,12 @@ def skvs(draft_len: int = 4) -> Policy:
     where memory binds). It does not scrub rejected drafts' K/V (`scrub_rejected`): attention never reads past a
     sequence's length, so the scrub buys hygiene, not correctness, at a cost in throughput;
     `skvs:scrub_rejected=true` turns it back on. Its controller's tail guard is on with no slack (`tail_guard=0`:
-    drafts do not slow a row that has fallen behind drafting-off and can gain; docs/design.md "Draft control's
-    tail"). The measurements behind each choice: docs/speculation.md, "Draft control"."""
+    drafts do not slow a row that has fallen behind drafting-off and can gain), and a row more than a tenth
+    slower per token than its decoding peers counts as behind too (`tail_peers=102`; docs/design.md "Draft
+    control's tail"). The measurements behind each choice: docs/speculation.md, "Draft control"."""
     return skvs_article(draft_len).replace(name="skvs", draft_control="goodput", draft_memory="priced",
                                            prefix_barrier=False, scrub_rejected=False, spec_in_prefill=True,
-                                           tail_guard=0)
+                                           tail_guard=0, tail_peers=102)
 
 
 PRESETS = {"vllm_default": vllm_default, "naive_spec": naive_spec, "skvs": skvs, "skvs_article": skvs_article}
@@ -346,7 +357,7 @@ def parse_verify_budget(text: str, knee: float | None = None) -> int | None:
 
 # Switches (and knobs) on which skvs and naive_spec differ, with naive's value: one ablation each. verify_budget
 # differs only when the base sets one (both presets default to no cap).
-_ABLATABLE = ("draft_memory", "draft_control", "tail_guard", "adaptive_draft_len", "release", "spec_pool",
+_ABLATABLE = ("draft_memory", "draft_control", "tail_guard", "tail_peers", "adaptive_draft_len", "release", "spec_pool",
               "prefix_barrier", "insert", "spec_in_prefill", "drafts_preempt", "max_spec_ratio", "verify_budget")
 
 

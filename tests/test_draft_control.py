@@ -367,3 +367,33 @@ def test_a_row_over_its_tpot_target_is_behind_and_drafted_first():
     assert np.asarray(behind).tolist() == [True, False, False]  # row 2 is far below the population: not protected
     assert not np.asarray(probe).any()
     assert not np.asarray(dc.priority_rows(zeros, zeros, zeros, decoding, surv, pop)[0]).any()
+
+
+@settings(max_examples=80)
+@given(rows=hs.lists(hs.tuples(hs.integers(0, dc.LAG_CAP), hs.integers(-1, 3000), hs.booleans()), min_size=1,
+                     max_size=8),
+       slack=hs.integers(0, 1024))
+def test_a_row_slower_per_token_than_its_peers_is_over_them(rows, slack):
+    """over_peers against its definition in exact arithmetic: a decoding row with a decoded token is over its peers
+    when its TPOT (elapsed // decoded) exceeds the mean TPOT of those rows by more than slack / 1024 of it; any
+    elapsed up to LAG_CAP, no overflow (each TPOT is capped at (2^31 - 1) // B first)."""
+    elapsed, decoded, decoding = (jnp.asarray(x) for x in zip(*rows))
+    cap = (2**31 - 1) // len(rows)
+    on = [d and n > 0 for _, n, d in rows]
+    tpot = [min(e // max(n, 1), cap) for e, n, _ in rows]
+    mean = sum(t for t, o in zip(tpot, on) if o) // max(sum(on), 1)
+    want = [o and t * 1024 > mean * (1024 + slack) - (mean * slack) % 1024 for t, o in zip(tpot, on)]
+    got = dc.over_peers(elapsed.astype(jnp.int32), decoded.astype(jnp.int32), decoding, slack)
+    assert np.asarray(got).tolist() == want
+
+
+def test_the_slowest_rows_of_a_batch_are_behind_under_tail_peers():
+    """Rows decoding 10 % or more slower per token than their peers' mean are behind (drafted first, bounding the
+    step under the guard); a row not decoding this step and one with no decoded token are neither counted nor
+    flagged."""
+    elapsed = jnp.asarray([10_000, 10_000, 13_000, 50_000, 90_000], jnp.int32)
+    decoded = jnp.asarray([10, 10, 10, 0, 10], jnp.int32)
+    decoding = jnp.asarray([True, True, True, True, False])
+    # peers: 1000, 1000, 1300 us a token: mean 1100, and 1100 * (1 + 102 / 1024) = 1209
+    assert np.asarray(dc.over_peers(elapsed, decoded, decoding, 102)).tolist() == [False, False, True, False, False]
+    assert np.asarray(dc.over_peers(elapsed, decoded, decoding, 1024)).tolist() == [False] * 5

@@ -34,22 +34,23 @@ def test_presets_are_the_designed_switch_settings():
 def test_each_ablation_changes_one_switch_family():
     base = policies.skvs(4)
     abl = policies.ablations(base)
-    assert set(abl) == {f"skvs -{f}" for f in ("draft_memory", "draft_control", "tail_guard", "adaptive_draft_len",
-                                              "release", "spec_pool", "insert", "drafts_preempt", "max_spec_ratio")}
+    assert set(abl) == {f"skvs -{f}" for f in ("draft_memory", "draft_control", "tail_guard", "tail_peers",
+                                              "adaptive_draft_len", "release", "spec_pool", "insert", "drafts_preempt",
+                                              "max_spec_ratio")}
     for name, p in abl.items():
         changed = {f.name for f in dataclasses.fields(p) if getattr(p, f.name) != getattr(base, f.name)}
         switch = name.split(" -")[1]
         assert switch in changed and changed - {switch, "name"} <= {"generation_threshold", "draft_buckets",
                                                                     "draft_control"}
-    # skvs is the article's skvs with six switches changed: the controller and its tail guard, priced draft blocks,
-    # no barrier, no scrub, reservations while prefilling; the article's own ablations leave the first three alone
-    # and ablate its barrier and its dropped reservation.
+    # skvs is the article's skvs with seven switches changed: the controller and its two tail terms, priced draft
+    # blocks, no barrier, no scrub, reservations while prefilling; the article's own ablations leave the first four
+    # alone and ablate its barrier and its dropped reservation.
     assert abl["skvs -draft_control"].replace(name="skvs_article", draft_memory="opportunistic",
                                               prefix_barrier=True, scrub_rejected=True, tail_guard=None,
-                                              spec_in_prefill=False) == policies.skvs_article(4)
+                                              tail_peers=None, spec_in_prefill=False) == policies.skvs_article(4)
     assert set(policies.ablations(policies.skvs_article(4))) == {
         n.replace("skvs", "skvs_article") for n in abl
-        if n not in ("skvs -draft_control", "skvs -draft_memory", "skvs -tail_guard")
+        if n not in ("skvs -draft_control", "skvs -draft_memory", "skvs -tail_guard", "skvs -tail_peers")
     } | {"skvs_article -prefix_barrier", "skvs_article -spec_in_prefill"}
 
 
@@ -58,13 +59,15 @@ def test_skvs_is_the_article_with_the_goodput_controller_priced_blocks_no_barrie
     assert a.draft_control == "histogram" and not a.goodput_control and s.goodput_control
     assert not a.priced_drafts and s.priced_drafts and not s.replace(drafts_preempt=True).priced_drafts
     assert s == a.replace(name="skvs", draft_control="goodput", draft_memory="priced", prefix_barrier=False,
-                          scrub_rejected=False, spec_in_prefill=True, tail_guard=0)
+                          scrub_rejected=False, spec_in_prefill=True, tail_guard=0, tail_peers=102)
     assert policies.preset("skvs_article") == a
     with pytest.raises(ValueError, match="draft_control"):
         s.replace(draft_control="magic")
     for bad in (-1, 1025, 0.5, True):
         with pytest.raises(ValueError, match="tail_guard"):
             s.replace(tail_guard=bad)
+        with pytest.raises(ValueError, match="tail_peers"):
+            s.replace(tail_peers=bad)
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,11 @@ rides in steps that the other rows' drafts made longer. Three per-row quantities
   the step's threshold, the rows missing their target are drafted first, and under the guard the step
   lengthens no more than they hope to gain. Elapsed is the step cost's price of its steps, so the target
   means what the cost model means by a microsecond (the simulator's clock; an engine's fitted step cost).
+* Over peers (`Policy.tail_peers`, a slack p in 1/1024ths; None: off). A decoding row whose TPOT so far is more
+  than p / 1024 above the mean of its decoding peers' (`over_peers`) is behind too. A busy batch's slowest
+  requests are mostly slow whatever is drafted (short ones that decode through a burst's longest steps); their
+  own lag, a counterfactual against drafting off in the same steps, stays near zero, so only a comparison with
+  their peers sees them, and the guard then keeps drafting from making them slower still.
 * Guard (`Policy.tail_guard`, a slack g in 1/1024ths; None: off). A choice is allowed only if, for every behind
   row with a draft cap, T * ONE * 1024 <= T0 * (ONE + its hoped gain) * (1024 + g): the step lengthens no more
   than each behind row hopes to gain from it. "none" always qualifies. A row measured far below the population
@@ -170,6 +175,19 @@ def over_target(target: jax.Array, elapsed: jax.Array, decoded: jax.Array) -> ja
     longer per token than it: elapsed // decoded > target, elapsed int32[B] their priced time and decoded int32[B]
     the tokens they gave (floored at 1). A quotient, so no product overflows int32."""
     return (target > 0) & (elapsed // jnp.maximum(decoded, 1) > target)
+
+
+def over_peers(elapsed: jax.Array, decoded: jax.Array, decoding: jax.Array, slack: int) -> jax.Array:
+    """bool[B] decoding rows (bool[B]) with a decoded token whose TPOT so far (elapsed int32[B] // decoded int32[B])
+    is more than slack / 1024 above the mean TPOT of such rows. Integers throughout, so the plain-Python oracle
+    agrees: each TPOT is capped so that B of them sum within int32 (at B = 256, 8.4 s a token), and the margin is
+    floor(mean * slack / 1024) computed without a product past int32."""
+    b = elapsed.shape[0]
+    on = decoding & (decoded > 0)
+    tpot = jnp.minimum(elapsed // jnp.maximum(decoded, 1), (2**31 - 1) // b)
+    mean = jnp.sum(jnp.where(on, tpot, 0), dtype=i32) // jnp.maximum(jnp.sum(on, dtype=i32), 1)
+    margin = (mean // 1024) * slack + (mean % 1024) * slack // 1024
+    return on & (tpot > mean + margin)
 
 
 def lagging(lag: jax.Array, elapsed: jax.Array) -> jax.Array:

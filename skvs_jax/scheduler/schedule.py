@@ -270,7 +270,8 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     below cap int32[B], for a step whose other work is the running rows' chunks int32[B] (admissions come later and
     are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
     whatever is drafted. Of the decoding rows bool[B], those due a probe or behind (`draft_control.priority_rows`:
-    lagging, or over their TPOT target) are drafted first, and under `Policy.tail_guard` the behind ones bound the
+    lagging, over their TPOT target, or under `Policy.tail_peers` slower per token than their peers) are drafted
+    first, and under `Policy.tail_guard` the behind ones bound the
     step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
@@ -282,8 +283,11 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     bound_surv = draft_control.survival(draft_control.optimistic_estimates(seqs.draft_tried, seqs.draft_passed,
                                                                            st.pop_tried, st.pop_passed))
     # Tokens from decode steps: every output but the first, which the prompt's last step gave.
-    over = (draft_control.over_target(seqs.tpot_target, seqs.elapsed, seqs.num_tokens - seqs.prompt_len - 1)
-            if cfg.policy.tpot_targets else None)
+    decoded = seqs.num_tokens - seqs.prompt_len - 1
+    over = draft_control.over_target(seqs.tpot_target, seqs.elapsed, decoded) if cfg.policy.tpot_targets else None
+    if cfg.policy.tail_peers is not None:  # slower per token than the decoding peers
+        peers = draft_control.over_peers(seqs.elapsed, decoded, decoding, cfg.policy.tail_peers)
+        over = peers if over is None else over | peers
     behind, probe = draft_control.priority_rows(seqs.lag, seqs.elapsed, seqs.undrafted, decoding, surv,
                                                 draft_control.population_survival(st.pop_tried, st.pop_passed),
                                                 over)

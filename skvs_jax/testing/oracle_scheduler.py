@@ -400,6 +400,13 @@ class OracleScheduler:
         over = [self.pol.tpot_targets and self.tpot_target[b] > 0
                 and self.elapsed[b] // max(len(self.tokens[b]) - self.prompt_len[b] - 1, 1) > self.tpot_target[b]
                 for b in slots]
+        if self.pol.tail_peers is not None:  # more than tail_peers / 1024 slower per token than the decoding peers
+            dec = [len(self.tokens[b]) - self.prompt_len[b] - 1 for b in slots]
+            on = [decoding[b] and dec[b] > 0 for b in slots]
+            tpot = [min(self.elapsed[b] // max(dec[b], 1), (2**31 - 1) // len(on)) for b in slots]
+            mean = sum(tpot[b] for b in slots if on[b]) // max(sum(on), 1)
+            margin = (mean // 1024) * self.pol.tail_peers + (mean % 1024) * self.pol.tail_peers // 1024
+            over = [over[b] or (on[b] and tpot[b] > mean + margin) for b in slots]
         behind = [decoding[b] and (self.lag[b] > self.elapsed[b] // dc.LAG_SLACK or over[b]) and not probe[b]
                   and dc.PROTECT_WITHIN * surv[b][0] >= pop[0] for b in slots]
         forced = [behind[b] or probe[b] for b in slots]
