@@ -28,6 +28,7 @@ from pallas_kernels.block_states import (
     invalidate_drafts_reference,
     update_block_states,
     update_block_states_reference,
+    update_states_by_scatter,
 )
 from pallas_kernels.kv_write import write_kv, write_kv_reference
 from pallas_kernels.tuning import AttentionConfig
@@ -50,6 +51,7 @@ __all__ = [
     "resolve_impl",
     "update_block_states",
     "update_block_states_reference",
+    "update_states_by_scatter",
     "write_kv",
     "write_kv_reference",
 ]

@@ -49,6 +49,17 @@ def update_block_states_reference(states, generations, block_ids, accept_mask, v
     return new_states, new_generations, jnp.sum(flags == 1, dtype=jnp.int32)
 
 
+def update_states_by_scatter(states, block_ids, accept_mask, valid):
+    """The new states alone of `update_block_states` (same arguments, no generations, no count), by two scatters
+    over the [B, W] entries, rejected first and accepted second, so any accepting entry wins as in the max-reduction.
+    For a caller that needs only the states off a GPU: the reference reduces over all N blocks (a zero fill, a
+    scatter-max and a select of [N]), which at N = 65,536 costs more than the rest of an allocator's commit."""
+    N = states.shape[0]
+    ids, codes = _entry_codes(block_ids, accept_mask, valid, N)
+    states = states.at[jnp.where(codes == 1, ids, N)].set(jnp.int8(c.STALE), mode="drop")
+    return states.at[jnp.where(codes == 2, ids, N)].set(jnp.int8(c.VALIDATED), mode="drop")
+
+
 def _states_kernel(states_ref, gens_ref, ids_ref, codes_ref, gen_ref, new_states_ref, new_gens_ref, stale_ref):
     """Program i: blocks [i*TN, (i+1)*TN); flags = max over all entries naming the block (a reduction)."""
     TN = states_ref.shape[0]

@@ -59,6 +59,9 @@ class BlockStatesContract:
             np.testing.assert_array_equal(np.asarray(g), w)
         if distinct and B * W <= N:
             assert int(got[2]) == int(np.sum(valid & ~accept))  # distinct ids: one stale block per rejected entry
+        # The states-only form the allocator's commit uses off a GPU: the same states, repeated ids included.
+        np.testing.assert_array_equal(np.asarray(pk.update_states_by_scatter(
+            jnp.asarray(states), jnp.asarray(ids), jnp.asarray(accept), jnp.asarray(valid))), want[0])
 
     def test_update_under_jit_with_traced_generation(self):
         fn = jax.jit(lambda s, g, gen: pk.update_block_states(

@@ -14,7 +14,6 @@ from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
     SPECULATIVE,
-    STALE,
     VALIDATED,
     AllocatorState,
     BlockPool,
@@ -66,12 +65,10 @@ def commit_unchecked(
     # tokens -> VALIDATED, entries past them -> STALE. Generations stay what `allocate_speculative` stamped (the
     # step that allocated the block), so its generation output is not used. A block named by an accepted and a
     # rejected entry stays VALIDATED (never happens: blocks past the committed prefix are never shared). Off the
-    # Pallas kernel (impl "xla", "reference", or "auto" off a GPU) the states alone are written, by two scatters
-    # over the [B, W] entries, the rejected first, so an accepting entry wins as in the kernel: its jnp reference
-    # reduces over all N blocks (a zero fill, a scatter-max and a select of [N]), most of a commit at N = 65,536.
-    if pk.resolve_impl(impl, None)[0] != "pallas":  # "auto" off a GPU too
-        state = blocks.state.at[jnp.where(rejected, ids, n)].set(STALE, mode="drop")
-        state = state.at[jnp.where(validate, ids, n)].set(VALIDATED, mode="drop")
+    # Pallas kernel (impl "xla", "reference", or "auto" off a GPU) the kernel's states alone, by two scatters over
+    # the entries (`pallas_kernels.update_states_by_scatter`), not its jnp reference's passes over all N blocks.
+    if pk.resolve_impl(impl, None)[0] != "pallas":
+        state = pk.update_states_by_scatter(blocks.state, ids, validate, validate | rejected)
     else:
         state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, validate | rejected, 0,
                                              impl=impl)
