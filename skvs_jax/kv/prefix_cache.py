@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -324,9 +325,20 @@ def _as_key(probe: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(probe[..., _KEY:_KEY + 2], u32)
 
 
-def _entry_at(cache: PrefixCache, slot: jax.Array) -> jax.Array:
-    """int32[..., 3 + S] block, parent, salt and tokens of the slots int32[...], one gather."""
-    return cache.entries[slot, _BLOCK:-2]
+class _Entry(NamedTuple):
+    """An entry's fields read at some slots (`_entry_at`): block, parent, salt int32[...], tokens int32[..., S]."""
+
+    block: jax.Array
+    parent: jax.Array
+    salt: jax.Array
+    tokens: jax.Array
+
+
+def _entry_at(cache: PrefixCache, slot: jax.Array) -> _Entry:
+    """The block, parent, salt and tokens of the slots int32[...], read with one gather (they are contiguous)."""
+    row = cache.entries[slot, _BLOCK:-2]
+    return _Entry(row[..., _BLOCK - _BLOCK], row[..., _PARENT - _BLOCK], row[..., _SALT - _BLOCK],
+                  row[..., _TOKENS - _BLOCK:])
 
 
 def _longest_chain(
@@ -348,12 +360,12 @@ def _longest_chain(
     same_key = (probe[..., 2] > 0) & jnp.all(_as_key(probe) == key[:, :, None, :], axis=-1)
     found = jnp.any(same_key, axis=-1)  # keys are unique in the table: at most one way matches
     slot = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[..., None], axis=-1)[..., 0]  # [B, J]
-    entry = _entry_at(cache, slot)  # [B, J, 3 + S]: block, parent, salt, tokens
-    ids = jnp.where(found, entry[..., 0], BROKEN)
+    entry = _entry_at(cache, slot)  # [B, J]
+    ids = jnp.where(found, entry.block, BROKEN)
     first = jnp.full((b,), ROOT, i32) if first_parent is None else first_parent
     prev = jnp.concatenate([first[:, None], ids[:, :-1]], axis=1)
-    valid = found & (entry[..., 1] == prev) & jnp.all(entry[..., 3:] == blocks, axis=-1)
-    valid &= entry[..., 2] == salt[:, None]
+    valid = found & (entry.parent == prev) & jnp.all(entry.tokens == blocks, axis=-1)
+    valid &= entry.salt == salt[:, None]
     matched = count_leading(valid, axis=1)
     return matched, ids
 
@@ -402,8 +414,8 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     same_key = live & jnp.all(_as_key(probe) == key[:, None, :], axis=-1)
     exists = jnp.any(same_key, axis=-1)
     old = jnp.take_along_axis(slots, jnp.argmax(same_key, axis=-1)[:, None], axis=-1)[:, 0]
-    entry = _entry_at(cache, old)  # [B, 3 + S]: block, parent, salt, tokens
-    same_entry = jnp.all(entry[:, 3:] == toks, axis=-1) & (entry[:, 1] == prev) & (entry[:, 2] == salt)
+    entry = _entry_at(cache, old)  # [B]
+    same_entry = jnp.all(entry.tokens == toks, axis=-1) & (entry.parent == prev) & (entry.salt == salt)
     known = want & exists & same_entry
     clash = want & exists & ~same_entry
 
@@ -440,7 +452,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
 
     leader_block = jnp.where(got, bid, BROKEN)
     # A known row's entry is a live slot, which the scatter above (into free ways) did not touch.
-    resolved = jnp.where(known, entry[:, 0], jnp.where(duplicate, leader_block[leader], leader_block))
+    resolved = jnp.where(known, entry.block, jnp.where(duplicate, leader_block[leader], leader_block))
     resolved = jnp.where(want, resolved, BROKEN)
     ct = cache.counters
     cache = cache.replace(counters=ct.replace(
@@ -487,14 +499,13 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
     slot = cache.slot_of_block[jnp.clip(own, 0, n - 1)]
     at = jnp.clip(slot, 0, c - 1)
     parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
-    entry = _entry_at(cache, at)  # [B, J, 3 + S]: block, parent, salt, tokens
-    mine = ((own > 0) & (slot >= 0) & (entry[..., 0] == own) & (entry[..., 1] == parent)
-            & (entry[..., 2] == salt[:, None]) & jnp.all(entry[..., 3:] == blocks, axis=-1))
+    entry = _entry_at(cache, at)  # [B, J]
+    mine = ((own > 0) & (slot >= 0) & (entry.block == own) & (entry.parent == parent)
+            & (entry.salt == salt[:, None]) & jnp.all(entry.tokens == blocks, axis=-1))
     h = jnp.minimum(count_leading(mine, axis=1), num_full)
     last = jnp.maximum(h - 1, 0)
     first_prev = jnp.where(h > 0, own[rows, last], ROOT)
-    first_chain = jnp.where((h > 0)[:, None], jax.lax.bitcast_convert_type(cache.entries[at[rows, last], -2:], u32),
-                            _seed(salt))
+    first_chain = jnp.where((h > 0)[:, None], cache.chain[at[rows, last]], _seed(salt))
     cols = jnp.clip(h[:, None] + jnp.arange(window, dtype=i32)[None, :], 0, j - 1)  # [B, W]
     wblocks = blocks[rows[:, None], cols]  # [B, W, S]
     wchain, ch = [], first_chain

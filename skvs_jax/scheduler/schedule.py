@@ -271,8 +271,7 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     are not counted): its base tokens (within the token budget), rows, context read and the rows that sample
     whatever is drafted. Of the decoding rows bool[B], those due a probe or behind (`draft_control.priority_rows`:
     lagging, over their TPOT target, or under `Policy.tail_peers` slower per token than their peers) are drafted
-    first, and under `Policy.tail_guard` the behind ones bound the
-    step's time."""
+    first, and under `Policy.tail_guard` the behind ones bound the step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
     base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)

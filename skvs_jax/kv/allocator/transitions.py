@@ -216,17 +216,11 @@ def reclaim_expired_unchecked(
 def set_cached_unchecked(st: AllocatorState, block_ids: jax.Array, cached: jax.Array) -> AllocatorState:
     blocks = st.blocks
     n = blocks.state.shape[0]
-    valid = (block_ids > 0) & (block_ids < n)
-    safe = jnp.where(valid, block_ids, NULL_BLOCK)
-    pin = valid & cached & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
-    unpin = valid & ~cached & blocks.cached[safe]
+    pin = _pinnable(blocks, block_ids) & cached
+    unpin = _pinned(blocks, block_ids) & ~cached
     flags = blocks.cached.at[jnp.where(pin, block_ids, n)].set(True, mode="drop")
     flags = flags.at[jnp.where(unpin, block_ids, n)].set(False, mode="drop")
-    orphan = unpin & (blocks.ref_count[safe] == 0)
-    orphan &= _first_of_each(block_ids, orphan, n)
-    blocks = blocks.replace(cached=flags)
-    blocks, _ = release_blocks(blocks, block_ids, orphan, use_pool=False)
-    return st.replace(blocks=blocks)
+    return _release_orphans(st.replace(blocks=blocks.replace(cached=flags)), blocks, block_ids, unpin, distinct=False)
 
 
 def pin_unchecked(st: AllocatorState, block_ids: jax.Array) -> AllocatorState:
@@ -234,12 +228,9 @@ def pin_unchecked(st: AllocatorState, block_ids: jax.Array) -> AllocatorState:
     is released, and the unpin and release passes are left out (the index pins what it just inserted, every
     step). Traceable; block_ids int32[X], ids <= 0 ignored."""
     blocks = st.blocks
-    n = blocks.state.shape[0]
-    valid = (block_ids > 0) & (block_ids < n)
-    safe = jnp.where(valid, block_ids, NULL_BLOCK)
-    pin = valid & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
-    return st.replace(blocks=blocks.replace(cached=blocks.cached.at[jnp.where(pin, block_ids, n)].set(True,
-                                                                                                   mode="drop")))
+    pin = _pinnable(blocks, block_ids)
+    flags = blocks.cached.at[jnp.where(pin, block_ids, blocks.state.shape[0])].set(True, mode="drop")
+    return st.replace(blocks=blocks.replace(cached=flags))
 
 
 def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool = False) -> AllocatorState:
@@ -247,15 +238,39 @@ def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool 
     free stack in list order, and no pin pass. distinct (static): the caller guarantees no id > 0 repeats, so the
     pass that releases a repeated block once is left out. Traceable; block_ids int32[X], ids <= 0 ignored."""
     blocks = st.blocks
-    n = blocks.state.shape[0]
-    valid = (block_ids > 0) & (block_ids < n)
-    safe = jnp.where(valid, block_ids, NULL_BLOCK)
-    unpin = valid & blocks.cached[safe]
-    orphan = unpin & (blocks.ref_count[safe] == 0)
+    unpin = _pinned(blocks, block_ids)
+    flags = blocks.cached.at[jnp.where(unpin, block_ids, blocks.state.shape[0])].set(False, mode="drop")
+    return _release_orphans(st.replace(blocks=blocks.replace(cached=flags)), blocks, block_ids, unpin,
+                            distinct=distinct)
+
+
+def _safe(blocks: BlockPool, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(valid bool[X]: ids in [1, N), safe int32[X]: the ids, NULL_BLOCK where not valid)."""
+    valid = (block_ids > 0) & (block_ids < blocks.state.shape[0])
+    return valid, jnp.where(valid, block_ids, NULL_BLOCK)
+
+
+def _pinnable(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
+    """bool[X]: a pin would take (only VALIDATED blocks a sequence holds: the index holds validated content)."""
+    valid, safe = _safe(blocks, block_ids)
+    return valid & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
+
+
+def _pinned(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
+    """bool[X]: an unpin would take (the block is pinned)."""
+    valid, safe = _safe(blocks, block_ids)
+    return valid & blocks.cached[safe]
+
+
+def _release_orphans(st: AllocatorState, before: BlockPool, block_ids: jax.Array, unpin: jax.Array, *,
+                     distinct: bool) -> AllocatorState:
+    """Release the unpinned blocks no sequence holds (ref 0 in `before`, the pool the flags were read from), each
+    once (the first entry naming it, unless the caller guarantees distinct ids), to the free stack."""
+    _, safe = _safe(before, block_ids)
+    orphan = unpin & (before.ref_count[safe] == 0)
     if not distinct:
-        orphan &= _first_of_each(block_ids, orphan, n)
-    blocks = blocks.replace(cached=blocks.cached.at[jnp.where(unpin, block_ids, n)].set(False, mode="drop"))
-    blocks, _ = release_blocks(blocks, block_ids, orphan, use_pool=False)
+        orphan &= _first_of_each(block_ids, orphan, before.state.shape[0])
+    blocks, _ = release_blocks(st.blocks, block_ids, orphan, use_pool=False)
     return st.replace(blocks=blocks)
 
 
