@@ -122,6 +122,57 @@ def test_window_never_changes_a_granted_result(cfg, spec, window, data):
         jax.tree.map(np.testing.assert_array_equal, (st_w, res_w), (st_n, res_n))
 
 
+def _split_and_single(st, counts, order, cfg, spec, window, skip):
+    """(state, result) of the split allocation and of the one pass over the full table."""
+    split = allocator.allocate_split_unchecked(st, counts, order, cfg=cfg, spec=spec, window=window, skip=skip)
+    single = allocator.allocate_unchecked(st, counts, 0, order, cfg=cfg, spec=spec, window=None, speculative=False)
+    return split, single
+
+
+@settings(max_examples=12)  # each (config, window, skip) triple compiles its own programs
+@given(
+    cfg=hs.just(testing.SMALL_CONFIGS[0]),
+    spec=hs.sampled_from(testing.SPEC_CONFIGS[:2]),
+    window=hs.sampled_from([1, 2]),
+    skip=hs.booleans(),
+    data=hs.data(),
+)
+def test_split_allocation_is_the_one_pass_over_the_full_table(cfg, spec, window, skip, data):
+    """`allocate_split_unchecked` (narrow rows in a window, then the wide ones) leaves the same state and result as
+    one pass over [B, M]: the same grants, copies, block ids and stacks, whatever the mix of rows."""
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+    for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
+        st = testing.apply(op, st, oracle, cfg, spec, generation=step)
+    b = cfg.max_seqs
+    counts = jnp.asarray(data.draw(hs.lists(hs.integers(0, 3 * cfg.block_size), min_size=b, max_size=b)), i32)
+    order = jnp.asarray(data.draw(hs.permutations(range(b))), i32)
+    split, single = _split_and_single(st, counts, order, cfg, spec, window, skip)
+    jax.tree.map(np.testing.assert_array_equal, split, single)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_split_allocation_pops_past_a_copy_the_window_pass_released(skip):
+    """Two children copy the partial block they share with nobody else, so it is released, in the same call where
+    a wide row allocates: the one pass releases it after every pop, and so must the split one."""
+    cfg = CacheConfig(num_blocks=24, block_size=4, max_seqs=4, max_blocks_per_seq=5)
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, SPEC)
+    for op in [
+        testing.Allocate((6, 0, 0, 0), (0, 1, 2, 3)),
+        testing.Commit((6, 0, 0, 0)),
+        testing.Fork((-1, 0, 0, -1)),  # rows 1 and 2 share blocks 1 and 2 (2 of 4 tokens) with row 0
+        testing.Free((True, False, False, False)),  # block 2 is now held by the two children alone
+    ]:
+        st = testing.apply(op, st, oracle, cfg, SPEC)
+    counts, order = vec(0, 1, 1, 9), vec(1, 3, 2, 0)  # row 3 spans 3 columns: wide for a window of 1
+    (st_s, res_s), single = _split_and_single(st, counts, order, cfg, SPEC, 1, skip)
+    jax.tree.map(np.testing.assert_array_equal, (st_s, res_s), single)
+    ok, pairs = oracle.allocate(np.asarray(counts).tolist(), np.asarray(order).tolist())
+    assert all(ok) and int(st_s.counters.cow_copies) == 2 and int(st_s.blocks.state[2]) == FREE
+    np.testing.assert_array_equal(np.stack([res_s.cow_src, res_s.cow_dst], 1), pairs)
+    testing.assert_matches_oracle(st_s, oracle)
+    testing.check_invariants(st_s, cfg, SPEC)
+
+
 @settings(max_examples=25)
 @given(cfg=hs.sampled_from(testing.SMALL_CONFIGS), spec=hs.sampled_from(testing.SPEC_CONFIGS), data=hs.data())
 def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):

@@ -201,43 +201,29 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
 
 def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array | None, cfg: KVConfig, *,
              speculative: bool, ahead: jax.Array | None = None, copies: bool = True) -> tuple[KVState, AllocResult]:
-    """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`, in two passes: rows
-    whose request spans <= W columns (every decode row) in a [B, W] window, then, only if some row is wider
-    (prefill chunks, swap-ins), those rows over the full [B, M] table. The scheduler has already made everything
-    fit, so both passes grant everything; the oracle mirrors the two passes (they decide which rows pop first).
-    Drafts take the window pass alone: a row's at most K drafts start in its partial block and span at most
-    ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the window pass refuses
-    it as the full one would (one `_grow` fewer to compile and run). ahead bool[B, B]: the order as `arrays.before`
-    of its rank, for dense prefix sums (then order may be None; the scheduler built it, so it is not checked to be
-    a permutation). copies False (drafts only): a draft request that would copy its partial block is refused, and
+    """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`: one allocation of every
+    row over the full table. With the costly passes' skips (`KVConfig.skip_costly`: a CPU's program) it is
+    computed as `allocator.allocate_split_unchecked`, the rows whose request spans <= W columns (every decode
+    row) in a [B, W] window and only the wider ones (prefill chunks, swap-ins) over [B, M], skipped when there
+    are none; a GPU's program runs the one pass over [B, M] (one set of kernels, not two). The same state and
+    result either way. Drafts take the window pass alone: a row's at most K drafts start in its partial block
+    and span at most ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the
+    window refuses it as the full table would. ahead bool[B, B]: the order as `arrays.before` of its rank, for
+    dense prefix sums (then order may be None; the scheduler built it, so it is not checked to be a
+    permutation). copies False (drafts only): a draft request that would copy its partial block is refused, and
     the copy's passes are left out (`allocator.allocate_unchecked(copies=)`)."""
-    s, w, alloc = cfg.cache.block_size, cfg.window, kv.alloc
+    w, alloc = cfg.window, kv.alloc
     if speculative:
         alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
                                                   window=w, speculative=True, skip=cfg.skip_costly, ahead=ahead,
                                                   copies=copies)
-        return kv.replace(alloc=alloc), res
-    have = alloc.seqs.num_allocated
-    narrow = cdiv(have + num_tokens, s) - have // s <= w
-    alloc, first = allocator.allocate_unchecked(alloc, jnp.where(narrow, num_tokens, 0), generation, order,
-                                                cfg=cfg.cache, spec=cfg.spec, window=w, speculative=speculative,
-                                                skip=cfg.skip_costly, ahead=ahead)
-    wide = jnp.where(narrow, 0, num_tokens)
-
-    def full(operand):
-        return allocator.allocate_unchecked(operand[0], wide, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                            window=None, speculative=speculative, skip=cfg.skip_costly,
-                                            ahead=ahead)
-
-    zeros = jnp.zeros_like(wide)
-    nothing = AllocResult(ok=jnp.ones(wide.shape, bool), cow_src=zeros, cow_dst=zeros)
-    alloc, second = vmap_flow.when_for(cfg.skip_costly)(jnp.any(wide > 0), full, (alloc, nothing),
-                                                        identity_when_false=True)
-    return kv.replace(alloc=alloc), AllocResult(
-        ok=first.ok & second.ok,
-        cow_src=jnp.where(narrow, first.cow_src, second.cow_src),
-        cow_dst=jnp.where(narrow, first.cow_dst, second.cow_dst),
-    )
+    elif cfg.skip_costly:
+        alloc, res = allocator.allocate_split_unchecked(alloc, num_tokens, order, cfg=cfg.cache, spec=cfg.spec,
+                                                        window=w, skip=True, ahead=ahead)
+    else:
+        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
+                                                  window=None, speculative=False, skip=False, ahead=ahead)
+    return kv.replace(alloc=alloc), res
 
 
 # ------------------------------------------------------------------------------------------- settle side

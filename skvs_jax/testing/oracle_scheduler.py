@@ -726,10 +726,10 @@ class OracleScheduler:
             evicted = a.evict(leaves_first(a, self.index)[:shortfall])
             self._unpin(self.index.remove(evicted))
         tokens = [q + r for q, r in zip(grant.num_query, back.restore)]
-        ok, cow_pairs = self._allocate_two_pass(tokens, start.order, False)
+        ok, cow_pairs = self._allocate(tokens, start.order, False)
         spec_ok = [True] * cfg.cache.max_seqs
         if self.pol.speculation:
-            spec_ok, _ = self._allocate_two_pass(grant.num_drafts, start.order, True)
+            spec_ok, _ = self._allocate(grant.num_drafts, start.order, True)
         return Allocation(ok=all(ok) and all(spec_ok), cow_src=[p[0] for p in cow_pairs],
                           cow_dst=[p[1] for p in cow_pairs])
 
@@ -787,21 +787,12 @@ class OracleScheduler:
         s = self.cfg.cache.block_size
         return min(cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
 
-    def _allocate_two_pass(self, tokens, order, speculative):
-        """Rows spanning <= W columns first (window W), then the wider ones (full table), as the jitted one;
-        drafts in the window pass alone (no valid draft request is wider)."""
-        a, s, w = self.alloc, self.cfg.cache.block_size, self._window()
+    def _allocate(self, tokens, order, speculative):
+        """Slots: one allocation of every row over the full table. Drafts: in the W window (no valid draft
+        request is wider), as the jitted one."""
         if speculative:
-            return a.allocate(tokens, order, speculative=True, generation=self.step, window=w)
-        narrow = [cdiv(a.allocated[b] + tokens[b], s) - a.allocated[b] // s <= w for b in range(len(tokens))]
-        first = [t if nw else 0 for t, nw in zip(tokens, narrow)]
-        wide = [0 if nw else t for t, nw in zip(tokens, narrow)]
-        ok, cow = a.allocate(first, order, speculative=speculative, generation=self.step, window=w)
-        if any(x > 0 for x in wide):
-            ok2, cow2 = a.allocate(wide, order, speculative=speculative, generation=self.step)
-            ok = [x and y for x, y in zip(ok, ok2)]
-            cow = [c1 if nw else c2 for c1, c2, nw in zip(cow, cow2, narrow)]
-        return ok, cow
+            return self.alloc.allocate(tokens, order, speculative=True, generation=self.step, window=self._window())
+        return self.alloc.allocate(tokens, order, speculative=False, generation=self.step)
 
     def _unpin(self, ids) -> None:
         self.alloc.set_cached(ids, [False] * len(ids))

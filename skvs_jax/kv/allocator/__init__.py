@@ -28,9 +28,10 @@ that needs new blocks is served ("stop at the first that does not fit", by a pre
 from the top of a stack; released blocks are pushed in row-major (sequence slot, table column) order. Nothing
 raises inside jit: failures come back as per-sequence `ok` flags and counters.
 
-Modules: `state` (the pytrees, `init`, `with_budget`, the stack operations), `grow` (`allocate_unchecked`, in phases),
-`transitions` (commit, free, share, fork, reclaim, pin, evict), `api` (the checked public transitions). Everything
-public is re-exported here: `from skvs_jax.kv import allocator; allocator.allocate(...)`.
+Modules: `state` (the pytrees, `init`, `with_budget`, the stack operations), `grow` (`allocate_unchecked`, in
+phases, and `allocate_split_unchecked`, its result in a window and the full table), `transitions` (commit, free,
+share, fork, reclaim, pin, evict), `api` (the checked public transitions). Everything public is re-exported
+here: `from skvs_jax.kv import allocator; allocator.allocate(...)`.
 """
 
 from skvs_jax.kv.allocator.api import (
@@ -45,7 +46,7 @@ from skvs_jax.kv.allocator.api import (
     set_cached,
     share,
 )
-from skvs_jax.kv.allocator.grow import allocate_unchecked
+from skvs_jax.kv.allocator.grow import allocate_split_unchecked, allocate_unchecked
 from skvs_jax.kv.allocator.state import (
     FREE,
     RESERVED,
@@ -82,7 +83,8 @@ __all__ = [
     "AllocatorState", "AllocResult", "BlockPool", "CommitResult", "Counters", "SeqBlocks", "init", "with_budget",
     "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
     "set_cached", "share", "accepted_lengths",
-    "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked", "fork_unchecked",
+    "allocate_split_unchecked", "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked",
+    "fork_unchecked",
     "free_unchecked", "lru_order", "pin_unchecked", "reclaim_expired_unchecked", "set_cached_unchecked",
     "share_unchecked", "unpin_unchecked",
 ]

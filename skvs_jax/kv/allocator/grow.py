@@ -257,6 +257,81 @@ def _grow(
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
 
 
+def _grow_split(
+    cfg: CacheConfig,
+    st: AllocatorState,
+    num_tokens: jax.Array,
+    order: jax.Array | None,
+    *,
+    use_pool: bool,
+    window: int,
+    skip: bool,
+    ahead: jax.Array | None,
+) -> tuple[AllocatorState, AllocResult]:
+    """`_grow` of decode/prefill slots over the full table (window M), computed in two passes: the rows whose
+    request spans at most `window` columns (every decode row) in a [B, window] window, then the others over
+    [B, M] (skipped when there are none, unless not `skip`). The same state and result as one pass: each row's
+    request (its copy-on-write among it) is read from the state at entry, the grant and every row's pop position
+    come from one prefix sum in priority order over both, the second pass pops from the stacks as they were at
+    entry (the first pushes nothing), and the copied blocks are released once, after both."""
+    s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
+    seqs, entry = st.seqs, st.blocks
+    alloc = seqs.num_allocated
+    # A narrow row's request spans at most `window` columns, so the window refuses nothing the full table grants.
+    narrow = cdiv(alloc + num_tokens, s) - alloc // s <= window
+    req = _requested_blocks(cfg, seqs, entry, num_tokens, speculative=False, max_draft_len=0, window=m)
+    req_n, req_w = (req._replace(requested=req.requested & side) for side in (narrow, ~narrow))
+    ok, offset = _grant_in_order(entry, req, order, ahead, use_pool=use_pool)
+    zero = jnp.zeros((), i32)
+
+    def one_pass(x, r, width):
+        """Pop the granted rows of request r into their [B, width] windows and write them into x = (blocks,
+        table); returns (blocks, table, copied block per row and its copy, N where none: an identity for a
+        request of no row)."""
+        win = _pop_blocks(cfg, seqs, entry, r, ok, offset, speculative=False, use_pool=use_pool, window=width)
+        out, table, old_cow_blk = _write_table_and_states(cfg, seqs.replace(block_table=x[1]), x[0], r, ok, win,
+                                                          speculative=False, generation=zero)
+        return out, table, old_cow_blk, jnp.where(old_cow_blk < n, win.new_id[:, 0], n)
+
+    blocks1, table1, old_n, dst_n = one_pass((entry, seqs.block_table), req_n, window)
+    none = jnp.full(num_tokens.shape, n, i32)
+    x = (blocks1, table1, none, none)
+    blocks2, table2, old_w, dst_w = vmap_flow.when_for(skip)(
+        jnp.any(req_w.requested), lambda x: one_pass(x[:2], req_w, m), x, identity_when_false=True)
+    blocks = _release_copied(blocks2, jnp.where(narrow, old_n, old_w), use_pool=use_pool, skip=skip)
+
+    grant = ok & req.requested
+    seqs = seqs.replace(
+        block_table=table2,
+        num_blocks=jnp.where(grant, jnp.maximum(seqs.num_blocks, cdiv(req.new_alloc, s)), seqs.num_blocks),
+        num_allocated=jnp.where(grant, req.new_alloc, seqs.num_allocated),
+    )
+    counters = _count_grow(st.counters, req, ok, grant, None, speculative=False)
+    cow = req.cow & grant
+    result = AllocResult(ok=ok | ~req.requested, cow_src=jnp.where(cow, req.partial_blk, NULL_BLOCK),
+                         cow_dst=jnp.where(cow, jnp.where(narrow, dst_n, dst_w), NULL_BLOCK))
+    return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "skip"))
+def allocate_split_unchecked(
+    st: AllocatorState,
+    num_tokens: jax.Array,
+    order: jax.Array | None,
+    *,
+    cfg: CacheConfig,
+    spec: SpecConfig,
+    window: int,
+    skip: bool = True,
+    ahead: jax.Array | None = None,
+) -> tuple[AllocatorState, AllocResult]:
+    """`allocate_unchecked(window=None, speculative=False)`'s state and result, computed as `_grow_split`: in a
+    [B, window] window for the rows whose request fits it, over [B, M] only for the rest (a CPU's program,
+    where the full table's passes cost per element; a GPU's runs the one pass)."""
+    return _grow_split(cfg, st, num_tokens.astype(i32), order, use_pool=spec.use_spec_pool,
+                       window=min(window, cfg.max_blocks_per_seq), skip=skip, ahead=ahead)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative", "skip", "copies"))
 def allocate_unchecked(
     st: AllocatorState,
