@@ -193,7 +193,7 @@ def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool
     return vmap_flow.when_for(skip)(jnp.any(old_cow_blk < n), release_copied, blocks, identity_when_false=not skip)
 
 
-def _count_grow(c: Counters, req: _Request, ok: jax.Array, grant: jax.Array, win: _Window, *,
+def _count_grow(c: Counters, req: _Request, ok: jax.Array, grant: jax.Array, win: _Window | None, *,
                 speculative: bool) -> Counters:
     """Refused requests, copies, and (drafts) the blocks given SPECULATIVE state and those from the pool."""
     c = c.replace(
@@ -242,6 +242,16 @@ def _grow(
     if copies:
         blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool, skip=skip)
 
+    return _grown(cfg, st, blocks, block_table, num_tokens, req, ok, win.new_id[:, 0], win, speculative=speculative)
+
+
+def _grown(cfg: CacheConfig, st: AllocatorState, blocks: BlockPool, block_table: jax.Array, num_tokens: jax.Array,
+           req: _Request, ok: jax.Array, first_new: jax.Array, win: _Window | None, *,
+           speculative: bool) -> tuple[AllocatorState, AllocResult]:
+    """The state and result after the writes: each granted row's lengths (and pending drafts), the counters, and
+    its copy-on-write pair (the partial block and first_new int32[B], the block popped into its window's first
+    column). win: the pass's window, read only for the drafts' counters."""
+    seqs = st.seqs
     grant = ok & req.requested
     seqs = seqs.replace(
         block_table=block_table,
@@ -251,9 +261,9 @@ def _grow(
         num_drafts=jnp.where(grant & speculative, seqs.num_drafts + num_tokens, seqs.num_drafts),
     )
     counters = _count_grow(st.counters, req, ok, grant, win, speculative=speculative)
-    cow_src = jnp.where(req.cow & grant, req.partial_blk, NULL_BLOCK)
-    cow_dst = jnp.where(req.cow & grant, win.new_id[:, 0], NULL_BLOCK)
-    result = AllocResult(ok=ok | ~req.requested, cow_src=cow_src, cow_dst=cow_dst)
+    cow = req.cow & grant
+    result = AllocResult(ok=ok | ~req.requested, cow_src=jnp.where(cow, req.partial_blk, NULL_BLOCK),
+                         cow_dst=jnp.where(cow, first_new, NULL_BLOCK))
     return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
 
 
@@ -299,18 +309,8 @@ def _grow_split(
     blocks2, table2, old_w, dst_w = vmap_flow.when_for(skip)(
         jnp.any(req_w.requested), lambda x: one_pass(x[:2], req_w, m), x, identity_when_false=True)
     blocks = _release_copied(blocks2, jnp.where(narrow, old_n, old_w), use_pool=use_pool, skip=skip)
-
-    grant = ok & req.requested
-    seqs = seqs.replace(
-        block_table=table2,
-        num_blocks=jnp.where(grant, jnp.maximum(seqs.num_blocks, cdiv(req.new_alloc, s)), seqs.num_blocks),
-        num_allocated=jnp.where(grant, req.new_alloc, seqs.num_allocated),
-    )
-    counters = _count_grow(st.counters, req, ok, grant, None, speculative=False)
-    cow = req.cow & grant
-    result = AllocResult(ok=ok | ~req.requested, cow_src=jnp.where(cow, req.partial_blk, NULL_BLOCK),
-                         cow_dst=jnp.where(cow, jnp.where(narrow, dst_n, dst_w), NULL_BLOCK))
-    return AllocatorState(blocks=blocks, seqs=seqs, counters=counters), result
+    return _grown(cfg, st, blocks, table2, num_tokens, req, ok, jnp.where(narrow, dst_n, dst_w), None,
+                  speculative=False)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "skip"))
