@@ -124,10 +124,20 @@ def usage(kv: KVState, cfg: KVConfig) -> Usage:
 # ---------------------------------------------------------------------------------------- admission side
 
 
-def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> KVState:
-    """The sequences in seq_mask bool[B] give back their blocks (cached ones stay, evictable)."""
-    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec, skip=cfg.skip_costly)
+def release(kv: KVState, seq_mask: jax.Array, cfg: KVConfig, first: allocator.Unreffed | None = None) -> KVState:
+    """The sequences in seq_mask bool[B] give back their blocks (cached ones stay, evictable). first: the blocks
+    an earlier `unref` left, routed here first (as two releases in a row would)."""
+    alloc, _ = allocator.free_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, spec=cfg.spec, skip=cfg.skip_costly,
+                                        first=first)
     return kv.replace(alloc=alloc)
+
+
+def unref(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> tuple[KVState, allocator.Unreffed]:
+    """The first half of a `release` of seq_mask bool[B] (`allocator.unref_unchecked`): references and tables
+    dropped, the blocks released routed by the next `release(first=...)`. In between, `free_blocks` misses the
+    returned `Unreffed.blocks`; `evictable` and ref counts are final."""
+    alloc, pending = allocator.unref_unchecked(kv.alloc, seq_mask, cfg=cfg.cache, skip=cfg.skip_costly)
+    return kv.replace(alloc=alloc), pending
 
 
 def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.Array, max_spec_ratio: jax.Array,

@@ -1,6 +1,6 @@
 """`schedule`: decide one step's batch and make every allocation for it, as a list of named phases.
 
-    release_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt (→ price_draft_preemption)
+    drop_finished → plan_drafts (→ goodput_plan) → budget_tokens → preempt (→ price_draft_preemption)
     → grant_opportunistic_drafts → count_draft_blocks → swap_in → admit → evict_and_allocate → make_batch
     → price_step
 
@@ -222,14 +222,25 @@ class Admission(NamedTuple):
 # -------------------------------------------------------------------------------------------------- phases
 
 
-def release_finished(st: SchedState, cfg: SchedulerConfig) -> SchedState:
-    """0. FINISHED slots give back their blocks and become EMPTY."""
-    seqs = st.seqs
-    done = seqs.status == FINISHED
-    kv = manager.release(st.kv, done, cfg.kv)
-    seqs = seqs.replace(status=jnp.where(done, EMPTY, seqs.status).astype(jnp.int8),
+def _emptied(seqs: SeqTable, done: jax.Array) -> SeqTable:
+    return seqs.replace(status=jnp.where(done, EMPTY, seqs.status).astype(jnp.int8),
                         request_id=jnp.where(done, -1, seqs.request_id))
-    return st.replace(kv=kv, seqs=seqs)
+
+
+def release_finished(st: SchedState, cfg: SchedulerConfig) -> SchedState:
+    """FINISHED slots give back their blocks and become EMPTY: `drop_finished` and the routing of its blocks in
+    one, for a caller outside `schedule` (an engine going idle)."""
+    done = st.seqs.status == FINISHED
+    return st.replace(kv=manager.release(st.kv, done, cfg.kv), seqs=_emptied(st.seqs, done))
+
+
+def drop_finished(st: SchedState, cfg: SchedulerConfig) -> tuple[SchedState, manager.allocator.Unreffed]:
+    """0. FINISHED slots drop their blocks (`manager.unref`) and become EMPTY. The blocks they released are routed
+    with the victims' by `preempt`'s release (one set of routing kernels a step, not two); until then the free
+    count misses the returned `Unreffed.blocks`, which `available_blocks` adds."""
+    done = st.seqs.status == FINISHED
+    kv, finished = manager.unref(st.kv, done, cfg.kv)
+    return st.replace(kv=kv, seqs=_emptied(st.seqs, done)), finished
 
 
 def plan_drafts(st: SchedState, knobs: Knobs, cfg: SchedulerConfig, step_cost: StepCost | None = None) -> DraftPlan:
@@ -343,23 +354,24 @@ def blocks_freed(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
     return jnp.sum(in_table & (alloc.blocks.ref_count[alloc.seqs.block_table] == 1), axis=1, dtype=i32)
 
 
-def available_blocks(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
+def available_blocks(st: SchedState, cfg: SchedulerConfig, pending: jax.Array | int = 0) -> jax.Array:
     """int32[] the blocks a row's allocation can take now without preempting anyone: free (the speculative pool
-    among them, `manager.free_blocks`) plus idle cached blocks that can be evicted."""
-    return manager.free_blocks(st.kv, cfg.kv) + jnp.sum(manager.evictable(st.kv), dtype=i32)
+    among them, `manager.free_blocks`, and pending int32[] released blocks not routed yet, `drop_finished`) plus
+    idle cached blocks that can be evicted."""
+    return manager.free_blocks(st.kv, cfg.kv) + pending + jnp.sum(manager.evictable(st.kv), dtype=i32)
 
 
-def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig
-                   ) -> tuple[jax.Array, Order, jax.Array]:
+def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig,
+                   pending: jax.Array | int = 0) -> tuple[jax.Array, Order, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
     speculative-pool and evictable blocks. Returns (victim bool[B]; the rows in the rule's order, the victims
     first, as an `Order`; oom bool[], some row could not get its blocks without preemption). Most steps fit
     without preempting anyone: the victim order (a sort, or with dense prefix sums a count) is skipped then
-    (unless `SchedulerConfig.skip` is off: then it is computed and selected)."""
+    (unless `SchedulerConfig.skip` is off: then it is computed and selected). pending: `available_blocks`'s."""
     b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
     committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
-    avail = available_blocks(st, cfg)
+    avail = available_blocks(st, cfg, pending)
     total = jnp.sum(need, dtype=i32)
     b_idx = jnp.arange(b, dtype=i32)
 
@@ -387,7 +399,8 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
 
 
 def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, keep_victims: jax.Array,
-                           all_victims: jax.Array, cost: StepCost, cfg: SchedulerConfig) -> jax.Array:
+                           all_victims: jax.Array, cost: StepCost, cfg: SchedulerConfig,
+                           pending: jax.Array | int = 0) -> jax.Array:
     """3'. Priced draft blocks: bool[], the drafts should preempt the rows all_victims has beyond keep_victims
     (bool[B] each: the victims the query tokens alone need, and those every draft slot too needs).
 
@@ -396,10 +409,10 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     every kept row keeps its drafts, the extra victims' output this step is lost, and their committed tokens'
     recompute (`draft_control.recompute_us`) is added to the step's time. Each side's expected output tokens
     (sampling rows * ONE + the survivals of its drafts, `draft_control.row_gain`) and time (`step_time_us`) go to
-    `draft_control.preemption_pays`."""
+    `draft_control.preemption_pays`. pending: `available_blocks`'s."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
-    avail = available_blocks(st, cfg)
+    avail = available_blocks(st, cfg, pending)
     kept1, kept2 = running & ~keep_victims, running & ~all_victims
     avail1 = avail + jnp.sum(jnp.where(keep_victims, blocks_freed(st, cfg), 0), dtype=i32)
     room1 = avail1 - jnp.sum(jnp.where(kept1, grant.need_query, 0), dtype=i32)
@@ -427,19 +440,22 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
 
 
 def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: SchedulerConfig,
-            step_cost: StepCost | None = None) -> tuple[SchedState, Grant, Preemption]:
+            step_cost: StepCost | None = None, finished: manager.allocator.Unreffed | None = None
+            ) -> tuple[SchedState, Grant, Preemption]:
     """3. Preemption: the blocks the running rows need (their drafts too when `drafts_preempt`, or when priced
     draft blocks pay for it: `price_draft_preemption`) must fit in free + speculative-pool + evictable blocks; if
     they do not, the fewest victims in victim-rule order go. A victim is swapped (status SWAPPED, its committed
     blocks to be copied to the host tier) when the policy says swap and the tier has room, in victim order;
-    otherwise recomputed (blocks released, back to WAITING with its tokens). The victims' grants are withdrawn."""
+    otherwise recomputed (blocks released, back to WAITING with its tokens). The victims' grants are withdrawn.
+    finished: `drop_finished`'s blocks, counted as free here and routed with the victims' (first)."""
     s, m, b = cfg.cache.block_size, cfg.cache.max_blocks_per_seq, cfg.cache.max_seqs
     pol, seqs, rank = cfg.policy, st.seqs, order.rank
     committed, table = st.kv.alloc.seqs.num_committed, st.kv.alloc.seqs.block_table
     need = grant.need_query + grant.need_drafts if pol.drafts_preempt else grant.need_query
-    victim, victim_order, oom = choose_victims(st, need, rank, cfg)
+    pending = 0 if finished is None else finished.blocks
+    victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending)
     drafts_paid = jnp.zeros((), bool)
-    avail = available_blocks(st, cfg)
+    avail = available_blocks(st, cfg, pending)
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
         drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
@@ -447,8 +463,9 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
         cost = flat_step_cost(cfg) if step_cost is None else step_cost
 
         def priced(_):
-            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg)
-            return all_v, all_o, all_oom, price_draft_preemption(st, grant, plan, order, victim, all_v, cost, cfg)
+            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg, pending)
+            return all_v, all_o, all_oom, price_draft_preemption(st, grant, plan, order, victim, all_v, cost, cfg,
+                                                                 pending)
 
         # Most steps' drafts fit without anyone preempted: then no draft victim exists and pricing is moot. Skipped
         # then: 27 of the 1,048 top-level ops of the shipped model's fused engine step, where on a CPU a step's
@@ -474,7 +491,7 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     swap_need = jnp.where(swap, cdiv(swap_len, s), 0)
     col = jnp.arange(m, dtype=i32)[None, :]
     swap_out_blocks = jnp.where(swap[:, None] & (col < swap_need[:, None]), table, NULL_BLOCK)
-    kv = manager.release(st.kv, victim, cfg.kv)
+    kv = manager.release(st.kv, victim, cfg.kv, first=finished)
     recompute = victim & ~swap
     seqs = seqs.replace(
         status=jnp.where(swap, SWAPPED, jnp.where(recompute, WAITING, seqs.status)).astype(jnp.int8),
@@ -722,11 +739,11 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
                        ) -> tuple[SchedState, Batch]:
     """`schedule` without the boundary checks: the phases in order (see the module docstring). step_cost: what
     the goodput draft controller prices a step with (None: `flat_step_cost`); other policies ignore it."""
-    st = release_finished(st, cfg)
+    st, finished = drop_finished(st, cfg)
     order = step_order(st.seqs, cfg)
     plan = plan_drafts(st, knobs, cfg, step_cost)
     grant = budget_tokens(st, plan, order, cfg)
-    st, grant, preemption = preempt(st, grant, plan, order, cfg, step_cost)
+    st, grant, preemption = preempt(st, grant, plan, order, cfg, step_cost, finished)
     room = room_after(st, grant, cfg)
     grant, room = grant_opportunistic_drafts(grant, room, plan, preemption, order, cfg)
     st = count_draft_blocks(st, grant)

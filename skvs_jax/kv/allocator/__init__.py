@@ -64,6 +64,7 @@ from skvs_jax.kv.allocator.state import (
     with_budget,
 )
 from skvs_jax.kv.allocator.transitions import (
+    Unreffed,
     accepted_lengths,
     commit_unchecked,
     evict_lru_unchecked,
@@ -76,6 +77,7 @@ from skvs_jax.kv.allocator.transitions import (
     set_cached_unchecked,
     share_unchecked,
     unpin_unchecked,
+    unref_unchecked,
 )
 
 __all__ = [
@@ -86,5 +88,5 @@ __all__ = [
     "allocate_split_unchecked", "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked",
     "fork_unchecked",
     "free_unchecked", "lru_order", "pin_unchecked", "reclaim_expired_unchecked", "set_cached_unchecked",
-    "share_unchecked", "unpin_unchecked",
+    "share_unchecked", "unpin_unchecked", "Unreffed", "unref_unchecked",
 ]

@@ -148,20 +148,25 @@ def with_budget(st: AllocatorState, kv_blocks: jax.Array) -> AllocatorState:
 
 
 def push(blocks: BlockPool, ids: jax.Array, to_free: jax.Array, free_rank: jax.Array,
-         to_pool: jax.Array | None = None, pool_rank: jax.Array | None = None) -> BlockPool:
+         to_pool: jax.Array | None = None, pool_rank: jax.Array | None = None, *,
+         totals: tuple[jax.Array, jax.Array] | None = None) -> BlockPool:
     """Push ids[to_free] onto the free stack and ids[to_pool] onto the speculative pool (flat [X], disjoint
-    masks), each in the given order (rank: the inclusive count of its mask so far), with one scatter.
+    masks), each in the given order (rank: the inclusive count of its mask so far, in the order pushed), with one
+    scatter. totals: (free, pool) int32[] the blocks pushed onto each; None: the ranks' last entries (ranks in
+    the order of ids).
 
     The caller computes the ranks, so that several pushes share one cumsum (on CPU each cumsum is several
     reduce-window ops, the single largest cost of a step).
     """
     n, size = blocks.state.shape[0], blocks.stacks.shape[0]
+    if totals is None:
+        totals = (free_rank[-1], None if pool_rank is None else pool_rank[-1])
     dst = jnp.where(to_free, blocks.free_top + free_rank - 1, size)
     pool_top = blocks.pool_top
     if to_pool is not None:
         dst = jnp.where(to_pool, n + blocks.pool_top + pool_rank - 1, dst)
-        pool_top = pool_top + pool_rank[-1]
-    return blocks.replace(stacks=blocks.stacks.at[dst].set(ids, mode="drop"), free_top=blocks.free_top + free_rank[-1],
+        pool_top = pool_top + totals[1]
+    return blocks.replace(stacks=blocks.stacks.at[dst].set(ids, mode="drop"), free_top=blocks.free_top + totals[0],
                           pool_top=pool_top)
 
 
@@ -185,32 +190,56 @@ def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[j
 
 
 def release_blocks(
-    blocks: BlockPool, ids: jax.Array, released: jax.Array, use_pool: bool
+    blocks: BlockPool, ids: jax.Array, released: jax.Array, use_pool: bool, first: jax.Array | None = None,
+    first_clock: jax.Array | None = None,
 ) -> tuple[BlockPool, jax.Array]:
     """Route blocks whose ref count just reached 0 (flat ids[X], distinct where `released`).
 
     cached → evictable (stays VALIDATED); SPECULATIVE/STALE → speculative pool (if enabled and not full);
     everything else, and pool overflow → free stack. Returns the new pool and the number routed.
+
+    first bool[X] (None: none): entries released by an earlier free whose routing was deferred
+    (`transitions.unref_unchecked`): they are routed as if before all the others, in their own order (pushed
+    first, offered the pool's room first), and their cached blocks take the clock of that free, first_clock
+    int32[], not the current one.
     """
     n = blocks.state.shape[0]
     safe = jnp.where(released, ids, NULL_BLOCK)
     cached = released & blocks.cached[safe]
     uncached = released & ~cached
+
+    def group_major(rank_first: jax.Array, rank_rest: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Inclusive counts over ids in the first group, then the rest (each masked count in its own row)."""
+        if first is None:
+            return rank_rest, rank_rest[-1]
+        return jnp.where(first, rank_first, rank_first[-1] + rank_rest), rank_first[-1] + rank_rest[-1]
+
+    def split(mask: jax.Array) -> tuple[jax.Array, ...]:
+        return (mask & first, mask & ~first) if first is not None else (mask,)
+
     if use_pool:
         state = blocks.state[safe]
         want_pool = uncached & ((state == SPECULATIVE) | (state == STALE))
         room = blocks.stacks.shape[0] - n - blocks.pool_top
         # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
-        want_rank, uncached_rank = prefix_counts(want_pool, uncached)
+        counts = prefix_counts(*split(want_pool), *split(uncached))
+        half = counts.shape[0] // 2
+        want_rank, want_total = group_major(counts[0], counts[half - 1])
+        uncached_rank, uncached_total = group_major(counts[half], counts[-1])
         to_pool = want_pool & (want_rank <= room)
         pool_rank = jnp.minimum(want_rank, room)
+        pool_total = jnp.minimum(want_total, room)
         to_free = uncached & ~to_pool
-        blocks = push(blocks, ids, to_free, uncached_rank - pool_rank, to_pool, pool_rank)
+        blocks = push(blocks, ids, to_free, uncached_rank - pool_rank, to_pool, pool_rank,
+                      totals=(uncached_total - pool_total, pool_total))
         new_state = jnp.where(to_pool, STALE, FREE).astype(jnp.int8)
     else:
         to_free = uncached
-        blocks = push(blocks, ids, to_free, jnp.cumsum(uncached, dtype=i32))
+        counts = prefix_counts(*split(uncached))
+        free_rank, free_total = group_major(counts[0], counts[-1])
+        blocks = push(blocks, ids, to_free, free_rank, totals=(free_total, None))
         new_state = jnp.full(ids.shape, FREE, jnp.int8)
     state_arr = blocks.state.at[jnp.where(uncached, ids, n)].set(new_state, mode="drop")
-    last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(blocks.clock, mode="drop")
+    clock = blocks.clock if first is None else jnp.where(first, first_clock, blocks.clock)
+    last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(clock, mode="drop")
     return blocks.replace(state=state_arr, last_used=last_used), jnp.sum(released, dtype=i32)

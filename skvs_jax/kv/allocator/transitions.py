@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,38 +100,92 @@ def commit_unchecked(
 # ---------------------------------------------------------------------------------------------- free
 
 
+class Unreffed(NamedTuple):
+    """What `unref_unchecked` left for the next `free_unchecked` to route: ids int32[B, M] the table entries the
+    rows dropped (N where none); clock int32[] the clock of that free (their cached blocks' LRU time); blocks
+    int32[] of the blocks they released, those going to a stack (uncached): `free_blocks` until then misses them."""
+
+    ids: jax.Array
+    clock: jax.Array
+    blocks: jax.Array
+
+
+def _dropped_ids(seqs: SeqBlocks, seq_mask: jax.Array, n: int) -> jax.Array:
+    """int32[B, M] the table entries of the rows in seq_mask, N elsewhere."""
+    col = jnp.arange(seqs.block_table.shape[1], dtype=i32)[None, :]
+    return jnp.where(seq_mask[:, None] & (col < seqs.num_blocks[:, None]), seqs.block_table, n)
+
+
+def _cleared(seqs: SeqBlocks, seq_mask: jax.Array) -> SeqBlocks:
+    zero = jnp.zeros_like(seqs.num_blocks)
+    return SeqBlocks(
+        block_table=jnp.where(seq_mask[:, None], NULL_BLOCK, seqs.block_table),
+        num_blocks=jnp.where(seq_mask, zero, seqs.num_blocks),
+        num_committed=jnp.where(seq_mask, zero, seqs.num_committed),
+        num_allocated=jnp.where(seq_mask, zero, seqs.num_allocated),
+        num_drafts=jnp.where(seq_mask, zero, seqs.num_drafts),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "skip"))
+def unref_unchecked(st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, skip: bool = True
+                    ) -> tuple[AllocatorState, Unreffed]:
+    """The first half of `free_unchecked`: the rows in seq_mask bool[B] drop their references (one scatter-add)
+    and their tables, and the clock advances, but the blocks released are not routed yet: the next
+    `free_unchecked(first=...)` routes them before its own, exactly as two frees in a row would (the order pushed,
+    the pool's room, the LRU clocks). Until then the state is between the two: ref counts, tables and what is
+    evictable (`cached & ref_count == 0`) are final, the stacks and states of the released uncached blocks are
+    not (`Unreffed.blocks` of them). For a scheduler whose phases read counts between two frees (finished rows
+    at the start of a step, preemption victims later) and that routes both at once: one set of routing kernels a
+    step, not two."""
+    n = cfg.num_blocks
+    blocks, seqs = st.blocks, st.seqs
+    ids = _dropped_ids(seqs, seq_mask, n)
+
+    def drop(st):
+        ref_count = st.blocks.ref_count.at[ids.reshape(-1)].add(-1, mode="drop")
+        return st.replace(blocks=st.blocks.replace(ref_count=ref_count), seqs=_cleared(st.seqs, seq_mask))
+
+    new = vmap_flow.when_for(skip)(jnp.any(seq_mask), drop, st, identity_when_false=True)
+    # A block left with no reference by this drop (a dense [N] count: no gather of the ids).
+    gone = (blocks.ref_count > 0) & (new.blocks.ref_count == 0) & ~blocks.cached
+    out = Unreffed(ids=ids, clock=blocks.clock, blocks=jnp.sum(gone, dtype=i32))
+    return new.replace(blocks=new.blocks.replace(clock=blocks.clock + 1)), out
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "skip"))
 def free_unchecked(
-    st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig(), skip: bool = True
+    st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig, spec: SpecConfig = SpecConfig(), skip: bool = True,
+    first: Unreffed | None = None,
 ) -> tuple[AllocatorState, jax.Array]:
-    n, m = cfg.num_blocks, cfg.max_blocks_per_seq
+    """`api.free` without the checks. first: an earlier `unref_unchecked`'s blocks, routed here before these rows'
+    (rows of both are disjoint: the earlier ones' tables are empty now). Returns the state and the blocks routed."""
+    n = cfg.num_blocks
 
     def release(operand):
         st, _ = operand
         blocks, seqs = st.blocks, st.seqs
-        col = jnp.arange(m, dtype=i32)[None, :]
-        drop = seq_mask[:, None] & (col < seqs.num_blocks[:, None])  # [B, M]
-        ids = jnp.where(drop, seqs.block_table, n).reshape(-1)
-        ref_count = blocks.ref_count.at[ids].add(-1, mode="drop")
-        # A block shared by several freed sequences is released once, at its last reference in row-major order.
-        flat = jnp.arange(ids.shape[0], dtype=i32)
-        last = jnp.full((n,), -1, i32).at[ids].max(flat, mode="drop")
+        own = _dropped_ids(seqs, seq_mask, n)
+        ref_count = blocks.ref_count.at[own.reshape(-1)].add(-1, mode="drop")
+        flat = jnp.arange(own.size, dtype=i32)
+        if first is None:
+            ids, earlier, pos = own.reshape(-1), None, flat
+        else:  # the earlier free's entries first: a block both held is released by the later one
+            earlier = (own == n).reshape(-1)
+            ids = jnp.where(earlier, first.ids.reshape(-1), own.reshape(-1))
+            pos = jnp.where(earlier, flat, own.size + flat)
+        # A block shared by several freed sequences is released once, at its last reference (row-major order).
+        last = jnp.full((n,), -1, i32).at[ids].max(pos, mode="drop")
         safe = jnp.clip(ids, 0, n - 1)
-        released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == flat)
-        blocks, num_released = release_blocks(blocks.replace(ref_count=ref_count), ids, released, spec.use_spec_pool)
-        zero = jnp.zeros_like(seqs.num_blocks)
-        seqs = SeqBlocks(
-            block_table=jnp.where(seq_mask[:, None], NULL_BLOCK, seqs.block_table),
-            num_blocks=jnp.where(seq_mask, zero, seqs.num_blocks),
-            num_committed=jnp.where(seq_mask, zero, seqs.num_committed),
-            num_allocated=jnp.where(seq_mask, zero, seqs.num_allocated),
-            num_drafts=jnp.where(seq_mask, zero, seqs.num_drafts),
-        )
-        return st.replace(blocks=blocks, seqs=seqs), num_released
+        released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == pos)
+        blocks, num_released = release_blocks(blocks.replace(ref_count=ref_count), ids, released, spec.use_spec_pool,
+                                              first=earlier, first_clock=None if first is None else first.clock)
+        return st.replace(blocks=blocks, seqs=_cleared(seqs, seq_mask)), num_released
 
     # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
     # step: skip the [B, M] and [N] passes then (skip=False: run them anyway, `vmap_flow`).
-    st, num_released = vmap_flow.when_for(skip)(jnp.any(seq_mask), release, (st, jnp.zeros((), i32)),
+    any_work = jnp.any(seq_mask) if first is None else jnp.any(seq_mask) | jnp.any(first.ids < n)
+    st, num_released = vmap_flow.when_for(skip)(any_work, release, (st, jnp.zeros((), i32)),
                                                 identity_when_false=True)
     return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
 
