@@ -142,14 +142,15 @@ def unref_unchecked(st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig
     blocks, seqs = st.blocks, st.seqs
     ids = _dropped_ids(seqs, seq_mask, n)
 
-    def drop(st):
+    def drop(operand):
+        st, _ = operand
         ref_count = st.blocks.ref_count.at[ids.reshape(-1)].add(-1, mode="drop")
-        return st.replace(blocks=st.blocks.replace(ref_count=ref_count), seqs=_cleared(st.seqs, seq_mask))
+        # The uncached blocks this drop left with no reference: a dense count over [N], no gather of the ids.
+        gone = jnp.sum((st.blocks.ref_count > 0) & (ref_count == 0) & ~st.blocks.cached, dtype=i32)
+        return st.replace(blocks=st.blocks.replace(ref_count=ref_count), seqs=_cleared(st.seqs, seq_mask)), gone
 
-    new = vmap_flow.when_for(skip)(jnp.any(seq_mask), drop, st, identity_when_false=True)
-    # A block left with no reference by this drop (a dense [N] count: no gather of the ids).
-    gone = (blocks.ref_count > 0) & (new.blocks.ref_count == 0) & ~blocks.cached
-    out = Unreffed(ids=ids, clock=blocks.clock, blocks=jnp.sum(gone, dtype=i32))
+    new, gone = vmap_flow.when_for(skip)(jnp.any(seq_mask), drop, (st, jnp.zeros((), i32)), identity_when_false=True)
+    out = Unreffed(ids=ids, clock=blocks.clock, blocks=gone)
     return new.replace(blocks=new.blocks.replace(clock=blocks.clock + 1)), out
 
 
