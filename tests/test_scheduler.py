@@ -1,6 +1,7 @@
 """The jitted scheduler against the plain-Python oracle, with a ground-truth KV shadow, under every switch."""
 
 import dataclasses
+import functools
 import types
 
 import chex
@@ -14,7 +15,7 @@ from hypothesis import strategies as hs
 from skvs_jax import policies, testing, victims
 from skvs_jax import scheduler as sc
 from skvs_jax.config import CacheConfig
-from skvs_jax.kv import manager, prefix_cache
+from skvs_jax.kv import allocator, manager, prefix_cache
 from skvs_jax.kv.allocator import STALE
 from skvs_jax.scheduler import draft_control
 from skvs_jax.testing.oracle import leaves_first
@@ -461,6 +462,19 @@ _evict = jax.jit(manager.evict, static_argnames=("cfg",))
 _eviction_order = jax.jit(manager.eviction_order, static_argnames=("cfg",))
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _evict_unpinning(kv, num_blocks, cfg):
+    """`manager.evict` with the general `manager.unpin` of the removed entries' descendants (which releases the
+    unpinned ref-0 blocks): what `evict`, which only clears their flags, must equal."""
+    def run(kv):
+        alloc, ids = allocator.evict_unchecked(kv.alloc, manager.eviction_order(kv, cfg), num_blocks,
+                                               max_evict=cfg.cache.usable_blocks)
+        prefix, removed = prefix_cache.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
+        return manager.KVState(alloc=manager.unpin(alloc, removed.descendants), prefix=prefix)
+
+    return jax.lax.cond(num_blocks > 0, run, lambda kv: kv, kv)  # as `evict`: nothing, not even the clock, at 0
+
+
 @settings(max_examples=8)
 @given(name=hs.sampled_from(["vllm_default", "skvs", "naive-swap-most_blocks"]), seed=hs.integers(0, 2**16),
        steps=hs.integers(10, 40))
@@ -484,6 +498,8 @@ def test_evicting_k_blocks_loses_k_blocks_of_hits(name, seed, steps):
     event(f"{len(want)} idle cached blocks, {len(want) - free_standing} above a held one")
     for k in range(len(want) + 1):
         after_kv = _evict(kv, jnp.asarray(k, jnp.int32), cfg.kv)
+        # The descendants whose entries went too are held: unpinning them releases nothing.
+        jax.tree.map(np.testing.assert_array_equal, after_kv, _evict_unpinning(kv, jnp.asarray(k, jnp.int32), cfg.kv))
         testing.check_invariants(after_kv.alloc, cfg.cache, cfg.policy.spec_config())
         after = testing.prefix_index_as_dict(after_kv.prefix, cfg.prefix)
         lost = {p: blk for p, blk in before.items() if p not in after}
@@ -492,6 +508,32 @@ def test_evicting_k_blocks_loses_k_blocks_of_hits(name, seed, steps):
         assert set(lost.values()) - set(want[:k]) <= held, "only held blocks' entries go with the evicted ones"
         if k <= free_standing:
             assert len(lost) == k, f"evicting {k} blocks lost {len(lost)} blocks of hits"
+
+
+def test_evicting_blocks_above_a_held_one_unpins_it_and_releases_nothing():
+    """A and B are admitted together and miss; A's two full blocks are indexed, and B's third block as their
+    child (B's own first two duplicate A's keys). A finishes: A's blocks are idle cached, above B's held block.
+    Evicting them takes the held block's entry along: it is unpinned and stays B's (no release, no leak), as the
+    general unpin (which would release an unpinned ref-0 block) leaves it."""
+    cfg = sc.SchedulerConfig(cache=CacheConfig(num_blocks=20, block_size=4, max_seqs=2, max_blocks_per_seq=8),
+                             policy=VLLM, max_running=2, token_budget=64)
+    h = Harness(cfg, vocab=100)
+    h.add([list(range(9)), list(range(13))], [1, 10])
+    for i in range(2):
+        h.step(np.random.default_rng(i + 11))
+    assert np.asarray(h.st.seqs.status).tolist() == [sc.EMPTY, sc.RUNNING]
+    kv = h.st.kv
+    index = testing.prefix_index_as_dict(kv.prefix, cfg.prefix)
+    ref, table = np.asarray(kv.alloc.blocks.ref_count), np.asarray(kv.alloc.seqs.block_table)
+    held = [blk for blk in index.values() if ref[blk] > 0]
+    assert held == [table[1, 2]] and sorted(ref[blk] for blk in index.values()) == [0, 0, 1]
+    for k in (1, 2):
+        after = _evict(kv, jnp.asarray(k, jnp.int32), cfg.kv)
+        jax.tree.map(np.testing.assert_array_equal, after, _evict_unpinning(kv, jnp.asarray(k, jnp.int32), cfg.kv))
+        testing.check_invariants(after.alloc, cfg.cache, cfg.policy.spec_config())
+        left = testing.prefix_index_as_dict(after.prefix, cfg.prefix)  # leaves first: A's second block, then its first
+        assert list(left) == [p for p in index if len(p) <= 4 * (2 - k)], left  # and the held child's entry goes
+        assert not bool(after.alloc.blocks.cached[held[0]]) and int(after.alloc.blocks.ref_count[held[0]]) == 1
 
 
 # --------------------------------------------------------------------------------------- the switches

@@ -199,12 +199,20 @@ def eviction_order(kv: KVState, cfg: KVConfig) -> jax.Array:
 def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
     """Free num_blocks int32[] evictable blocks in `eviction_order` (leaves first, least recently used first),
     drop their index entries, and unpin the blocks of any entries that went with them (descendants, which leaves
-    first leaves none of unless only blocks above a held one were left). Skipped when num_blocks is 0."""
+    first leaves none of unless only blocks above a held one were left). Skipped when num_blocks is 0.
+
+    Those descendants are all held (ref > 0), so unpinning them is their flags alone, no release: an evictable
+    descendant goes before its ancestor in `eviction_order` (a recency no later, a smaller height), and eviction
+    takes a prefix of the evictable blocks in that order, so it took every evictable descendant of a block it
+    took; and an indexed block is pinned. (`unpin` would also release unpinned ref-0 blocks: 8 of eviction's 34
+    primitives at the bench geometry, which could never fire here.)"""
     def run(kv):
         alloc, ids = allocator.evict_unchecked(kv.alloc, eviction_order(kv, cfg), num_blocks,
                                                max_evict=cfg.cache.usable_blocks)
         prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
-        return KVState(alloc=unpin(alloc, removed.descendants), prefix=prefix)
+        n, blocks = cfg.cache.num_blocks, alloc.blocks
+        cached = blocks.cached.at[jnp.where(removed.descendants > 0, removed.descendants, n)].set(False, mode="drop")
+        return KVState(alloc=alloc.replace(blocks=blocks.replace(cached=cached)), prefix=prefix)
 
     return vmap_flow.when(num_blocks > 0, run, kv)
 
