@@ -244,7 +244,8 @@ def test_a_block_both_groups_hold_is_released_by_the_later_free(skip):
 def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):
     """`pin_unchecked` and `unpin_unchecked` (what the KV manager calls every step) leave out passes, not
     effects: on any reachable state and any ids (repeats, padding, free and held blocks) they equal
-    `set_cached_unchecked` with every flag True / False; `distinct=True` equals it on distinct ids."""
+    `set_cached_unchecked` with every flag True / False; `distinct=True` equals it on distinct ids, `held=True`
+    on ids of held blocks."""
     st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
     for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
         st = testing.apply(op, st, oracle, cfg, spec, generation=step)
@@ -256,6 +257,8 @@ def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):
     distinct = jnp.asarray(sorted(set(np.asarray(ids).tolist())), i32)
     same(allocator.unpin_unchecked(st, distinct, distinct=True),
          allocator.set_cached_unchecked(st, distinct, jnp.zeros(distinct.shape, bool)))
+    held = jnp.where(st.blocks.ref_count[jnp.clip(ids, 0, cfg.num_blocks - 1)] > 0, ids, 0)  # ids of held blocks
+    same(allocator.unpin_unchecked(st, held, held=True), allocator.set_cached_unchecked(st, held, none))
 
 
 # --------------------------------------------------------------------------------------- examples

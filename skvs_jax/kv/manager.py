@@ -210,9 +210,7 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
         alloc, ids = allocator.evict_unchecked(kv.alloc, eviction_order(kv, cfg), num_blocks,
                                                max_evict=cfg.cache.usable_blocks)
         prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
-        n, blocks = cfg.cache.num_blocks, alloc.blocks
-        cached = blocks.cached.at[jnp.where(removed.descendants > 0, removed.descendants, n)].set(False, mode="drop")
-        return KVState(alloc=alloc.replace(blocks=blocks.replace(cached=cached)), prefix=prefix)
+        return KVState(alloc=allocator.unpin_unchecked(alloc, removed.descendants, held=True), prefix=prefix)
 
     return vmap_flow.when(num_blocks > 0, run, kv)
 

@@ -60,11 +60,11 @@ from skvs_jax.kv.allocator.state import (
     CommitResult,
     Counters,
     SeqBlocks,
+    Unreffed,
     init,
     with_budget,
 )
 from skvs_jax.kv.allocator.transitions import (
-    Unreffed,
     accepted_lengths,
     commit_unchecked,
     evict_lru_unchecked,

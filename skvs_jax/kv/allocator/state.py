@@ -5,6 +5,8 @@ Block states (int8) come from `pallas_kernels`, where the block-state kernels re
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -97,6 +99,17 @@ class CommitResult:
 
     ok: jax.Array  # bool[B] the accepted count was within [0, pending]
     released: jax.Array  # int32[] blocks given back
+
+
+class Unreffed(NamedTuple):
+    """What `transitions.unref_unchecked` left for the next `transitions.free_unchecked` to route: ids int32[B, M]
+    the table entries the rows dropped (N where none); clock int32[] the clock of that free (their cached blocks'
+    LRU time); blocks int32[] of the blocks they released, those going to a stack (uncached): `free_blocks` until
+    then misses them."""
+
+    ids: jax.Array
+    clock: jax.Array
+    blocks: jax.Array
 
 
 # ------------------------------------------------------------------------------------------------ init

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ from skvs_jax.kv.allocator.state import (
     BlockPool,
     CommitResult,
     SeqBlocks,
+    Unreffed,
     push,
     release_blocks,
 )
@@ -98,16 +98,6 @@ def commit_unchecked(
 
 
 # ---------------------------------------------------------------------------------------------- free
-
-
-class Unreffed(NamedTuple):
-    """What `unref_unchecked` left for the next `free_unchecked` to route: ids int32[B, M] the table entries the
-    rows dropped (N where none); clock int32[] the clock of that free (their cached blocks' LRU time); blocks
-    int32[] of the blocks they released, those going to a stack (uncached): `free_blocks` until then misses them."""
-
-    ids: jax.Array
-    clock: jax.Array
-    blocks: jax.Array
 
 
 def _dropped_ids(seqs: SeqBlocks, seq_mask: jax.Array, n: int) -> jax.Array:
@@ -289,11 +279,19 @@ def pin_unchecked(st: AllocatorState, block_ids: jax.Array) -> AllocatorState:
     return st.replace(blocks=blocks.replace(cached=flags))
 
 
-def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool = False) -> AllocatorState:
+def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool = False,
+                    held: bool = False) -> AllocatorState:
     """`set_cached_unchecked(st, block_ids, False)`: the listed blocks unpinned, the ref-0 ones released to the
     free stack in list order, and no pin pass. distinct (static): the caller guarantees no id > 0 repeats, so the
-    pass that releases a repeated block once is left out. Traceable; block_ids int32[X], ids <= 0 ignored."""
+    pass that releases a repeated block once is left out. held (static): the caller guarantees every listed
+    block is held (ref > 0), so nothing is released: the flags alone are cleared, one scatter (clearing an
+    unpinned block's flag changes nothing, so the pinned check goes too). Traceable; block_ids int32[X], ids <= 0
+    ignored."""
     blocks = st.blocks
+    if held:
+        valid, _ = _safe(blocks, block_ids)
+        flags = blocks.cached.at[jnp.where(valid, block_ids, blocks.state.shape[0])].set(False, mode="drop")
+        return st.replace(blocks=blocks.replace(cached=flags))
     unpin = _pinned(blocks, block_ids)
     flags = blocks.cached.at[jnp.where(unpin, block_ids, blocks.state.shape[0])].set(False, mode="drop")
     return _release_orphans(st.replace(blocks=blocks.replace(cached=flags)), blocks, block_ids, unpin,
