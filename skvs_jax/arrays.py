@@ -55,3 +55,12 @@ def running_sum(x: jax.Array, dense: bool = False) -> jax.Array:
         return jnp.cumsum(x, dtype=i32)
     idx = jnp.arange(x.shape[0])
     return jnp.sum(jnp.where(idx[None, :] <= idx[:, None], x[None, :], 0), axis=1, dtype=i32)
+
+
+def take_each(arrays: tuple[jax.Array, ...], index: jax.Array) -> tuple[jax.Array, ...]:
+    """(a[index] for a in arrays): several arrays of one leading length N (int32, int8 or bool; index int32[...]
+    in range) read at the same index by one gather of their int32 stack, each cast back to its dtype. A gather is
+    a kernel launch on a GPU, and XLA fuses the stack into the gather's operand, so no [k, N] copy is made (the
+    XLA:CPU program's kernel count is the same or lower, `skvs micro program`)."""
+    stacked = jnp.stack([a.astype(i32) for a in arrays])[:, index]
+    return tuple(row.astype(a.dtype) for a, row in zip(arrays, stacked, strict=True))

@@ -231,7 +231,9 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     thr = thresholds()
     if cost.width_us is None or caps is None:  # a cap shared by every row: "one draft each" is a choice too
         caps = jnp.arange(k + 1, dtype=i32)
-    reachable = reach[jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])]  # [B, caps] depths the slots reach
+    reachable = jnp.minimum(jnp.clip(cap, 0, k)[:, None], caps[None, :])  # [B, caps] slots, then the depths they reach
+    if reach_of != tuple(range(k + 1)):  # a tree's (a chain's slots reach their own count)
+        reachable = reach[reachable]
     bs = surv if bound_surv is None else bound_surv
     key = surv if behind is None else jnp.where(behind[:, None], jnp.maximum(surv, bs), surv)
     # Survival falls with depth, so the depths clearing a threshold are a prefix, counted per (row, threshold); a
@@ -353,7 +355,10 @@ def row_gain(surv: jax.Array, drafts: jax.Array, reach_of: tuple[int, ...] | Non
     """int32[B] expected accepted drafts * ONE of a row drafting drafts[b] (int32[B]) slots: the sum of surv[b, d]
     over the depths d < reach_of[drafts[b]] they reach (default a chain: d < drafts[b])."""
     d = jnp.arange(surv.shape[1], dtype=i32)[None, :]
-    reach = drafts if reach_of is None else jnp.asarray(reach_of, i32)[jnp.clip(drafts, 0, len(reach_of) - 1)]
+    if reach_of is None or tuple(reach_of) == tuple(range(len(reach_of))):  # a chain: d slots reach depth d
+        reach = drafts
+    else:
+        reach = jnp.asarray(reach_of, i32)[jnp.clip(drafts, 0, len(reach_of) - 1)]
     return jnp.sum(jnp.where(d < reach[:, None], surv, 0), axis=1, dtype=i32)
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import before, cdiv, count_leading, i32, prefix_sum, rank_of, running_sum
+from skvs_jax.arrays import before, cdiv, count_leading, i32, prefix_sum, rank_of, running_sum, take_each
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
@@ -337,21 +337,22 @@ def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerC
     return Grant(query=query, drafts=drafts, need_query=need_query, need_drafts=need_all - need_query, cow=cow)
 
 
-def recompute_tokens(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
-    """int32[B] the tokens each row would compute again if preempted now: its committed tokens less those in
-    blocks of its table the prefix index holds (its re-admission finds them, unless evicted first: a lower
-    bound on what is lost, where the committed count is the upper one)."""
+def preemption_yield(st: SchedState, cfg: SchedulerConfig) -> tuple[jax.Array, jax.Array]:
+    """(freed int32[B]: the blocks each row would give back if preempted now, those of its table it alone holds;
+    recompute int32[B]: the tokens it would compute again, its committed tokens less those in blocks of its table
+    the prefix index holds: its re-admission finds them, unless evicted first, a lower bound on what is lost where
+    the committed count is the upper one). One gather of the table's blocks for both."""
     alloc, m, s = st.kv.alloc, cfg.cache.max_blocks_per_seq, cfg.cache.block_size
     in_table = jnp.arange(m, dtype=i32)[None, :] < alloc.seqs.num_blocks[:, None]
-    indexed = jnp.sum(in_table & alloc.blocks.cached[alloc.seqs.block_table], axis=1, dtype=i32)
-    return jnp.maximum(alloc.seqs.num_committed - indexed * s, 0)
+    refs, cached = take_each((alloc.blocks.ref_count, alloc.blocks.cached), alloc.seqs.block_table)  # [B, M] each
+    freed = jnp.sum(in_table & (refs == 1), axis=1, dtype=i32)
+    indexed = jnp.sum(in_table & cached, axis=1, dtype=i32)
+    return freed, jnp.maximum(alloc.seqs.num_committed - indexed * s, 0)
 
 
-def blocks_freed(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
-    """int32[B] the blocks each row would give back if preempted: those of its table it alone holds."""
-    alloc, m = st.kv.alloc, cfg.cache.max_blocks_per_seq
-    in_table = jnp.arange(m, dtype=i32)[None, :] < alloc.seqs.num_blocks[:, None]
-    return jnp.sum(in_table & (alloc.blocks.ref_count[alloc.seqs.block_table] == 1), axis=1, dtype=i32)
+def recompute_tokens(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
+    """int32[B] `preemption_yield`'s recompute alone."""
+    return preemption_yield(st, cfg)[1]
 
 
 def available_blocks(st: SchedState, cfg: SchedulerConfig, pending: jax.Array | int = 0) -> jax.Array:
@@ -362,12 +363,13 @@ def available_blocks(st: SchedState, cfg: SchedulerConfig, pending: jax.Array | 
 
 
 def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig,
-                   pending: jax.Array | int = 0) -> tuple[jax.Array, Order, jax.Array]:
+                   pending: jax.Array | int = 0, freed: jax.Array | None = None) -> tuple[jax.Array, Order, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
     speculative-pool and evictable blocks. Returns (victim bool[B]; the rows in the rule's order, the victims
     first, as an `Order`; oom bool[], some row could not get its blocks without preemption). Most steps fit
     without preempting anyone: the victim order (a sort, or with dense prefix sums a count) is skipped then
-    (unless `SchedulerConfig.skip` is off: then it is computed and selected). pending: `available_blocks`'s."""
+    (unless `SchedulerConfig.skip` is off: then it is computed and selected). pending: `available_blocks`'s.
+    freed: `preemption_yield`'s, when the caller has it (else computed here, only when needed)."""
     b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
     committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
@@ -376,17 +378,17 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
     b_idx = jnp.arange(b, dtype=i32)
 
     def victims(_):
-        freed = blocks_freed(st, cfg)
+        given = preemption_yield(st, cfg)[0] if freed is None else freed
         key = cfg.victim_rule(rank, committed, held).astype(i32)
         if cfg.dense:  # the same order by counting: running first, by key, then lower priority
             victim_rank = _rank_by_keys(((~running).astype(i32), key, -rank))
             order = Order(order=None, rank=victim_rank, ahead=before(victim_rank))
             # Preempting the first j victims suffices where j - 1 is a fitting victim's rank: the smallest such j.
-            fits = total - in_order(need, *order) <= avail + in_order(freed, *order)
+            fits = total - in_order(need, *order) <= avail + in_order(given, *order)
             first = jnp.min(jnp.where(fits, victim_rank + 1, b + 1))
             return jnp.where((total > avail) & (first <= b), first, 0).astype(i32), order
         victim_order = jnp.lexsort((-rank, key, ~running)).astype(i32)  # running first, by key, then lower priority
-        fits = total - jnp.cumsum(need[victim_order], dtype=i32) <= avail + jnp.cumsum(freed[victim_order], dtype=i32)
+        fits = total - jnp.cumsum(need[victim_order], dtype=i32) <= avail + jnp.cumsum(given[victim_order], dtype=i32)
         fits = jnp.concatenate([(total <= avail)[None], fits])  # fits[j]: preempting the first j victims suffices
         return jnp.argmax(fits).astype(i32), Order(order=victim_order, rank=rank_of(victim_order))
 
@@ -400,7 +402,8 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
 
 def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, keep_victims: jax.Array,
                            all_victims: jax.Array, cost: StepCost, cfg: SchedulerConfig,
-                           pending: jax.Array | int = 0) -> jax.Array:
+                           pending: jax.Array | int = 0, yields: tuple[jax.Array, jax.Array] | None = None
+                           ) -> jax.Array:
     """3'. Priced draft blocks: bool[], the drafts should preempt the rows all_victims has beyond keep_victims
     (bool[B] each: the victims the query tokens alone need, and those every draft slot too needs).
 
@@ -409,12 +412,13 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     every kept row keeps its drafts, the extra victims' output this step is lost, and their committed tokens'
     recompute (`draft_control.recompute_us`) is added to the step's time. Each side's expected output tokens
     (sampling rows * ONE + the survivals of its drafts, `draft_control.row_gain`) and time (`step_time_us`) go to
-    `draft_control.preemption_pays`. pending: `available_blocks`'s."""
+    `draft_control.preemption_pays`. pending: `available_blocks`'s. yields: `preemption_yield`'s (else computed)."""
+    freed, recompute_all = preemption_yield(st, cfg) if yields is None else yields
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
     avail = available_blocks(st, cfg, pending)
     kept1, kept2 = running & ~keep_victims, running & ~all_victims
-    avail1 = avail + jnp.sum(jnp.where(keep_victims, blocks_freed(st, cfg), 0), dtype=i32)
+    avail1 = avail + jnp.sum(jnp.where(keep_victims, freed, 0), dtype=i32)
     room1 = avail1 - jnp.sum(jnp.where(kept1, grant.need_query, 0), dtype=i32)
     fit1 = (grant.need_drafts == 0) | (in_order(jnp.where(kept1, grant.need_drafts, 0), *order) <= room1)
     samples = (grant.query > 0) & (committed + grant.query == seqs.num_tokens)
@@ -435,7 +439,7 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     tokens1, time1 = side(kept1, jnp.where(kept1 & fit1, grant.drafts, 0))
     tokens2, time2 = side(kept2, jnp.where(kept2, grant.drafts, 0))
     extra = all_victims & ~keep_victims
-    recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, recompute_tokens(st, cfg), 0), dtype=i32))
+    recompute = draft_control.recompute_us(cost, jnp.sum(jnp.where(extra, recompute_all, 0), dtype=i32))
     return jnp.any(extra) & draft_control.preemption_pays(tokens1, time1, tokens2, time2, recompute, cost.margin)
 
 
@@ -453,7 +457,9 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     committed, table = st.kv.alloc.seqs.num_committed, st.kv.alloc.seqs.block_table
     need = grant.need_query + grant.need_drafts if pol.drafts_preempt else grant.need_query
     pending = 0 if finished is None else finished.blocks
-    victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending)
+    # Selecting (no skips: a GPU's program), every pass below runs each step: read the rows' yield once for them all.
+    yields = None if cfg.skip else preemption_yield(st, cfg)
+    victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending, None if yields is None else yields[0])
     drafts_paid = jnp.zeros((), bool)
     avail = available_blocks(st, cfg, pending)
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
@@ -463,9 +469,11 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
         cost = flat_step_cost(cfg) if step_cost is None else step_cost
 
         def priced(_):
-            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg, pending)
+            ys = preemption_yield(st, cfg) if yields is None else yields
+            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg, pending,
+                                                   ys[0])
             return all_v, all_o, all_oom, price_draft_preemption(st, grant, plan, order, victim, all_v, cost, cfg,
-                                                                 pending)
+                                                                 pending, ys)
 
         # Most steps' drafts fit without anyone preempted: then no draft victim exists and pricing is moot. Skipped
         # then: 27 of the 1,048 top-level ops of the shipped model's fused engine step, where on a CPU a step's
@@ -603,12 +611,16 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     cand = waiting_candidates(seqs.status == WAITING, order, a)  # int32[A] slots, b = none
     real = (cand < b) & ~preemption.oom & ~still_swapped
     cand_slot = jnp.clip(cand, 0, b - 1)
-    cand_len = jnp.where(real, seqs.num_tokens[cand_slot], 0)
+    if pol.prefix_cache:
+        cand_len, cand_salt = take_each((seqs.num_tokens, seqs.cache_salt), cand_slot)
+    else:
+        cand_len, cand_salt = seqs.num_tokens[cand_slot], None
+    cand_len = jnp.where(real, cand_len, 0)
     if pol.prefix_cache:
         # The speculative barrier keeps the last blocks a row's drafts could reach out of its hit.
         window = jnp.full((a,), plan.k_max if (pol.prefix_barrier and pol.speculation) else 0, i32)
         hit_blocks, hit_ids = manager.lookup(st.kv, seqs.tokens[cand_slot], cand_len, window, plan.spec_ratio, cfg.kv,
-                                             seqs.cache_salt[cand_slot])
+                                             cand_salt)
         if pol.spec_hit_trim and pol.speculation:  # vLLM's EAGLE/MTP path: the hit loses the drafts' reach
             hit_blocks = jnp.maximum(hit_blocks - cdiv(plan.k_max, s), 0)
             hit_ids = jnp.where(jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None], hit_ids, 0)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of
+from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     RESERVED,
@@ -41,6 +41,7 @@ class _Request(NamedTuple):
     partial_col: jax.Array  # int32: the table column of the first new token
     partial_blk: jax.Array  # int32: the block at that column
     new_alloc: jax.Array  # int32: num_allocated after the request
+    window_blk: jax.Array | None  # int32[B, W]: the table's blocks at the window's columns (None: not read)
 
 
 class _Window(NamedTuple):
@@ -57,9 +58,12 @@ class _Window(NamedTuple):
 
 
 def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_tokens: jax.Array, *,
-                      speculative: bool, max_draft_len: int, window: int, copies: bool = True) -> _Request:
+                      speculative: bool, max_draft_len: int, window: int, copies: bool = True,
+                      window_ids: bool = True) -> _Request:
     """Validity, copy-on-write and new blocks of each row's request to extend num_allocated by num_tokens[B].
-    copies False: a request that would copy its partial block is refused instead."""
+    copies False: a request that would copy its partial block is refused instead. window_ids: read the table's
+    whole [B, window] window (the held blocks `_write_table_and_states` gives a state) with the partial block, one
+    gather for both; False: the partial block alone (a caller whose passes have other widths)."""
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
     alloc, held = seqs.num_allocated, seqs.num_blocks
@@ -75,8 +79,14 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
     # Copy-on-write: the first token lands in a partially-filled block that someone else also references, or
     # that the prefix cache pins (its index entry promises the old content; `share` may end inside it).
     partial_col = alloc // s
-    partial_blk = seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
-    cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
+    if window_ids:
+        window_col = partial_col[:, None] + jnp.arange(window, dtype=i32)[None, :]
+        window_blk = seqs.block_table[b_idx[:, None], jnp.clip(window_col, 0, m - 1)]
+        partial_blk = window_blk[:, 0]
+    else:
+        window_blk, partial_blk = None, seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
+    partial_refs, partial_cached = take_each((blocks.ref_count, blocks.cached), partial_blk)
+    cow = (alloc % s != 0) & ((partial_refs > 1) | partial_cached)
     if not copies:
         bad |= requested & cow
         cow = jnp.zeros_like(cow)
@@ -84,7 +94,7 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
     # The window covers logical blocks partial_col .. ceil(new_alloc / S) - 1.
     bad |= cdiv(new_alloc, s) - partial_col > window
     need = jnp.where(requested & ~bad, need, 0)
-    return _Request(requested, bad, cow, need, partial_col, partial_blk, new_alloc)
+    return _Request(requested, bad, cow, need, partial_col, partial_blk, new_alloc, window_blk)
 
 
 def _grant_in_order(blocks: BlockPool, req: _Request, order: jax.Array | None, ahead: jax.Array | None, *,
@@ -151,8 +161,10 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     old_cow_blk = jnp.where(req.cow & ok & req.requested, req.partial_blk, n)
     table_col = jnp.where(take, win.col, m)
     block_table = seqs.block_table.at[b_idx[:, None], table_col].set(new_id, mode="drop")
-    # Held columns are not written above, so reading the new table avoids keeping the old one alive (a copy).
-    held_id = block_table[b_idx[:, None], jnp.clip(win.col, 0, m - 1)]
+    if req.window_blk is not None:  # read with the request (held columns are not written above)
+        held_id = req.window_blk
+    else:  # read from the new table, which avoids keeping the old one alive (a copy)
+        held_id = block_table[b_idx[:, None], jnp.clip(win.col, 0, m - 1)]
     fresh_state = SPECULATIVE if speculative else RESERVED
     touched = jnp.where(take, new_id, jnp.where(win.is_held, held_id, n))
     # A cow copy keeps the content (committed tokens) of its source: VALIDATED.
@@ -161,9 +173,14 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     generation_arr = blocks.generation
     if speculative:
         generation_arr = generation_arr.at[jnp.where(win.is_cow, n, touched)].set(generation, mode="drop")
-    ref_count = blocks.ref_count.at[jnp.where(take, new_id, n)].set(1, mode="drop")
+    # A popped block had no reference (it was on a stack), so one scatter-add gives it its 1 and takes the copied
+    # blocks' (never popped: they are held) away.
+    new_ref = jnp.where(take, new_id, n).reshape(-1)
     if copies:
-        ref_count = ref_count.at[old_cow_blk].add(-1, mode="drop")
+        ref_count = blocks.ref_count.at[jnp.concatenate([new_ref, old_cow_blk])].add(
+            jnp.concatenate([jnp.ones_like(new_ref), jnp.full_like(old_cow_blk, -1)]), mode="drop")
+    else:
+        ref_count = blocks.ref_count.at[new_ref].set(1, mode="drop")
 
     free_taken = win.taken - win.taken_pool
     blocks = blocks.replace(
@@ -289,7 +306,8 @@ def _grow_split(
     alloc = seqs.num_allocated
     # A narrow row's request spans at most `window` columns, so the window refuses nothing the full table grants.
     narrow = cdiv(alloc + num_tokens, s) - alloc // s <= window
-    req = _requested_blocks(cfg, seqs, entry, num_tokens, speculative=False, max_draft_len=0, window=m)
+    req = _requested_blocks(cfg, seqs, entry, num_tokens, speculative=False, max_draft_len=0, window=m,
+                            window_ids=False)
     req_n, req_w = (req._replace(requested=req.requested & side) for side in (narrow, ~narrow))
     ok, offset = _grant_in_order(entry, req, order, ahead, use_pool=use_pool)
     zero = jnp.zeros((), i32)

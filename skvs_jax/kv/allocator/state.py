@@ -13,7 +13,7 @@ from flax import struct
 
 # One definition of the block states, shared with the block-state kernels.
 from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED  # noqa: F401  (re-exported: the block states)
-from skvs_jax.arrays import i32
+from skvs_jax.arrays import i32, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
@@ -218,7 +218,11 @@ def release_blocks(
     """
     n = blocks.state.shape[0]
     safe = jnp.where(released, ids, NULL_BLOCK)
-    cached = released & blocks.cached[safe]
+    if use_pool:
+        was_cached, state = take_each((blocks.cached, blocks.state), safe)
+    else:
+        was_cached, state = blocks.cached[safe], None
+    cached = released & was_cached
     uncached = released & ~cached
 
     def group_major(rank_first: jax.Array, rank_rest: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -231,7 +235,6 @@ def release_blocks(
         return (mask & first, mask & ~first) if first is not None else (mask,)
 
     if use_pool:
-        state = blocks.state[safe]
         want_pool = uncached & ((state == SPECULATIVE) | (state == STALE))
         room = blocks.stacks.shape[0] - n - blocks.pool_top
         # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, count_leading, i32
+from skvs_jax.arrays import cdiv, count_leading, i32, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
@@ -167,8 +167,8 @@ def free_unchecked(
             pos = jnp.where(earlier, flat, own.size + flat)
         # A block shared by several freed sequences is released once, at its last reference (row-major order).
         last = jnp.full((n,), -1, i32).at[ids].max(pos, mode="drop")
-        safe = jnp.clip(ids, 0, n - 1)
-        released = (ids < n) & (ref_count[safe] == 0) & (last[safe] == pos)
+        refs, last_pos = take_each((ref_count, last), jnp.clip(ids, 0, n - 1))
+        released = (ids < n) & (refs == 0) & (last_pos == pos)
         blocks, num_released = release_blocks(blocks.replace(ref_count=ref_count), ids, released, spec.use_spec_pool,
                                               first=earlier, first_clock=None if first is None else first.clock)
         return st.replace(blocks=blocks, seqs=_cleared(seqs, seq_mask)), num_released
@@ -196,9 +196,9 @@ def share_unchecked(
     col = jnp.arange(m, dtype=i32)[None, :]
     used = col < nb[:, None]
     in_range = (block_ids >= 1) & (block_ids < n)
-    safe = jnp.where(in_range, block_ids, NULL_BLOCK)
-    owned = (blocks.ref_count[safe] > 0) | blocks.cached[safe]
-    good_block = in_range & (blocks.state[safe] == VALIDATED) & owned
+    refs, cached, state = take_each((blocks.ref_count, blocks.cached, blocks.state),
+                                    jnp.where(in_range, block_ids, NULL_BLOCK))
+    good_block = in_range & (state == VALIDATED) & ((refs > 0) | cached)
     empty = (seqs.num_blocks == 0) & (seqs.num_allocated == 0)
     ok = (num_tokens > 0) & empty & (num_tokens <= m * s) & jnp.all(good_block | ~used, axis=1)
     take = used & ok[:, None]
@@ -307,7 +307,8 @@ def _safe(blocks: BlockPool, block_ids: jax.Array) -> tuple[jax.Array, jax.Array
 def _pinnable(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
     """bool[X]: a pin would take (only VALIDATED blocks a sequence holds: the index holds validated content)."""
     valid, safe = _safe(blocks, block_ids)
-    return valid & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
+    state, refs = take_each((blocks.state, blocks.ref_count), safe)
+    return valid & (state == VALIDATED) & (refs > 0)
 
 
 def _pinned(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
