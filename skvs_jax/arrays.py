@@ -59,8 +59,13 @@ def running_sum(x: jax.Array, dense: bool = False) -> jax.Array:
 
 def take_each(arrays: tuple[jax.Array, ...], index: jax.Array) -> tuple[jax.Array, ...]:
     """(a[index] for a in arrays): several arrays of one leading length N (int32, int8 or bool; index int32[...]
-    in range) read at the same index by one gather of their int32 stack, each cast back to its dtype. A gather is
-    a kernel launch on a GPU, and XLA fuses the stack into the gather's operand, so no [k, N] copy is made (the
-    XLA:CPU program's kernel count is the same or lower, `skvs micro program`)."""
+    in range) read at the same index by one gather of their int32 stack, each cast back to its dtype: one kernel
+    launch on a GPU, not k.
+
+    It pays only where XLA fuses the stack into the gather's operand. Where it does not, the program writes the
+    [k, N] stack first (a copy of the arrays: ~30 us at N = 65,536 on this project's CPU, and a kernel as well),
+    which costs more than the gathers it saves; XLA:CPU did that for share's, pin's and the allocation request's
+    reads of the block pool (2026-12-07), so those read each array apart. A new use checks the optimised program
+    of the step at 256 slots for a `concatenate` fusion of shape [k, N] (docs/scheduler.md, "A fifth round")."""
     stacked = jnp.stack([a.astype(i32) for a in arrays])[:, index]
     return tuple(row.astype(a.dtype) for a, row in zip(arrays, stacked, strict=True))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of, take_each
+from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     RESERVED,
@@ -85,8 +85,7 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
         partial_blk = window_blk[:, 0]
     else:
         window_blk, partial_blk = None, seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
-    partial_refs, partial_cached = take_each((blocks.ref_count, blocks.cached), partial_blk)
-    cow = (alloc % s != 0) & ((partial_refs > 1) | partial_cached)
+    cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
     if not copies:
         bad |= requested & cow
         cow = jnp.zeros_like(cow)

@@ -196,9 +196,9 @@ def share_unchecked(
     col = jnp.arange(m, dtype=i32)[None, :]
     used = col < nb[:, None]
     in_range = (block_ids >= 1) & (block_ids < n)
-    refs, cached, state = take_each((blocks.ref_count, blocks.cached, blocks.state),
-                                    jnp.where(in_range, block_ids, NULL_BLOCK))
-    good_block = in_range & (state == VALIDATED) & ((refs > 0) | cached)
+    safe = jnp.where(in_range, block_ids, NULL_BLOCK)
+    owned = (blocks.ref_count[safe] > 0) | blocks.cached[safe]
+    good_block = in_range & (blocks.state[safe] == VALIDATED) & owned
     empty = (seqs.num_blocks == 0) & (seqs.num_allocated == 0)
     ok = (num_tokens > 0) & empty & (num_tokens <= m * s) & jnp.all(good_block | ~used, axis=1)
     take = used & ok[:, None]
@@ -307,8 +307,7 @@ def _safe(blocks: BlockPool, block_ids: jax.Array) -> tuple[jax.Array, jax.Array
 def _pinnable(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
     """bool[X]: a pin would take (only VALIDATED blocks a sequence holds: the index holds validated content)."""
     valid, safe = _safe(blocks, block_ids)
-    state, refs = take_each((blocks.state, blocks.ref_count), safe)
-    return valid & (state == VALIDATED) & (refs > 0)
+    return valid & (blocks.state[safe] == VALIDATED) & (blocks.ref_count[safe] > 0)
 
 
 def _pinned(blocks: BlockPool, block_ids: jax.Array) -> jax.Array:
