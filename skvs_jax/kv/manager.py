@@ -159,10 +159,11 @@ def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.
 
 
 def share(kv: KVState, block_ids: jax.Array, num_tokens: jax.Array, cfg: KVConfig) -> KVState:
-    """Rows with num_tokens int32[B] > 0 start from the cached blocks block_ids int32[B, M] (by reference).
+    """Rows with num_tokens int32[B] > 0 start from the cached blocks block_ids int32[B, M] (by reference): the
+    prefix index's hits in this state (`lookup`), trusted to be indexed (`allocator.share_unchecked(indexed=True)`).
     Sharing nothing changes nothing, and most steps share no hit: skipped then."""
     def do_share(alloc):
-        return allocator.share_unchecked(alloc, block_ids, num_tokens, cfg=cfg.cache)[0]
+        return allocator.share_unchecked(alloc, block_ids, num_tokens, cfg=cfg.cache, indexed=True)[0]
 
     alloc = vmap_flow.when_for(cfg.skip)(jnp.any(num_tokens > 0), do_share, kv.alloc, identity_when_false=True)
     return kv.replace(alloc=alloc)
@@ -207,10 +208,12 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
     took; and an indexed block is pinned. (`unpin` would also release unpinned ref-0 blocks: 8 of eviction's 34
     primitives at the bench geometry, which could never fire here.)"""
     def run(kv):
-        alloc, ids = allocator.evict_unchecked(kv.alloc, eviction_order(kv, cfg), num_blocks,
-                                               max_evict=cfg.cache.usable_blocks)
+        ids = allocator.evicted_ids(kv.alloc.blocks, eviction_order(kv, cfg), num_blocks,
+                                    max_evict=cfg.cache.usable_blocks)
         prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
-        return KVState(alloc=allocator.unpin_unchecked(alloc, removed.descendants, held=True), prefix=prefix)
+        # The held descendants' pins go in the evicted blocks' own scatter (`unpin_unchecked(held=True)` of them).
+        return KVState(alloc=allocator.evict_ids_unchecked(kv.alloc, ids, unpin_held=removed.descendants),
+                       prefix=prefix)
 
     return vmap_flow.when(num_blocks > 0, run, kv)
 

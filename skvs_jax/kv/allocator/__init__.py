@@ -67,8 +67,10 @@ from skvs_jax.kv.allocator.state import (
 from skvs_jax.kv.allocator.transitions import (
     accepted_lengths,
     commit_unchecked,
+    evict_ids_unchecked,
     evict_lru_unchecked,
     evict_unchecked,
+    evicted_ids,
     fork_unchecked,
     free_unchecked,
     lru_order,
@@ -86,7 +88,7 @@ __all__ = [
     "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
     "set_cached", "share", "accepted_lengths",
     "allocate_split_unchecked", "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked",
-    "fork_unchecked",
+    "evict_ids_unchecked", "evicted_ids", "fork_unchecked",
     "free_unchecked", "lru_order", "pin_unchecked", "reclaim_expired_unchecked", "set_cached_unchecked",
     "share_unchecked", "unpin_unchecked", "Unreffed", "unref_unchecked",
 ]

@@ -184,10 +184,14 @@ def free_unchecked(
 # --------------------------------------------------------------------------------------- share / fork
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "indexed"))
 def share_unchecked(
-    st: AllocatorState, block_ids: jax.Array, num_tokens: jax.Array, *, cfg: CacheConfig
+    st: AllocatorState, block_ids: jax.Array, num_tokens: jax.Array, *, cfg: CacheConfig, indexed: bool = False
 ) -> tuple[AllocatorState, jax.Array]:
+    """`api.share` without the checks. indexed: the ids are the prefix index's hits in this very state (the
+    scheduler's admission), so each is VALIDATED and owned by the index's invariant (an indexed block is pinned,
+    and a pinned block is never written: a write into it copies it first), and that is not read back (three
+    [B, M] gathers, a kernel each on a GPU); the range, empty-row and length checks stay."""
     s, m, n = cfg.block_size, cfg.max_blocks_per_seq, cfg.num_blocks
     blocks, seqs = st.blocks, st.seqs
     num_tokens = num_tokens.astype(i32)
@@ -196,9 +200,12 @@ def share_unchecked(
     col = jnp.arange(m, dtype=i32)[None, :]
     used = col < nb[:, None]
     in_range = (block_ids >= 1) & (block_ids < n)
-    safe = jnp.where(in_range, block_ids, NULL_BLOCK)
-    owned = (blocks.ref_count[safe] > 0) | blocks.cached[safe]
-    good_block = in_range & (blocks.state[safe] == VALIDATED) & owned
+    if indexed:
+        good_block = in_range
+    else:
+        safe = jnp.where(in_range, block_ids, NULL_BLOCK)
+        owned = (blocks.ref_count[safe] > 0) | blocks.cached[safe]
+        good_block = in_range & (blocks.state[safe] == VALIDATED) & owned
     empty = (seqs.num_blocks == 0) & (seqs.num_allocated == 0)
     ok = (num_tokens > 0) & empty & (num_tokens <= m * s) & jnp.all(good_block | ~used, axis=1)
     take = used & ok[:, None]
@@ -342,25 +349,44 @@ def evict_unchecked(
     """Evict the first num_blocks int32[] (<= max_evict, static) cached ref-0 blocks of order int32[N] (block ids
     in the caller's eviction order: `lru_order`, or the KV manager's leaves-first `eviction_order`). They are
     unpinned and pushed to the free stack in that order; returns the state and their ids, int32[max_evict]
-    padded with NULL_BLOCK."""
-    blocks = st.blocks
-    n = blocks.state.shape[0]
+    padded with NULL_BLOCK. `evicted_ids` then `evict_ids_unchecked`, for a caller with work between the two."""
+    ids = evicted_ids(st.blocks, order, num_blocks, max_evict=max_evict)
+    return evict_ids_unchecked(st, ids), ids
+
+
+def evicted_ids(blocks: BlockPool, order: jax.Array, num_blocks: jax.Array, *, max_evict: int) -> jax.Array:
+    """int32[max_evict]: the first num_blocks int32[] evictable (cached, ref-0) blocks of order int32[N], in that
+    order, padded with NULL_BLOCK; what `evict_unchecked` evicts. Traceable."""
     evictable = blocks.cached & (blocks.ref_count == 0)
     # The first num_blocks evictable blocks of `order`, wherever the others stand in it (one prefix sum over N;
     # eviction is rare, only when the free stack runs dry).
     ev = evictable[order]
     rank = jnp.cumsum(ev, dtype=i32)  # the chosen blocks' places in the output, by the one prefix sum
     chosen = ev & (rank <= num_blocks)
-    count = jnp.sum(chosen, dtype=i32)
-    slot = jnp.arange(max_evict, dtype=i32)
-    take = slot < count  # max_evict > N: the tail is padding
-    ids = jnp.full((max_evict,), NULL_BLOCK, i32).at[jnp.where(chosen, rank - 1, max_evict)].set(order, mode="drop")
-    flags = blocks.cached.at[jnp.where(take, ids, n)].set(False, mode="drop")
-    state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
+    return jnp.full((max_evict,), NULL_BLOCK, i32).at[jnp.where(chosen, rank - 1, max_evict)].set(order, mode="drop")
+
+
+def evict_ids_unchecked(st: AllocatorState, ids: jax.Array, unpin_held: jax.Array | None = None) -> AllocatorState:
+    """Evict ids int32[E] (`evicted_ids`: distinct evictable blocks first, NULL_BLOCK padding after): unpinned,
+    FREE, pushed to the free stack in that order. unpin_held int32[X] (NULL_BLOCK = none): blocks some sequence
+    holds whose pins go too, in the same scatter as the evicted blocks' (`unpin_unchecked(held=True)` of them,
+    after). Traceable."""
+    blocks = st.blocks
+    n = blocks.state.shape[0]
+    take = ids > NULL_BLOCK
+    count = jnp.sum(take, dtype=i32)
+    slot = jnp.arange(ids.shape[0], dtype=i32)
+    dst = jnp.where(take, ids, n)
+    unpinned = dst
+    if unpin_held is not None:
+        valid, _ = _safe(blocks, unpin_held)
+        unpinned = jnp.concatenate([dst, jnp.where(valid, unpin_held, n)])
+    flags = blocks.cached.at[unpinned].set(False, mode="drop")
+    state = blocks.state.at[dst].set(FREE, mode="drop")
     blocks = push(blocks, ids, take, jnp.minimum(slot + 1, count)).replace(cached=flags, state=state,
                                                                           clock=blocks.clock + 1)
     counters = st.counters.replace(evictions=st.counters.evictions + count)
-    return st.replace(blocks=blocks, counters=counters), ids
+    return st.replace(blocks=blocks, counters=counters)
 
 
 def lru_order(blocks: BlockPool) -> jax.Array:
