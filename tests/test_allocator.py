@@ -11,6 +11,7 @@ from hypothesis import strategies as hs
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from skvs_jax import testing
+from skvs_jax.arrays import take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv import allocator
 from skvs_jax.kv.allocator import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED
@@ -568,3 +569,48 @@ def test_commit_through_the_pallas_block_state_kernel_matches_the_oracle(cfg, sp
     # Settle what the sequence leaves pending through the kernel too, so at least one commit runs it.
     ops.append(testing.Commit((cfg.block_size,) * cfg.max_seqs, impl="pallas"))
     testing.run_sequence(ops, cfg, spec)
+
+
+@settings(max_examples=25)
+@given(cfg=hs.sampled_from(testing.SMALL_CONFIGS), spec=hs.sampled_from(testing.SPEC_CONFIGS), data=hs.data())
+def test_eviction_in_two_halves_is_evict_then_unpin_of_held_blocks(cfg, spec, data):
+    """`evicted_ids` then `evict_ids_unchecked(unpin_held=)` (the KV manager's eviction, with the prefix index's
+    removal between the two) equals `evict_unchecked` followed by `unpin_unchecked(held=True)` of the held blocks:
+    one scatter of the pins for both, the same state. Random allocator histories, any k, held ids with repeats and
+    padding."""
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+    for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=14))):
+        st = testing.apply(op, st, oracle, cfg, spec, generation=step)
+    n = cfg.num_blocks
+    held = [i for i in range(1, n) if int(st.blocks.ref_count[i]) > 0]
+    # Pin some held blocks (the validated ones take it): those are the ones whose unpin shows.
+    pins = data.draw(hs.lists(hs.sampled_from(held), max_size=n)) if held else []
+    st = allocator.pin_unchecked(st, jnp.asarray(pins + [0], i32))
+    pinned = [i for i in held if bool(st.blocks.cached[i])]
+    ids = data.draw(hs.lists(hs.sampled_from(held + [0]), max_size=6)) if held else []
+    ids = ids + pinned[:2]  # at least the pins that show, when there are any
+    unpin = jnp.asarray(ids + [0] * (8 - len(ids)), i32)
+    k = jnp.asarray(data.draw(hs.integers(0, n)), i32)
+    order = allocator.lru_order(st.blocks)
+    want, want_ids = allocator.evict_unchecked(st, order, k, max_evict=n)
+    want = allocator.unpin_unchecked(want, unpin, held=True)
+    got_ids = allocator.evicted_ids(st.blocks, order, k, max_evict=n)
+    got = allocator.evict_ids_unchecked(st, got_ids, unpin_held=unpin)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    testing.check_invariants(got, cfg, spec)
+
+
+@settings(max_examples=25)
+@given(n=hs.integers(1, 40), shape=hs.lists(hs.integers(0, 5), max_size=2), seed=hs.integers(0, 2**16),
+       kinds=hs.lists(hs.sampled_from(["int32", "int8", "bool"]), min_size=1, max_size=3))
+def test_take_each_reads_every_array_at_the_index(n, shape, seed, kinds):
+    """`arrays.take_each` (one gather of the int32 stack) equals indexing each array apart, dtypes kept."""
+    rng = np.random.default_rng(seed)
+    arrays = [jnp.asarray(rng.integers(-100, 100, n)).astype(k) if k != "bool" else jnp.asarray(rng.random(n) < 0.5)
+              for k in kinds]
+    index = jnp.asarray(rng.integers(0, n, tuple(shape)), i32)
+    got = take_each(tuple(arrays), index)
+    for a, g in zip(arrays, got, strict=True):
+        assert g.dtype == a.dtype and g.shape == index.shape
+        np.testing.assert_array_equal(g, a[index])
