@@ -196,6 +196,25 @@ def test_a_windowed_insert_equals_the_dense_one(cfg, ops, rows, nv, reuse, scram
     event("the window decides" if undecided == 0 else "one row probed alone" if undecided == 1 else "all probed")
 
 
+@pytest.mark.parametrize("cfg", [CFG, WEAK], ids=["strong", "weak"])
+@given(ops=hs.lists(operation, max_size=8), rows=rows_st, nv=hs.lists(hs.integers(0, L), min_size=B, max_size=B),
+       reuse=hs.lists(hs.booleans(), min_size=B, max_size=B), window=hs.sampled_from([1, 2, 4]))
+def test_a_windowed_insert_over_tables_of_own_content_equals_the_dense_one(cfg, ops, rows, nv, reuse, window):
+    """`insert_unchecked(window=, own_content=True)` (the scheduler's: a row's validated blocks hold its own tokens)
+    reads the entries of a row's own indexed blocks without their tokens: on tables where that holds (the shared
+    prefix blocks a lookup found, fresh blocks after them) the table, the ids and the counters equal the dense
+    probe's."""
+    cache = run_workload(ops, cfg, check_exact=False)
+    oracle = OraclePrefixCache()
+    oracle.index = testing.prefix_index_as_dict(cache, cfg)
+    table = block_table_for(rows, reuse, oracle)
+    args = (cache, jnp.asarray(rows, i32), jnp.asarray(nv, i32), jnp.asarray(table))
+    dense = pc.insert_unchecked(*args, cfg=cfg)
+    windowed = pc.insert_unchecked(*args, cfg=cfg, window=window, own_content=True)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), dense, windowed)
+    assert all(jax.tree.leaves(same)), same
+
+
 @pytest.mark.parametrize("undecided_rows", [1, 3])
 def test_rows_indexed_through_other_rows_blocks_fall_back_to_the_full_probe(undecided_rows):
     """Rows whose whole prefix is indexed, but by another row's blocks (their own are duplicates), are not decided

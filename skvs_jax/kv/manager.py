@@ -313,7 +313,7 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
             live, rows = s < b, jnp.clip(s, 0, b - 1)
             prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
                                               None if salt is None else salt[rows], cfg=cfg.prefix,
-                                              window=pc.INSERT_WINDOW if cfg.skip_costly else 0)
+                                              window=pc.INSERT_WINDOW if cfg.skip_costly else 0, own_content=True)
             return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
         return run
 

@@ -482,7 +482,8 @@ def _start_dense(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, sal
 
 
 def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, block_table: jax.Array,
-                    salt: jax.Array, cfg: PrefixCacheConfig, window: int) -> tuple[tuple, jax.Array]:
+                    salt: jax.Array, cfg: PrefixCacheConfig, window: int,
+                    own_content: bool = False) -> tuple[tuple, jax.Array]:
     """`_start_dense`'s answer from a window: ((start, prev, chain), conclusive bool[B]), exact where conclusive.
 
     A row's leading blocks indexed as its own (the entry of table[b, j] is live, under the row's salt, holds the
@@ -499,9 +500,14 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
     slot = cache.slot_of_block[jnp.clip(own, 0, n - 1)]
     at = jnp.clip(slot, 0, c - 1)
     parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
-    entry = _entry_at(cache, at)  # [B, J]
-    mine = ((own > 0) & (slot >= 0) & (entry.block == own) & (entry.parent == parent)
-            & (entry.salt == salt[:, None]) & jnp.all(entry.tokens == blocks, axis=-1))
+    if own_content:  # block, parent and salt alone: 3 adjacent ints of an entry's 23 (one cache line, not two)
+        fields = cache.entries[at, _BLOCK:_TOKENS]  # [B, J, 3]
+        mine = ((own > 0) & (slot >= 0) & (fields[..., 0] == own) & (fields[..., 1] == parent)
+                & (fields[..., 2] == salt[:, None]))
+    else:
+        entry = _entry_at(cache, at)  # [B, J]
+        mine = ((own > 0) & (slot >= 0) & (entry.block == own) & (entry.parent == parent)
+                & (entry.salt == salt[:, None]) & jnp.all(entry.tokens == blocks, axis=-1))
     h = jnp.minimum(count_leading(mine, axis=1), num_full)
     last = jnp.maximum(h - 1, 0)
     first_prev = jnp.where(h > 0, own[rows, last], ROOT)
@@ -542,15 +548,19 @@ def _start_rest(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt
     return vmap_flow.when(count > few, lambda _: _start_dense(cache, blocks, num_full, salt, cfg), found)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+@functools.partial(jax.jit, static_argnames=("cfg", "window", "own_content"))
 def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cfg: PrefixCacheConfig,
-                     window: int = 0):
+                     window: int = 0, own_content: bool = False):
     """window: 0 probes every block position of every row for its indexed prefix (`_start_dense`); > 0 probes
     only `window` positions past each row's own indexed blocks, and every position only in a call where that
     is not conclusive (`_start_windowed`: a row's blocks indexed by others' entries, or more than `window` of
     them; `_start_rest`). The same table and result either way; the window is far cheaper in a decode step (a
     row's prefix is indexed, one block new), and its fallback is a data-dependent skip (a host round trip on a
-    GPU)."""
+    GPU). own_content (static, with a window): every row's table holds its own tokens in its validated blocks, as
+    the scheduler's tables do (a row wrote them, or shared the block through a lookup that compared them, and an
+    indexed block is never written: a write into it copies it first); the window's check of a row's own indexed
+    blocks then reads their entries' block, parent and salt and not their tokens (at 256 slots, 64 rows of 128
+    entries from a 24 MB table: the largest single cost of the CPU's scheduler step). Any table otherwise."""
     s, m = cfg.block_size, cfg.max_blocks_per_seq
     blocks = _split_blocks(tokens, cfg)  # [B, J, S]
     b, j, _ = blocks.shape
@@ -583,7 +593,7 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cf
     if j > 0:  # static: tokens shorter than a block hold no full block
         # Each row's already-indexed prefix is skipped; the loop below walks the rest.
         if window:
-            found, conclusive = _start_windowed(cache, blocks, num_full, block_table, salt, cfg, window)
+            found, conclusive = _start_windowed(cache, blocks, num_full, block_table, salt, cfg, window, own_content)
             start, prev, chain = _start_rest(cache, blocks, num_full, salt, cfg, found, ~conclusive)
         else:
             start, prev, chain = _start_dense(cache, blocks, num_full, salt, cfg)
