@@ -245,7 +245,7 @@ def test_a_block_both_groups_hold_is_released_by_the_later_free(skip):
 def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):
     """`pin_unchecked` and `unpin_unchecked` (what the KV manager calls every step) leave out passes, not
     effects: on any reachable state and any ids (repeats, padding, free and held blocks) they equal
-    `set_cached_unchecked` with every flag True / False; `distinct=True` equals it on distinct ids, `held=True`
+    `set_cached_unchecked` with every flag True / False; `distinct=True` equals it on distinct ids, `flags_only=True`
     on ids of held blocks."""
     st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
     for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
@@ -259,7 +259,7 @@ def test_pin_and_unpin_are_set_cached_with_every_flag_the_same(cfg, spec, data):
     same(allocator.unpin_unchecked(st, distinct, distinct=True),
          allocator.set_cached_unchecked(st, distinct, jnp.zeros(distinct.shape, bool)))
     held = jnp.where(st.blocks.ref_count[jnp.clip(ids, 0, cfg.num_blocks - 1)] > 0, ids, 0)  # ids of held blocks
-    same(allocator.unpin_unchecked(st, held, held=True), allocator.set_cached_unchecked(st, held, none))
+    same(allocator.unpin_unchecked(st, held, flags_only=True), allocator.set_cached_unchecked(st, held, none))
 
 
 # --------------------------------------------------------------------------------------- examples
@@ -575,7 +575,7 @@ def test_commit_through_the_pallas_block_state_kernel_matches_the_oracle(cfg, sp
 @given(cfg=hs.sampled_from(testing.SMALL_CONFIGS), spec=hs.sampled_from(testing.SPEC_CONFIGS), data=hs.data())
 def test_eviction_in_two_halves_is_evict_then_unpin_of_held_blocks(cfg, spec, data):
     """`evicted_ids` then `evict_ids_unchecked(unpin_held=)` (the KV manager's eviction, with the prefix index's
-    removal between the two) equals `evict_unchecked` followed by `unpin_unchecked(held=True)` of the held blocks:
+    removal between the two) equals `evict_unchecked` followed by `unpin_unchecked(flags_only=True)` of the held blocks:
     one scatter of the pins for both, the same state. Random allocator histories, any k, held ids with repeats and
     padding."""
     st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
@@ -593,7 +593,7 @@ def test_eviction_in_two_halves_is_evict_then_unpin_of_held_blocks(cfg, spec, da
     k = jnp.asarray(data.draw(hs.integers(0, n)), i32)
     order = allocator.lru_order(st.blocks)
     want, want_ids = allocator.evict_unchecked(st, order, k, max_evict=n)
-    want = allocator.unpin_unchecked(want, unpin, held=True)
+    want = allocator.unpin_unchecked(want, unpin, flags_only=True)
     got_ids = allocator.evicted_ids(st.blocks, order, k, max_evict=n)
     got = allocator.evict_ids_unchecked(st, got_ids, unpin_held=unpin)
     np.testing.assert_array_equal(got_ids, want_ids)

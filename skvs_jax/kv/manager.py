@@ -211,7 +211,7 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
         ids = allocator.evicted_ids(kv.alloc.blocks, eviction_order(kv, cfg), num_blocks,
                                     max_evict=cfg.cache.usable_blocks)
         prefix, removed = pc.remove_unchecked(kv.prefix, ids, cfg=cfg.prefix, loop=cfg.skip)
-        # The held descendants' pins go in the evicted blocks' own scatter (`unpin_unchecked(held=True)` of them).
+        # The held descendants' pins go in the evicted blocks' own scatter (`evict_ids_unchecked(unpin_held=)`).
         return KVState(alloc=allocator.evict_ids_unchecked(kv.alloc, ids, unpin_held=removed.descendants),
                        prefix=prefix)
 

@@ -287,15 +287,15 @@ def pin_unchecked(st: AllocatorState, block_ids: jax.Array) -> AllocatorState:
 
 
 def unpin_unchecked(st: AllocatorState, block_ids: jax.Array, *, distinct: bool = False,
-                    held: bool = False) -> AllocatorState:
+                    flags_only: bool = False) -> AllocatorState:
     """`set_cached_unchecked(st, block_ids, False)`: the listed blocks unpinned, the ref-0 ones released to the
     free stack in list order, and no pin pass. distinct (static): the caller guarantees no id > 0 repeats, so the
-    pass that releases a repeated block once is left out. held (static): the caller guarantees every listed
-    block is held (ref > 0), so nothing is released: the flags alone are cleared, one scatter (clearing an
-    unpinned block's flag changes nothing, so the pinned check goes too). Traceable; block_ids int32[X], ids <= 0
-    ignored."""
+    pass that releases a repeated block once is left out. flags_only (static): the flags alone are cleared, one
+    scatter, and nothing is released: `set_cached_unchecked`'s effect when every listed block is held (ref > 0),
+    or when the caller routes the ref-0 ones itself (`evict_ids_unchecked`); clearing an unpinned block's flag
+    changes nothing, so the pinned check goes too. Traceable; block_ids int32[X], ids <= 0 ignored."""
     blocks = st.blocks
-    if held:
+    if flags_only:
         valid, _ = _safe(blocks, block_ids)
         flags = blocks.cached.at[jnp.where(valid, block_ids, blocks.state.shape[0])].set(False, mode="drop")
         return st.replace(blocks=blocks.replace(cached=flags))
@@ -369,22 +369,16 @@ def evicted_ids(blocks: BlockPool, order: jax.Array, num_blocks: jax.Array, *, m
 def evict_ids_unchecked(st: AllocatorState, ids: jax.Array, unpin_held: jax.Array | None = None) -> AllocatorState:
     """Evict ids int32[E] (`evicted_ids`: distinct evictable blocks first, NULL_BLOCK padding after): unpinned,
     FREE, pushed to the free stack in that order. unpin_held int32[X] (NULL_BLOCK = none): blocks some sequence
-    holds whose pins go too, in the same scatter as the evicted blocks' (`unpin_unchecked(held=True)` of them,
-    after). Traceable."""
-    blocks = st.blocks
-    n = blocks.state.shape[0]
+    holds whose pins go too, in the same scatter as the evicted blocks' (`unpin_unchecked(flags_only=True)` of
+    both). Traceable."""
+    n = st.blocks.state.shape[0]
+    unpinned = ids if unpin_held is None else jnp.concatenate([ids, unpin_held])
+    blocks = unpin_unchecked(st, unpinned, flags_only=True).blocks  # evicted: routed below; the others held
     take = ids > NULL_BLOCK
     count = jnp.sum(take, dtype=i32)
     slot = jnp.arange(ids.shape[0], dtype=i32)
-    dst = jnp.where(take, ids, n)
-    unpinned = dst
-    if unpin_held is not None:
-        valid, _ = _safe(blocks, unpin_held)
-        unpinned = jnp.concatenate([dst, jnp.where(valid, unpin_held, n)])
-    flags = blocks.cached.at[unpinned].set(False, mode="drop")
-    state = blocks.state.at[dst].set(FREE, mode="drop")
-    blocks = push(blocks, ids, take, jnp.minimum(slot + 1, count)).replace(cached=flags, state=state,
-                                                                          clock=blocks.clock + 1)
+    state = blocks.state.at[jnp.where(take, ids, n)].set(FREE, mode="drop")
+    blocks = push(blocks, ids, take, jnp.minimum(slot + 1, count)).replace(state=state, clock=blocks.clock + 1)
     counters = st.counters.replace(evictions=st.counters.evictions + count)
     return st.replace(blocks=blocks, counters=counters)
 
