@@ -91,8 +91,9 @@ def test_a_wide_step_that_memory_kept_every_prompt_row_out_of_runs_the_narrow_wi
 
     run_steps = dispatch.run_steps
 
-    def always_wide(runner, params, st, knobs, lim, branch=engine_step.AUTO, *, cfg, width, capacity):
-        return run_steps(runner, params, st, knobs, lim, engine_step.WIDE, cfg=cfg, width=width, capacity=capacity)
+    def always_wide(runner, params, st, knobs, lim, branch=engine_step.AUTO, incoming=None, *, cfg, width, capacity):
+        return run_steps(runner, params, st, knobs, lim, engine_step.WIDE, incoming, cfg=cfg, width=width,
+                         capacity=capacity)
 
     monkeypatch.setattr(dispatch, "run_steps", always_wide)
     wide, out_wide = _serve(shipped, policy, trace)
@@ -109,14 +110,15 @@ def test_the_split_branch_computes_what_the_wide_one_does(shipped, trace, refere
     policy = policies.preset("naive_spec")  # the greedy test's configuration: its programs are reused
     run_steps, compared = dispatch.run_steps, []
 
-    def both(runner, params, st, knobs, lim, branch=engine_step.AUTO, *, cfg, width, capacity):
+    def both(runner, params, st, knobs, lim, branch=engine_step.AUTO, incoming=None, *, cfg, width, capacity):
         if width <= engine_step.narrow_width(cfg):
-            return run_steps(runner, params, st, knobs, lim, branch, cfg=cfg, width=width, capacity=capacity)
-        # One step at a time, so each is compared from the same state.
+            return run_steps(runner, params, st, knobs, lim, branch, incoming, cfg=cfg, width=width,
+                             capacity=capacity)
+        # One step at a time, so each is compared from the same state (each stages the same incoming rows).
         one = lim.replace(n=np.int32(1))
         s_split, split = run_steps(runner, params, jax.tree.map(lambda x: x.copy(), st), knobs, one,
-                                   engine_step.SPLIT, cfg=cfg, width=width, capacity=capacity)
-        st, wide = run_steps(runner, params, st, knobs, one, engine_step.WIDE, cfg=cfg, width=width,
+                                   engine_step.SPLIT, incoming, cfg=cfg, width=width, capacity=capacity)
+        st, wide = run_steps(runner, params, st, knobs, one, engine_step.WIDE, incoming, cfg=cfg, width=width,
                              capacity=capacity)
         if int(wide.steps) and bool(split.out.width_ok[0]):  # the chunks fit the extra rows (else AUTO runs WIDE)
             for field in ("num_new", "new_tokens", "accepted", "num_drafts", "scheduled", "finished"):

@@ -68,7 +68,8 @@ def test_many_steps_per_dispatch_give_the_one_step_engines_tokens(shipped, trace
     runs = [d for d in many.dispatch_log if d["steps"]]
     assert len(runs) < len(many.step_log)  # dispatches really ran several steps
     assert max(d["steps"] for d in runs) <= (dispatch.AUTO_STEPS if steps == "auto" else steps)
-    assert {"fork", "first_token", "admit"} <= {d["stop"] for d in many.dispatch_log}
+    assert {"fork", "first_token", "admit"} <= {d["stop"] for d in many.dispatch_log}  # n > 1 requests: the host's
+    assert sum(d["admitted"] for d in many.dispatch_log) > 0  # requests of one output: the loop admitted some itself
     c = many.state.sched.counters
     assert int(c.preempt_recompute) > 0 and int(c.cached_tokens) > 0
 
@@ -136,6 +137,51 @@ def test_abort_and_prefix_cache_reset_between_dispatches(shipped, trace, steps):
         assert many.requests[rid].tokens == r.tokens and len(r.tokens) == full[rid].max_new_tokens, rid
     for e, victim in ((one, v1), (many, vn)):
         assert e.requests[victim].aborted and not e.requests[victim].finished
+    assert int(many.state.sched.kv.alloc.seqs.num_blocks.sum()) == 0
+
+
+def test_a_finish_admits_the_staged_queue_without_ending_the_dispatch(shipped, trace):
+    """Greedy requests of one output each, more than the slots: the host stages its queue with each dispatch, the
+    loop admits the head where a finish frees a slot, and no dispatch ends for an admission; each request's tokens,
+    every step's tokens and the scheduler's counters are the one-step engine's (which admits at every host turn).
+    With swap preemption nothing is staged (the host reruns a swapping step)."""
+    model, heads = shipped
+    policy = policies.skvs(4)
+    runs = {n: serve_trace(model, heads, policy, CACHE, trace.requests, token_budget=96, prefill_chunk=32,
+                           steps_per_dispatch=n) for n in (1, 8)}
+    many = runs[8]
+    assert_same_serving(runs[1], many)
+    assert "admit" not in {d["stop"] for d in many.dispatch_log}
+    assert sum(d["admitted"] for d in many.dispatch_log) == len(trace.requests) - CACHE.max_seqs
+    assert int(many.state.staged.count) == 0 and not many.table.queue
+    swapping = engine.Engine(model, heads, policy.replace(preemption="swap"), CACHE, token_budget=96, prefill_chunk=32,
+                             steps_per_dispatch=8, swap_blocks=8)
+    assert swapping.state.staged is None
+
+
+def test_an_aborted_staged_request_is_never_admitted(shipped, trace):
+    """An abort of a queued request the host staged on the device (between dispatches, where the host is) takes it
+    off the device's queue too: it never gets a slot or a token, and the others are served as by the one-step
+    engine with the same abort."""
+    model, heads = shipped
+    policy = policies.skvs(4)
+    last = trace.requests[-1].request_id  # queued behind the 8 slots' worth: staged by the first dispatch
+
+    def actions(e, i):
+        if i == 1:
+            assert last in e.table.queue and (not e._stages or last in e._staged)
+            assert e.abort_request(last)
+
+    runs = {}
+    for n in (1, 8):
+        e = engine.Engine(model, heads, policy, CACHE, token_budget=96, prefill_chunk=32, steps_per_dispatch=n)
+        _drive(e, trace, actions)
+        runs[n] = e
+    one, many = runs[1], runs[8]
+    assert many.requests[last].aborted and not many.requests[last].tokens and last not in many.table.slot_of
+    for rid, r in one.requests.items():
+        assert many.requests[rid].tokens == r.tokens, rid
+    assert sum(d["admitted"] for d in many.dispatch_log) > 0
     assert int(many.state.sched.kv.alloc.seqs.num_blocks.sum()) == 0
 
 

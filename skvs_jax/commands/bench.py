@@ -594,7 +594,9 @@ def _print_dispatches(results: dict, names: list[str], args) -> None:
         d = results[n].get("dispatches")
         if d:
             stops = ", ".join(f"{k} {v}" for k, v in d["stops"].items())
-            parts.append(f"{n} {d['steps']} steps in {d['dispatches']} ({d['per_request']:.2f} a request; {stops})")
+            staged = f"; {d['admitted']} admitted by the loop" if d.get("admitted") else ""
+            parts.append(f"{n} {d['steps']} steps in {d['dispatches']} ({d['per_request']:.2f} a request; {stops}"
+                         f"{staged})")
     if parts:
         print(f"dispatches (--steps-per-dispatch {getattr(args, 'steps_per_dispatch', 'auto')}), by why each ended: "
               + "; ".join(parts))

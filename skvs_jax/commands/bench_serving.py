@@ -249,13 +249,15 @@ class Serving:
 
 def dispatch_summary(e: eng.Engine) -> dict:
     """How the run's steps were dispatched: dispatches (those that ran a step, and all), steps, dispatches per
-    request, and the dispatches by why they ended (`serve.dispatch.STOP_NAMES`)."""
+    request, the dispatches by why they ended (`serve.dispatch.STOP_NAMES`), and the requests the dispatch loop
+    admitted itself (staged by the host, `serve.dispatch.Staged`)."""
     log = e.dispatch_log
     ran = [d for d in log if d["steps"]]
     stops = collections.Counter(d["stop"] for d in ran)
     requests = max(1, len(e.requests))
     return {"dispatches": len(ran), "sent": len(log), "steps": sum(d["steps"] for d in log),
-            "per_request": round(len(ran) / requests, 3), "stops": dict(sorted(stops.items()))}
+            "per_request": round(len(ran) / requests, 3), "stops": dict(sorted(stops.items())),
+            "admitted": sum(d.get("admitted", 0) for d in log)}
 
 
 def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, bucket_hist=None,

@@ -151,9 +151,9 @@ def _round_trips(name: str, smoke: bool) -> str:
                       step_cost="flat", steps_per_dispatch="auto", impl="auto")
     parts = []
     for width in sorted({engine_step.narrow_width(e.cfg), e.picker.prompt_width}):
-        fn = jax.make_jaxpr(lambda p, st, k, lim, w=width: dispatch.run_steps(
-            e.runner, p, st, k, lim, engine_step.AUTO, cfg=e.cfg, width=w, capacity=dispatch.CAPACITY))
-        c = control_flow(fn(e.params, e.state, e.knobs, dispatch.limits(1)))
+        fn = jax.make_jaxpr(lambda p, st, k, lim, new, w=width: dispatch.run_steps(
+            e.runner, p, st, k, lim, engine_step.AUTO, new, cfg=e.cfg, width=w, capacity=dispatch.CAPACITY))
+        c = control_flow(fn(e.params, e.state, e.knobs, dispatch.limits(1), e._incoming([])))
         parts.append(f"width {width}: {c['while']} while, {c['cond']} cond")
     return f"{name}: " + "; ".join(parts)
 

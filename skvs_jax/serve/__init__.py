@@ -10,8 +10,8 @@
   widths        the width picker: each step's query width, the histograms, the draft widths' re-choice
   step_cost     the engine's step cost, fitted from timed steps of its compiled programs
   engine_step   the jitted step itself, as named phases (schedule, drafts, forward, verify, update)
-  dispatch      many engine steps in one jitted program (`run_steps`): the loop, the device's width pick, the
-                rules that end a dispatch where the host is needed
+  dispatch      many engine steps in one jitted program (`run_steps`): the loop, the device's width pick, its
+                admissions of the requests the host staged, the rules that end a dispatch where the host is needed
   sampling      per-request sampling inside the step: logits processing, streams, stop sequences, logprobs
   sampling_params  `SamplingParams`: what a request asks of the sampler, validated at the boundary
   constraints   allowed_token_ids, bad_words, min_tokens and logit_bias as one additive term on the logits

@@ -8,10 +8,11 @@ One step has no host round trip inside:
   reclaim) → per-step statistics.
 
 Up to `steps_per_dispatch` steps run in one jitted program (`serve.dispatch.run_steps`, a `lax.while_loop`), which
-ends before a step that needs the host (an admission, a fork, a swap, another width, a first token); the
-schedules are the one-step engine's. The host overlaps the device (`advance`, what `run` and `stream` take): it
-sends dispatch k + 1 before it reads dispatch k. `steps_per_dispatch=1` runs one `engine_step.fused_step` per
-step with the host between every two, the engine before dispatches of many steps.
+ends before a step that needs the host (an admission of a request not staged, a fork, a swap, another width, a
+first token); the requests the host staged with a dispatch are admitted by the loop where a finish frees a slot
+(`dispatch.Staged`). The schedules are the one-step engine's. The host overlaps the device (`advance`, what `run`
+and `stream` take): it sends dispatch k + 1 before it reads dispatch k. `steps_per_dispatch=1` runs one
+`engine_step.fused_step` per step with the host between every two, the engine before dispatches of many steps.
 
 The host loop around it is three parts behind one class, after vLLM's Processor / OutputProcessor / EngineCore:
 
@@ -156,8 +157,13 @@ class Engine:
         # more than the admission (docs/serving.md, "Host costs"); `sampling_rows` copies them.
         self._default_rows = jax.device_get(sampling_mod.default_rows(cache.max_seqs))
         self._host_backend = opt.mesh is None and jax.default_backend() == "cpu"  # `_fetch`
-        self.state = self._empty_state()
+        # Dispatches of many steps admit the requests the host staged on the device themselves (`serve.dispatch`,
+        # `Staged`); the host keeps the ids it staged (a prefix of its queue), and forgets them at its own turns.
+        self._stages = opt.steps_per_dispatch != 1 and not dispatch_mod.swaps_possible(self.cfg)
+        self._staged: list[int] = []
+        self._restage = True
         self.table = RequestTable(cache.max_seqs, runner.vocab_size, scfg.max_len, opt.tokenizer, opt.detokenize)
+        self.state = self._empty_state()
         self.clock, self.t0 = opt.clock, opt.clock()
         self.step_log: list[dict] = []
         self.compiled: set[tuple[int, bool]] = set()
@@ -171,7 +177,8 @@ class Engine:
         self._ready: list[Result] = []  # results read early (an abort drains the dispatch in flight)
         self._last_stop = dispatch_mod.RUNNING  # why the last dispatch read ended
         self._busy_until = 0.0  # engine time at which the device finished the last dispatch read
-        self.dispatch_log: list[dict] = []  # one row per dispatch: start, end, steps, stop (its reason), width
+        # one row per dispatch: start, end, steps, stop (its reason), width, admitted (staged requests it admitted)
+        self.dispatch_log: list[dict] = []
         self.tiers = None
         if policy.preemption == "swap" and scfg.swap_blocks:  # host tier (swap_blocks) backed by disk (disk_blocks)
             self.tiers = tiers_mod.SwapSpace(self._kv_pages(), opt.swap_blocks, opt.disk_blocks, opt.disk_dir)
@@ -192,7 +199,8 @@ class Engine:
         state = engine_step.EngineState(
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
             sampling=sampling_mod.default_rows(b), step_cost=self._device_step_cost(),
-            prompt_work=jnp.asarray(False), next_want=jnp.asarray(self.policy.draft_len, jnp.int32))
+            prompt_work=jnp.asarray(False), next_want=jnp.asarray(self.policy.draft_len, jnp.int32),
+            staged=jax.tree.map(jnp.asarray, self._incoming([])) if self._stages else None)
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:
@@ -242,6 +250,11 @@ class Engine:
     def _rows(self, logs: list[RequestLog]) -> sampling_mod.SamplingRows:
         """B sampling rows for these requests, as a jitted call's argument."""
         return jax.tree.map(self._arg, sampling_rows(logs, self._default_rows, self.options.seed))
+
+    def _incoming(self, ids: list[int]) -> dispatch_mod.Staged:
+        """These queued requests as rows to stage on the device (host arrays; `dispatch.Staged`)."""
+        rows = sampling_rows([self.requests[rid] for rid in ids], self._default_rows, self.options.seed)
+        return dispatch_mod.staged_from(*self.table.admission_arrays(ids), rows, len(ids))
 
     # --------------------------------------------------------------------------------------------- requests
 
@@ -379,18 +392,42 @@ class Engine:
         (a swap), else admissions. Returns that step's results, [] when there is nothing to dispatch, or None when
         a dispatch should follow."""
         self._abort_slots(self.table.take_host_stops())  # requests a stop string ended leave their slots
+        self._staged, self._restage = [], True  # the host admits now; the next dispatch stages the queue afresh
         if self._last_stop == dispatch_mod.SWAP:
             return self._swap_step()
         self._admit_queue()
         return None if self.table.has_work() else []
 
     def _admit_at(self) -> int:
-        """The empty slots at which the host admits its queue head (`dispatch.ADMIT`): the head's outputs plus the
-        slots held for unforked outputs (`RequestTable.admissions`' rule)."""
+        """The empty slots at which the host admits its first queued request not staged (`dispatch.ADMIT`): its
+        outputs plus the slots held for unforked outputs (`RequestTable.admissions`' rule)."""
         t = self.table
-        if not t.queue:
+        if len(t.queue) <= len(self._staged):
             return dispatch_mod.NO_ADMISSION
-        return 1 + len(t.live_outputs(t.queue[0])) + sum(t.unforked.values())
+        return 1 + len(t.live_outputs(t.queue[len(self._staged)])) + sum(t.unforked.values())
+
+    def _stage(self) -> dispatch_mod.Staged:
+        """The queued requests to stage with the next dispatch: those after the ones staged, in queue order, up to
+        B staged in all (the device may have admitted some of those already: never more than B), stopping at the
+        first of n > 1 outputs (its slots for unforked outputs are held by the host's rule)."""
+        t = self.table
+        room = self.cfg.sched.cache.max_seqs - len(self._staged)
+        new = []
+        for rid in t.queue[len(self._staged):]:
+            if len(new) >= room or t.live_outputs(rid):
+                break
+            new.append(rid)
+        self._staged += new
+        return self._incoming(new)
+
+    def _took_staged(self, slots: np.ndarray) -> None:
+        """The dispatch admitted the first staged requests into these slots (int32[B], -1 past them) before a
+        step: they leave the queue for their slots, as the host's own admission would have placed them."""
+        m = int(np.sum(slots >= 0))
+        if m:
+            ids, self._staged = self._staged[:m], self._staged[m:]
+            self.table.admit_staged(ids, slots[:m])
+            self.picker.prompt_work = True
 
     def _dispatch(self, width: int, bound: int | None, exact: bool = False) -> _Flight:
         """Send one dispatch at `width` (not read here): `dispatch.run_steps`, or with steps_per_dispatch=1 the
@@ -411,8 +448,13 @@ class Engine:
                 self.state, out = engine_step.model_only(*args, self.state, batch, self.knobs, engine_step.AUTO,
                                                          cfg=self.cfg, width=width)
             return _Flight(width=width, start=start, out=out)
-        lim = jax.tree.map(self._arg, dispatch_mod.limits(self._next_bound(), self._admit_at(), exact))
-        self.state, out = dispatch_mod.run_steps(*args, self.state, self.knobs, lim, engine_step.AUTO, cfg=self.cfg,
+        incoming = self._stage() if self._stages else None
+        lim = dispatch_mod.limits(self._next_bound(), self._admit_at(), exact, held=sum(self.table.unforked.values()),
+                                  restage=self._restage)
+        self._restage = False
+        put = functools.partial(jax.tree.map, self._arg)
+        self.state, out = dispatch_mod.run_steps(*args, self.state, self.knobs, put(lim), engine_step.AUTO,
+                                                 None if incoming is None else put(incoming), cfg=self.cfg,
                                                  width=width, capacity=dispatch_mod.CAPACITY)
         return _Flight(width=width, start=start, out=out)
 
@@ -435,22 +477,26 @@ class Engine:
         Each step's time is the dispatch's wall time (from when the device could start it) spread over its steps
         in proportion to the fitted step cost of the width each ran (equal shares before a fit)."""
         if isinstance(flight.out, engine_step.StepOut):  # one step (steps_per_dispatch=1)
-            steps, stop, rows = 1, dispatch_mod.BOUND, [self._fetch(flight.out)]
+            steps, stop, rows, took = 1, dispatch_mod.BOUND, [self._fetch(flight.out)], None
         else:
             head = self._fetch((flight.out.steps, flight.out.stop))
             steps, stop = int(head[0]), int(head[1])
             out = self._fetch(flight.out.out) if steps else None
+            took = self._fetch(flight.out.took) if steps and self._stages else None
             rows = [jax.tree.map(lambda x, i=i: x[i], out) for i in range(steps)]
         end = self.now()
         start = max(flight.start, self._busy_until)
         self._busy_until, self._last_stop = end, stop
         self.dispatch_log.append(dict(start=start, end=end, steps=steps, stop=dispatch_mod.STOP_NAMES[stop],
-                                      width=flight.width))
+                                      width=flight.width,
+                                      admitted=0 if took is None else int(np.sum(took[:steps] >= 0))))
         if not steps:
             return []
         times = _spread(start, end, [self._priced(r) for r in rows])
         results = []
         for i, row in enumerate(rows):
+            if took is not None:
+                self._took_staged(took[i])
             results += self._took_step(row, flight.width, times[i], times[i + 1])
         if not self.table.has_work() and rows[-1].finished.any():
             self._release_idle(int(np.sum(rows[-1].finished)))
@@ -674,8 +720,10 @@ class Engine:
                                               cfg=self.cfg, width=width)
             return engine_step.fused_step(self.runner, self.params, state, self.knobs, branch, cfg=self.cfg,
                                           width=width)
-        lim = jax.tree.map(self._arg, dispatch_mod.limits(1, probe=True))
-        return dispatch_mod.run_steps(self.runner, self.params, state, self.knobs, lim, branch, cfg=self.cfg,
+        put = functools.partial(jax.tree.map, self._arg)
+        incoming = put(self._incoming([])) if self._stages else None  # the serving call's structure: one program
+        lim = put(dispatch_mod.limits(1, probe=True))
+        return dispatch_mod.run_steps(self.runner, self.params, state, self.knobs, lim, branch, incoming, cfg=self.cfg,
                                       width=width, capacity=dispatch_mod.CAPACITY)
 
     def _idle_swap_step(self, state: engine_step.EngineState, width: int):

@@ -70,6 +70,9 @@ class EngineState:
     # prompt work (bool[]; `add_requests` sets it), and the draft bound were every width compiled (int32[]).
     prompt_work: jax.Array | None = None
     next_want: jax.Array | None = None
+    # Queued requests the dispatch loop admits itself when a finish frees a slot (`serve.dispatch.Staged`); None
+    # where the host admits every request (one step per dispatch, swap preemption).
+    staged: Any = None
 
 
 @struct.dataclass
@@ -678,7 +681,15 @@ def model_only(runner, params, st, batch, knobs, branch=AUTO, *, cfg, width):
 def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None,
                  tpot_target=None, *, cfg):
     """Add requests (`sc.add_unchecked`) with their sampling rows (`sampling.SamplingRows`, one per request),
-    cache salts (int32[B], `engine.salt_id`; None: no salt) and TPOT targets (int32[B] microseconds; None: none)."""
+    cache salts (int32[B], `engine.salt_id`; None: no salt) and TPOT targets (int32[B] microseconds; None: none).
+    Returns (state, slots int32[B']: each request's slot, -1 where it was not placed)."""
+    return add_requests_unchecked(st, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt,
+                                  tpot_target, cfg=cfg)
+
+
+def add_requests_unchecked(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None,
+                           tpot_target=None, *, cfg):
+    """`add_requests`' body, traced into a caller's program (the dispatch loop's own admissions)."""
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
                                     tpot_target, cfg=cfg.sched)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)

@@ -311,6 +311,14 @@ class RequestTable:
         self.free_slots -= need
         return take
 
+    def admit_staged(self, ids: Sequence[int], slots: np.ndarray) -> None:
+        """The dispatch loop admitted `ids`, the head of the queue (requests of one output each), into `slots`:
+        what `admissions` and `placed` would have done (the next step's `free_slots` counts them)."""
+        if list(self.queue[: len(ids)]) != list(ids):
+            raise RuntimeError("engine bug: the device admitted staged requests that are not the queue's head")
+        self.queue = self.queue[len(ids):]
+        self.placed(ids, slots)
+
     def placed(self, ids: Sequence[int], slots: np.ndarray) -> None:
         """`ids[i]` now lives in `slots[i]` (what the device's `add` or `fork` returned)."""
         for row, rid in enumerate(ids):
