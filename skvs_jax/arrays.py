@@ -69,3 +69,19 @@ def take_each(arrays: tuple[jax.Array, ...], index: jax.Array) -> tuple[jax.Arra
     of the step at 256 slots for a `concatenate` fusion of shape [k, N] (docs/scheduler.md, "A fifth round")."""
     stacked = jnp.stack([a.astype(i32) for a in arrays])[:, index]
     return tuple(row.astype(a.dtype) for a, row in zip(arrays, stacked, strict=True))
+
+
+def rows_into(slot: jax.Array, n: int) -> jax.Array:
+    """int32[n]: for each of n rows, which entry of `slot` (int32[m], distinct; out of [0, n): none) writes it,
+    -1 where none does: the inverse of a row scatter, to write it densely (`set_rows_from`)."""
+    return jnp.full((n,), -1, i32).at[slot].set(jnp.arange(slot.shape[0], dtype=i32), mode="drop")
+
+
+def set_rows_from(x: jax.Array, src: jax.Array, value) -> jax.Array:
+    """x with row r set to value[src[r]] where src[r] >= 0 (`rows_into`), else kept: `x.at[slot].set(value)` as
+    a gather and a select over x's rows, which a GPU fuses with its siblings of the same `src` (a scatter per
+    array is a kernel each). value: an array with a leading axis of src's entries' range, or a scalar."""
+    value = jnp.asarray(value, x.dtype)
+    rows = value[jnp.clip(src, 0, None)] if value.ndim else value
+    keep = (src < 0).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(keep, x, rows)

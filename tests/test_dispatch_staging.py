@@ -102,3 +102,20 @@ def test_the_skipping_admission_is_the_selecting_one():
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         assert int(a.staged.count) == 3 - k
+
+
+@given(n=st.integers(1, 12), m=st.integers(1, 12), trailing=st.lists(st.integers(1, 3), max_size=2),
+       seed=st.integers(0, 2**16), scalar=st.booleans())
+def test_a_dense_row_write_is_the_scatter(n, m, trailing, seed, scalar):
+    """`arrays.rows_into` + `arrays.set_rows_from` (a gather and a select per array, what a program that admits on
+    every step writes rows with) equal `x.at[slot].set(value, mode="drop")` for distinct slots, some out of
+    range (dropped), with row values or a scalar."""
+    from skvs_jax import arrays
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.integers(-50, 50, (n, *trailing)), jnp.int32)
+    slot = rng.permutation(n + 3)[:m].astype(np.int32) - 1  # distinct, -1 and >= n: dropped
+    slot, m = jnp.asarray(np.where(slot < 0, n + 5, slot)), len(slot)
+    value = jnp.asarray(7, jnp.int32) if scalar else jnp.asarray(rng.integers(100, 200, (m, *trailing)), jnp.int32)
+    got = arrays.set_rows_from(x, arrays.rows_into(slot, n), value)
+    np.testing.assert_array_equal(got, x.at[slot].set(value, mode="drop"))

@@ -17,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from skvs_jax import arrays
 from skvs_jax.arrays import cdiv, count_leading, i32
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
@@ -177,26 +178,34 @@ def update_unchecked(
 # ------------------------------------------------------------------------------------------ add / abort
 
 
-def _start_rows(seqs: SeqTable, slot: jax.Array, **given) -> SeqTable:
-    """The rows `slot` (int32[B'], B = dropped) of the table set for sequences that start there: the `given`
-    fields (arrays with a leading B' axis, or scalars), every other field zero (its statistics, counters and
-    flags). The one place a row starts (`add`, `fork`), so a field added to `SeqTable` starts at zero in both
-    instead of keeping the slot's previous occupant's value."""
+def _start_rows(seqs: SeqTable, slot: jax.Array, dense: bool = False, **given) -> SeqTable:
+    """The rows `slot` (int32[B'], B = dropped; distinct) of the table set for sequences that start there: the
+    `given` fields (arrays with a leading B' axis, or scalars), every other field zero (its statistics, counters
+    and flags). The one place a row starts (`add`, `fork`), so a field added to `SeqTable` starts at zero in both
+    instead of keeping the slot's previous occupant's value. dense (static): each field is a row gather and a
+    select over the B slots (`arrays.rows_into`) instead of a scatter: the same table, in kernels a GPU fuses
+    (one scatter in all, for the slots' sources, against one per field)."""
     names = {f.name for f in dataclasses.fields(seqs)}
     if unknown := set(given) - names:
         raise TypeError(f"SeqTable has no fields {sorted(unknown)}")
+    src = arrays.rows_into(slot, seqs.status.shape[0]) if dense else None
+
     def start(name):
         x = getattr(seqs, name)
-        return x.at[slot].set(given.get(name, jnp.zeros((), x.dtype)), mode="drop")
+        value = given.get(name, jnp.zeros((), x.dtype))
+        if dense:
+            return arrays.set_rows_from(x, src, value)
+        return x.at[slot].set(value, mode="drop")
 
     return seqs.replace(**{n: start(n) for n in names})
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "dense"))
 def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_salt=None, tpot_target=None, *,
-                  cfg: SchedulerConfig):
+                  cfg: SchedulerConfig, dense: bool = False):
     """`add` without the boundary checks (a row that breaks its rules is padding). cache_salt, tpot_target:
-    int32[requests] (None: 0, no salt, no target)."""
+    int32[requests] (None: 0, no salt, no target). dense (static): rows written as gathers and selects
+    (`_start_rows`), for a program that admits on every step (a GPU's dispatch loop)."""
     b = cfg.cache.max_seqs
     seqs = st.seqs
     # A row that breaks add's rules (checked at the boundary when concrete) is padding here, never a sequence
@@ -211,7 +220,7 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_
     arrival = st.next_arrival + rank
     prompts = jnp.pad(prompts, ((0, 0), (0, cfg.max_len - prompts.shape[1])))
     prompts = jnp.where(jnp.arange(cfg.max_len)[None, :] < prompt_len[:, None], prompts, 0)
-    seqs = _start_rows(seqs, slot, status=WAITING, tokens=prompts, num_tokens=prompt_len, prompt_len=prompt_len,
+    seqs = _start_rows(seqs, slot, dense, status=WAITING, tokens=prompts, num_tokens=prompt_len, prompt_len=prompt_len,
                        max_new_tokens=max_new, priority=priority, arrival=arrival, request_id=request_id,
                        cache_salt=0 if cache_salt is None else cache_salt,
                        tpot_target=0 if tpot_target is None else jnp.maximum(tpot_target, 0))

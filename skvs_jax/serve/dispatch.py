@@ -130,13 +130,15 @@ def admissible(st: EngineState, lim: Limits) -> jax.Array:
 
 def admit_staged(st: EngineState, k: jax.Array, *, cfg: EngineConfig) -> tuple[EngineState, jax.Array]:
     """The first k staged requests admitted (`engine_step.add_requests_unchecked`) and popped off the queue.
-    Returns (state, slots int32[B]: row i's slot for i < k, -1 after). k <= the empty slots (`admissible`)."""
+    Returns (state, slots int32[B]: row i's slot for i < k, -1 after). k <= the empty slots (`admissible`).
+    Where the program runs it on every step (no skips: a GPU's), the rows are written densely (gathers and
+    selects that fuse, not a scatter per field)."""
     q = st.staged
     b = q.prompt_len.shape[0]
     row = jnp.arange(b, dtype=i32)
     lens = jnp.where(row < k, q.prompt_len, 0)  # a row of length 0 is padding to `add`
     st, slots = engine_step.add_requests_unchecked(st, q.prompts, lens, q.max_new, q.priority, q.request_id, q.rows,
-                                                   q.cache_salt, q.tpot_target, cfg=cfg)
+                                                   q.cache_salt, q.tpot_target, cfg=cfg, dense=not cfg.sched.skip)
     popped = _rows(q, jnp.clip(row + k, 0, b - 1)).replace(count=q.count - k)
     return st.replace(staged=popped), slots
 
@@ -253,8 +255,8 @@ def _one_step(runner, params, st: EngineState, knobs, cfg: EngineConfig, width: 
 
 def _admit(st: EngineState, k: jax.Array, cfg: EngineConfig) -> tuple[EngineState, jax.Array]:
     """`admit_staged` of k requests; with skips (`vmap_flow.when`) only on the steps that admit some: the
-    others would run the admission's scatters for nothing. Without (a GPU's program) it always runs: with k = 0
-    it writes nothing, and a skip would cost a host round trip a step."""
+    others would run the admission's scatters for nothing. Without (a GPU's program) it always runs, densely: with
+    k = 0 it writes nothing, and a skip would cost a host round trip a step."""
     b = cfg.sched.cache.max_seqs
     none = jnp.full((b,), -1, i32)
     if not cfg.sched.skip:

@@ -688,13 +688,16 @@ def add_requests(st: EngineState, prompts, prompt_len, max_new, priority, reques
 
 
 def add_requests_unchecked(st: EngineState, prompts, prompt_len, max_new, priority, request_id, rows, cache_salt=None,
-                           tpot_target=None, *, cfg):
-    """`add_requests`' body, traced into a caller's program (the dispatch loop's own admissions)."""
+                           tpot_target=None, *, cfg, dense: bool = False):
+    """`add_requests`' body, traced into a caller's program (the dispatch loop's own admissions). dense (static):
+    rows written as gathers and selects, not scatters (`scheduler.add_unchecked`), for a program that runs it on
+    every step."""
     sched, slots = sc.add_unchecked(st.sched, prompts, prompt_len, max_new, priority, request_id, cache_salt,
-                                    tpot_target, cfg=cfg.sched)
+                                    tpot_target, cfg=cfg.sched, dense=dense)
     dst = jnp.where(slots >= 0, slots, cfg.sched.cache.max_seqs)
     prompt_work = st.prompt_work | jnp.any(slots >= 0)  # the new requests wait to be prefilled
-    return st.replace(sched=sched, sampling=sampling.set_rows(st.sampling, dst, rows), prompt_work=prompt_work), slots
+    rows = sampling.set_rows(st.sampling, dst, rows, dense=dense)
+    return st.replace(sched=sched, sampling=rows, prompt_work=prompt_work), slots
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnums=(0,))

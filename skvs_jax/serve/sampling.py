@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from skvs_jax import arrays
 from skvs_jax.arrays import i32
 
 f32 = jnp.float32
@@ -96,8 +97,12 @@ def default_rows(b: int) -> SamplingRows:
         bad_len=jnp.zeros((b, MAX_BAD_WORDS), i32))
 
 
-def set_rows(rows: SamplingRows, dst: jax.Array, new: SamplingRows) -> SamplingRows:
-    """rows with row dst[i] set to new's row i (dst int32[B'], out of range: dropped)."""
+def set_rows(rows: SamplingRows, dst: jax.Array, new: SamplingRows, dense: bool = False) -> SamplingRows:
+    """rows with row dst[i] set to new's row i (dst int32[B'], distinct; out of range: dropped). dense (static):
+    gathers and selects instead of a scatter per leaf (`arrays.set_rows_from`), the same rows."""
+    if dense:
+        src = arrays.rows_into(dst, rows.temperature.shape[0])
+        return jax.tree.map(lambda old, x: arrays.set_rows_from(old, src, x), rows, new)
     return jax.tree.map(lambda old, x: old.at[dst].set(x, mode="drop"), rows, new)
 
 
