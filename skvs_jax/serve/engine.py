@@ -164,6 +164,9 @@ class Engine:
         self._restage = True
         self.table = RequestTable(cache.max_seqs, runner.vocab_size, scfg.max_len, opt.tokenizer, opt.detokenize)
         self.state = self._empty_state()
+        # What a dispatch stages when nothing is new (most of them): on the device once, so a dispatch does not
+        # move B empty prompt rows (B x max_len tokens) and sampling rows to it each time.
+        self._nothing_staged = jax.tree.map(self._put, self._incoming([])) if self._stages else None
         self.clock, self.t0 = opt.clock, opt.clock()
         self.step_log: list[dict] = []
         self.compiled: set[tuple[int, bool]] = set()
@@ -418,7 +421,7 @@ class Engine:
                 break
             new.append(rid)
         self._staged += new
-        return self._incoming(new)
+        return self._incoming(new) if new else self._nothing_staged
 
     def _took_staged(self, slots: np.ndarray) -> None:
         """The dispatch admitted the first staged requests into these slots (int32[B], -1 past them) before a
@@ -721,7 +724,7 @@ class Engine:
             return engine_step.fused_step(self.runner, self.params, state, self.knobs, branch, cfg=self.cfg,
                                           width=width)
         put = functools.partial(jax.tree.map, self._arg)
-        incoming = put(self._incoming([])) if self._stages else None  # the serving call's structure: one program
+        incoming = self._nothing_staged  # the serving call's structure (None without staging): one program
         lim = put(dispatch_mod.limits(1, probe=True))
         return dispatch_mod.run_steps(self.runner, self.params, state, self.knobs, lim, branch, incoming, cfg=self.cfg,
                                       width=width, capacity=dispatch_mod.CAPACITY)
