@@ -92,6 +92,7 @@ def test_the_gpu_program_serves_the_cpu_programs_tokens(shipped, trace, one_step
                       **options)
     assert gpu.cfg.sched.control_flow == "select" and gpu.cfg.sched.dense
     assert_same_serving(one_step("sampling"), gpu)
+    assert sum(d["admitted"] for d in gpu.dispatch_log) > 0  # the dense admission (`dispatch.admit_staged`) ran
     assert int(gpu.state.sched.counters.preempt_recompute) > 0 and int(gpu.state.sched.counters.cached_tokens) > 0
 
 

@@ -102,11 +102,12 @@ def test_hbm_peak_by_device_kind():
 
 def test_the_serving_section_prints_every_figure_from_the_measurement(capsys, monkeypatch):
     """The section's report from `micro_host.measure`'s rows (stubbed here: the real run is the slow test below):
-    per configuration throughput, dispatches per request, idle per step; the N / 1 and skvs / naive_spec ratios."""
+    per configuration throughput, dispatches per request, requests the loop admitted, idle per step; the N / 1 and
+    skvs / naive_spec ratios."""
     def rows(r):
         return [dict(wall_s=1.0, device_s=0.9, host_share=0.1, visible=0.1, serial_s=1.1, sent=r, steps=100,
                      dispatches=r, per_request=r / 32, host_ms_per_step=1.0, tok_s=1000.0 * (2 if r < 50 else 1),
-                     same_steps=True)]
+                     admitted=0 if r > 50 else 24, same_steps=True)]
 
     fake = {f"{p} N={n}": rows(100 if n == 1 else 20) for p in ("naive_spec", "skvs") for n in (1, "auto")}
     monkeypatch.setattr(micro_host, "measure", lambda *a, **k: fake)
@@ -115,6 +116,7 @@ def test_the_serving_section_prints_every_figure_from_the_measurement(capsys, mo
     assert commands.main(["gpu-check", "--only", "serving"]) == 0
     out = capsys.readouterr().out
     assert "skvs N=auto" in out and "1000" in out and "naive_spec: N=auto / N=1 throughput 2.000x" in out
+    assert "admitted" in out and any(line.startswith("skvs N=auto") and " 24 " in line for line in out.splitlines())
     assert "skvs / naive_spec at N=1: 1.000x" in out and "skvs: width 5: 3 while, 2 cond" in out
 
 

@@ -165,13 +165,14 @@ def _serving(smoke: bool, chosen) -> bool:
     steps = [1, chosen]
     rows = micro_host.measure(names, steps, rounds=1, requests=4 if smoke else 16)
     print("idle us/step: (wall - the programs' own time) / steps, the device's idle time between dispatches as served")
-    print(f"{'config':<24}{'tok/s':>9}{'steps':>7}{'dispatches':>12}{'/request':>10}{'idle us/step':>14}"
-          f"{'idle %':>8}")
+    print("admitted: requests the dispatch loop admitted itself (staged by the host, serve.dispatch.Staged)")
+    print(f"{'config':<24}{'tok/s':>9}{'steps':>7}{'dispatches':>12}{'/request':>10}{'admitted':>10}"
+          f"{'idle us/step':>14}{'idle %':>8}")
     for name, rs in rows.items():
         r = rs[0]
         idle_us = 1e6 * max(0.0, r["wall_s"] - r["device_s"]) / r["steps"]
         print(f"{name:<24}{r['tok_s']:>9.0f}{r['steps']:>7}{r['dispatches']:>12}{r['per_request']:>10.2f}"
-              f"{idle_us:>14.0f}{100 * r['visible']:>8.1f}")
+              f"{r['admitted']:>10}{idle_us:>14.0f}{100 * r['visible']:>8.1f}")
     for name in names:
         one, many = rows[f"{name} N=1"][0], rows[f"{name} N={chosen}"][0]
         print(f"{name}: N={chosen} / N=1 throughput {many['tok_s'] / one['tok_s']:.3f}x")

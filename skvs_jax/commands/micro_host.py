@@ -125,6 +125,7 @@ def measure(policy_names, steps_values, rounds: int, requests: int) -> dict:
             rows[c].append(dict(wall_s=wall, serial_s=serial, device_s=device, host_share=1 - device / serial,
                                 visible=max(0.0, wall - device) / wall, steps=steps, dispatches=dispatches,
                                 sent=len(log) or steps, per_request=dispatches / len(trace.requests),
+                                admitted=sum(d.get("admitted", 0) for d in log),
                                 host_ms_per_step=1e3 * (serial - device) / steps, tok_s=tokens / wall,
                                 same_steps=len(e_dev.step_log) == steps))
     return {f"{p} N={s}": v for (p, s), v in rows.items()}
@@ -144,13 +145,13 @@ def run(args: argparse.Namespace) -> int:
           "time / serial wall; visible % = (wall - program time) / wall, the device's idle share as served (0: "
           "the host's work is hidden)")
     print(f"{'config':<20}{'wall s':>8}{'serial s':>9}{'prog s':>8}{'host %':>8}{'visible %':>10}"
-          f"{'host ms/step':>13}{'steps':>7}{'dispatches':>11}{'sent':>6}{'/request':>9}{'tok/s':>8}")
+          f"{'host ms/step':>13}{'steps':>7}{'dispatches':>11}{'sent':>6}{'/request':>9}{'admitted':>9}{'tok/s':>8}")
     for name, rs in out.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "same_steps"}
         print(f"{name:<20}{med['wall_s']:>8.3f}{med['serial_s']:>9.3f}{med['device_s']:>8.3f}"
               f"{100 * med['host_share']:>8.1f}{100 * med['visible']:>10.1f}{med['host_ms_per_step']:>13.2f}"
               f"{med['steps']:>7.0f}{med['dispatches']:>11.0f}{med['sent']:>6.0f}{med['per_request']:>9.2f}"
-              f"{med['tok_s']:>8.0f}")
+              f"{med['admitted']:>9.0f}{med['tok_s']:>8.0f}")
         if not all(r["same_steps"] for r in rs):
             print(f"  warning: {name}: the timed and untimed runs took different steps")
     if args.json:
