@@ -288,25 +288,27 @@ def run_steps(runner, params, st: EngineState, knobs, lim: Limits, branch=engine
     zero = _zeros_like_out(runner, params, st, knobs, cfg, width)
     buf = jax.tree.map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), zero)
     took = jnp.full((capacity, b), -1, i32)
-    stop0 = stop_before(jnp.asarray(0, i32), st, jnp.asarray(False), lim, cfg=cfg, width=width,
-                        admits=admissible(st, lim))
+    admits0 = admissible(st, lim)  # what the stop rule saw is what the step admits: carried, not recounted
+    stop0 = stop_before(jnp.asarray(0, i32), st, jnp.asarray(False), lim, cfg=cfg, width=width, admits=admits0)
 
     def cond(carry):
         return carry[4] == RUNNING
 
     def body(carry):
-        i, st, buf, took, _ = carry
+        i, st, buf, took, _, admits = carry
         if st.staged is not None:
-            st, slots = _admit(st, admissible(st, lim), cfg)
+            st, slots = _admit(st, admits, cfg)
             took = jax.lax.dynamic_update_index_in_dim(took, slots, i, 0)
         new, out, swapped = _one_step(runner, params, st, knobs, cfg, width, branch,
                                       skip_swaps=zero if swaps else None)
         buf = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buf, out)
         ran = i + jnp.where(swapped, 0, 1).astype(i32)
-        stop = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width, admits=admissible(new, lim))
-        return ran, new, buf, took, jnp.where(swapped, SWAP, stop).astype(i32)
+        admits = admissible(new, lim)
+        stop = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width, admits=admits)
+        return ran, new, buf, took, jnp.where(swapped, SWAP, stop).astype(i32), admits
 
-    steps, st, buf, took, stop = jax.lax.while_loop(cond, body, (jnp.asarray(0, i32), st, buf, took, stop0))
+    init = (jnp.asarray(0, i32), st, buf, took, stop0, admits0)
+    steps, st, buf, took, stop, _ = jax.lax.while_loop(cond, body, init)
     return st, Dispatched(steps=steps, stop=stop, out=buf, took=took)
 
 

@@ -159,7 +159,8 @@ class Engine:
         self._host_backend = opt.mesh is None and jax.default_backend() == "cpu"  # `_fetch`
         # Dispatches of many steps admit the requests the host staged on the device themselves (`serve.dispatch`,
         # `Staged`); the host keeps the ids it staged (a prefix of its queue), and forgets them at its own turns.
-        self._stages = opt.steps_per_dispatch != 1 and not dispatch_mod.swaps_possible(self.cfg)
+        self._loop = opt.steps_per_dispatch != 1  # dispatches run `dispatch.run_steps`; 1: the one-step programs
+        self._stages = self._loop and not dispatch_mod.swaps_possible(self.cfg)
         self._staged: list[int] = []
         self._restage = True
         self.table = RequestTable(cache.max_seqs, runner.vocab_size, scfg.max_len, opt.tokenizer, opt.detokenize)
@@ -175,7 +176,6 @@ class Engine:
         self._auto = steps == "auto"
         self._bound = 1 if self._auto else steps  # the next dispatch's bound (auto: `_next_bound`)
         self._added = self._added_seen = 0  # requests added, and as many when the last dispatch was sent
-        self._loop = steps != 1  # dispatches run `dispatch.run_steps`; 1: the one-step programs, as before
         self._flight: _Flight | None = None  # the dispatch sent and not read yet (`advance`)
         self._ready: list[Result] = []  # results read early (an abort drains the dispatch in flight)
         self._last_stop = dispatch_mod.RUNNING  # why the last dispatch read ended
