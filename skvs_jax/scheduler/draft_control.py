@@ -237,16 +237,20 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     bs = surv if bound_surv is None else bound_surv
     key = surv if behind is None else jnp.where(behind[:, None], jnp.maximum(surv, bs), surv)
     # Survival falls with depth, so the depths clearing a threshold are a prefix, counted per (row, threshold); a
-    # choice's depth is that count capped by what the slots reach. The per-choice sums over rows are then dots over
-    # (row, depth) and the guard's bound a min of a per-threshold and a per-cap term: no [B, K, LEVELS + 1, caps]
-    # tensor (0.12 ms of a 1.1 ms scheduler step at 256 rows on a CPU, measured), and no [B, LEVELS + 1, caps] one
-    # unless the step is priced by its widest row (a width table).
+    # choice's depth is that count capped by what the slots reach. The per-choice sums over rows are then a
+    # reduction over rows per (threshold, depth) and the guard's bound a min of a per-threshold and a per-cap term:
+    # no [B, K, LEVELS + 1, caps] tensor (0.12 ms of a 1.1 ms scheduler step at 256 rows on a CPU, measured), and no
+    # [B, LEVELS + 1, caps] one unless the step is priced by its widest row (a width table).
     clearing = jnp.sum(key[:, :, None] >= thr[None, None, :], axis=1, dtype=i32)  # [B, LEVELS + 1]
     if priority is not None:  # a priority row's first depth clears every threshold but "none"'s
         clearing = jnp.maximum(clearing, (priority[:, None] & (thr[None, :] <= ONE)).astype(i32))
     step_slots = jnp.broadcast_to(jnp.diff(slots)[None, :], (b, k))  # the slots each next depth adds
-    n = _sum_below_min_depth(step_slots, clearing, reachable, bound=k + 1)  # [LEVELS + 1, caps] drafts per choice
-    gain = _sum_below_min_depth(surv, clearing, reachable, bound=ONE)  # expected accepted * ONE
+    # reach_of is non-decreasing, so a row's reach at a cap is the lesser of its own and the cap's: the sums over
+    # rows factor into a [LEVELS + 1, K] reduction and a [K, caps] indicator (no [B, LEVELS + 1, caps] tensor).
+    row_reach = reach[jnp.clip(cap, 0, k)]
+    cap_reach = reach[jnp.minimum(caps, k)]
+    n = _sum_below_min_depth(step_slots, clearing, row_reach, cap_reach)  # [LEVELS + 1, caps] drafts per choice
+    gain = _sum_below_min_depth(surv, clearing, row_reach, cap_reach)  # expected accepted * ONE
     widest = widest0 = None
     if cost.width_us is not None:
         q = jnp.zeros((b,), i32) if query is None else query
@@ -284,26 +288,21 @@ def _sum_below(values: jax.Array, depth: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(d[None, None, :] < depth[:, :, None], values[:, None, :], 0), axis=2, dtype=i32)
 
 
-def _sum_below_min_depth(values: jax.Array, clearing: jax.Array, reachable: jax.Array, *, bound: int) -> jax.Array:
-    """int32[LEVELS + 1, caps]: sum over rows b and depths d < min(clearing[b, t], reachable[b, c]) of
-    values[b, d] (int32[B, K], each in [0, bound]), as one float32 dot over (b, d) of the two indicator sides
-    (d < clearing, d < reachable). Exact: a float32 sum of integers below 2^24 is; larger products of B * K *
-    bound are split into two dots of 6-bit halves."""
+def _sum_below_min_depth(values: jax.Array, clearing: jax.Array, row_reach: jax.Array, cap_reach: jax.Array
+                         ) -> jax.Array:
+    """int32[LEVELS + 1, caps]: the sum over rows b and depths d < min(clearing[b, t], row_reach[b], cap_reach[c])
+    of values[b, d] (int32[B, K], each in [0, ONE]; clearing int32[B, LEVELS + 1], row_reach int32[B], cap_reach
+    int32[caps]). Summed in int32 over rows per (threshold, depth), then over depths per cap: exact, and the same
+    whatever the order, so the plain-Python oracle's sums agree bit for bit."""
     b, k = values.shape
+    if b * k * ONE >= 2**31:
+        raise ValueError(f"the goodput controller sums over fewer than 2^19 (row, depth) pairs, got {b} x {k}")
     d = jnp.arange(k, dtype=i32)
-    by_thr = d[None, None, :] < clearing[:, :, None]  # [B, LEVELS + 1, K]
-    by_cap = (d[None, None, :] < reachable[:, :, None]).astype(jnp.float32)  # [B, caps, K]
-
-    def dot(v):
-        lhs = jnp.where(by_thr, v[:, None, :], 0).astype(jnp.float32)
-        out = jnp.einsum("btd,bcd->tc", lhs, by_cap, precision=jax.lax.Precision.HIGHEST)
-        return out.astype(i32)
-
-    if b * k * bound < 2**24:
-        return dot(values)
-    if b * k * 64 >= 2**24:
-        raise ValueError(f"the goodput controller sums over at most 2^18 (row, depth) pairs, got {b} x {k}")
-    return dot(values // 64) * 64 + dot(values % 64)
+    own = jnp.where(d[None, :] < row_reach[:, None], values, 0)  # [B, K]
+    by_depth = jnp.sum(jnp.where(d[None, None, :] < clearing[:, :, None], own[:, None, :], 0), axis=0,
+                       dtype=i32)  # [LEVELS + 1, K]
+    return jnp.sum(jnp.where(d[None, None, :] < cap_reach[None, :, None], by_depth[:, None, :], 0), axis=2,
+                   dtype=i32)
 
 
 def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array, pop_passed: jax.Array,
