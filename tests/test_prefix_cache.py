@@ -215,6 +215,29 @@ def test_a_windowed_insert_over_tables_of_own_content_equals_the_dense_one(cfg, 
     assert all(jax.tree.leaves(same)), same
 
 
+@pytest.mark.parametrize("cfg", [CFG, WEAK], ids=["strong", "weak"])
+@given(ops=hs.lists(operation, max_size=8), rows=rows_st, nv=hs.lists(hs.integers(0, L), min_size=B, max_size=B),
+       reuse=hs.lists(hs.booleans(), min_size=B, max_size=B), order=hs.permutations(range(B + 2)),
+       window=hs.sampled_from([0, 1, 4]), own_content=hs.booleans())
+def test_an_insert_of_rows_read_from_a_larger_token_array_equals_the_insert_of_those_rows(
+        cfg, ops, rows, nv, reuse, order, window, own_content):
+    """`insert_unchecked(rows=)` reads row b's tokens at tokens[rows[b]] where it needs them (the scheduler passes
+    its whole token table): the table, ids and counters equal the insert of the gathered rows, whatever the source
+    order and with rows of the source left out."""
+    cache = run_workload(ops, cfg, check_exact=False)
+    oracle = OraclePrefixCache()
+    oracle.index = testing.prefix_index_as_dict(cache, cfg)
+    table = jnp.asarray(block_table_for(rows, reuse, oracle))
+    junk = [[1] * L, [0, 1] * (L // 2)]  # two source rows no row reads
+    source = np.asarray(rows + junk, np.int32)[np.asarray(order)]
+    where = jnp.asarray([order.index(b) for b in range(B)], i32)  # source[where[b]] is rows[b]
+    flags = dict(cfg=cfg, window=window, own_content=own_content and window > 0)
+    gathered = pc.insert_unchecked(cache, jnp.asarray(rows, i32), jnp.asarray(nv, i32), table, **flags)
+    read = pc.insert_unchecked(cache, jnp.asarray(source), jnp.asarray(nv, i32), table, None, where, **flags)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b))), gathered, read)
+    assert all(jax.tree.leaves(same)), same
+
+
 @pytest.mark.parametrize("undecided_rows", [1, 3])
 def test_rows_indexed_through_other_rows_blocks_fall_back_to_the_full_probe(undecided_rows):
     """Rows whose whole prefix is indexed, but by another row's blocks (their own are duplicates), are not decided

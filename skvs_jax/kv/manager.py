@@ -140,17 +140,18 @@ def unref(kv: KVState, seq_mask: jax.Array, cfg: KVConfig) -> tuple[KVState, all
     return kv.replace(alloc=alloc), pending
 
 
-def lookup(kv: KVState, tokens: jax.Array, lengths: jax.Array, spec_window: jax.Array, max_spec_ratio: jax.Array,
-           cfg: KVConfig, salt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Prefix hits of A candidates: tokens int32[A, M*S], lengths int32[A] (0: no candidate), spec_window int32[A]
-    (the barrier's reach: K under the speculative barrier, else 0), salt int32[A] their cache salts (None: 0;
-    only blocks indexed under a candidate's own salt are hits). Returns (num_blocks int32[A], block_ids
-    int32[A, M]): the blocks to share. Most steps admit nobody: the hashing is skipped when no length is > 0 (the
-    branches only read the index, so nothing is copied)."""
-    a, m = tokens.shape[0], cfg.cache.max_blocks_per_seq
+def lookup(kv: KVState, tokens: jax.Array, rows: jax.Array, lengths: jax.Array, spec_window: jax.Array,
+           max_spec_ratio: jax.Array, cfg: KVConfig, salt: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Prefix hits of A candidates, the rows rows int32[A] (in [0, B)) of tokens int32[B, M*S]: lengths int32[A]
+    (0: no candidate), spec_window int32[A] (the barrier's reach: K under the speculative barrier, else 0), salt
+    int32[A] their cache salts (None: 0; only blocks indexed under a candidate's own salt are hits). Returns
+    (num_blocks int32[A], block_ids int32[A, M]): the blocks to share. Most steps admit nobody: the hashing, and
+    the gather of the candidates' tokens it reads (A x M*S), are skipped when no length is > 0 (the branches only
+    read the index, so nothing is copied)."""
+    a, m = rows.shape[0], cfg.cache.max_blocks_per_seq
 
     def look(_):
-        hit = pc.lookup_unchecked(kv.prefix, tokens, lengths, spec_window, max_spec_ratio, salt, cfg=cfg.prefix)
+        hit = pc.lookup_unchecked(kv.prefix, tokens[rows], lengths, spec_window, max_spec_ratio, salt, cfg=cfg.prefix)
         return hit.num_blocks, hit.block_ids
 
     none = (jnp.zeros((a,), i32), jnp.zeros((a, m), i32))
@@ -311,8 +312,8 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
         def run(prefix):
             s = sel[:rows_run]
             live, rows = s < b, jnp.clip(s, 0, b - 1)
-            prefix, res = pc.insert_unchecked(prefix, tokens[rows], jnp.where(live, lengths[rows], 0), table[rows],
-                                              None if salt is None else salt[rows], cfg=cfg.prefix,
+            prefix, res = pc.insert_unchecked(prefix, tokens, jnp.where(live, lengths[rows], 0), table[rows],
+                                              None if salt is None else salt[rows], rows, cfg=cfg.prefix,
                                               window=pc.INSERT_WINDOW if cfg.skip_costly else 0, own_content=True)
             return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
         return run

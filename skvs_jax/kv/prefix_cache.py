@@ -146,8 +146,16 @@ class PrefixCache:
     are column views of `entries`, one row a slot."""
 
     entries: jax.Array  # int32[C, S + 7]: key (2), block, parent, salt, tokens (S), chain (2) per slot
-    slot_of_block: jax.Array  # int32[N] slot indexing each block, -1 if none (a block is indexed at most once)
+    # int32[N, 3] per block: the slot indexing it (-1 if none: a block is indexed at most once), then that entry's
+    # parent and salt (stale where the slot is -1). A copy of two entry columns keyed by block: an insert checks a
+    # row's own indexed blocks here, in N rows that stay in cache, not at C random rows of `entries`.
+    by_block: jax.Array
     counters: PrefixCounters
+
+    @property
+    def slot_of_block(self) -> jax.Array:
+        """int32[N] the slot indexing each block, -1 if none."""
+        return self.by_block[:, 0]
 
     @property
     def key(self) -> jax.Array:
@@ -226,7 +234,7 @@ def init(cfg: PrefixCacheConfig) -> PrefixCache:
     zero = jnp.zeros((), i32)
     return PrefixCache(
         entries=jnp.zeros((c, s + 7), i32),
-        slot_of_block=jnp.full((cfg.num_blocks,), -1, i32),
+        by_block=jnp.zeros((cfg.num_blocks, 3), i32).at[:, 0].set(-1),
         counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
     )
 
@@ -447,7 +455,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     dst = jnp.where(got, bucket * ways + way, c)  # c: dropped by the scatters
     cache = cache.replace(
         entries=cache.entries.at[dst].set(_entry_rows(key, bid, prev, salt, toks, chain), mode="drop"),
-        slot_of_block=cache.slot_of_block.at[jnp.where(got, bid, n)].set(dst, mode="drop"),
+        by_block=cache.by_block.at[jnp.where(got, bid, n)].set(jnp.stack([dst, prev, salt], axis=1), mode="drop"),
     )
 
     leader_block = jnp.where(got, bid, BROKEN)
@@ -483,8 +491,9 @@ def _start_dense(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, sal
 
 def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, block_table: jax.Array,
                     salt: jax.Array, cfg: PrefixCacheConfig, window: int,
-                    own_content: bool = False) -> tuple[tuple, jax.Array]:
+                    own_content: bool = False, src: jax.Array | None = None) -> tuple[tuple, jax.Array]:
     """`_start_dense`'s answer from a window: ((start, prev, chain), conclusive bool[B]), exact where conclusive.
+    Row b's blocks are blocks[src[b]] (src None: blocks[b]); with own_content only its window's are read.
 
     A row's leading blocks indexed as its own (the entry of table[b, j] is live, under the row's salt, holds the
     row's tokens of block j, and has parent table[b, j - 1]) form a verified chain of the row's prefix, and the
@@ -493,27 +502,25 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
     costs no hashing and no probe of the ways. Only the next `window` positions are then probed, continuing the
     chain from the entry at h - 1 (`PrefixCache.chain`); the answer is exact unless all of them matched and the
     row has full blocks beyond them (not conclusive: the caller probes densely)."""
-    b, j, _ = blocks.shape
+    b, j = num_full.shape[0], blocks.shape[1]
     n, c = cfg.num_blocks, cfg.capacity
     rows = jnp.arange(b, dtype=i32)
+    src = rows if src is None else src
     own = block_table[:, :j]
-    slot = cache.slot_of_block[jnp.clip(own, 0, n - 1)]
+    link = cache.by_block[jnp.clip(own, 0, n - 1)]  # [B, J, 3]: slot, and its entry's parent and salt
+    slot = link[..., 0]
     at = jnp.clip(slot, 0, c - 1)
     parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
-    if own_content:  # block, parent and salt alone: 3 adjacent ints of an entry's 23 (one cache line, not two)
-        fields = cache.entries[at, _BLOCK:_TOKENS]  # [B, J, 3]
-        mine = ((own > 0) & (slot >= 0) & (fields[..., 0] == own) & (fields[..., 1] == parent)
-                & (fields[..., 2] == salt[:, None]))
-    else:
-        entry = _entry_at(cache, at)  # [B, J]
-        mine = ((own > 0) & (slot >= 0) & (entry.block == own) & (entry.parent == parent)
-                & (entry.salt == salt[:, None]) & jnp.all(entry.tokens == blocks, axis=-1))
+    # A live slot's entry holds the block that names it (the index's invariant), so block needs no check.
+    mine = (own > 0) & (slot >= 0) & (link[..., 1] == parent) & (link[..., 2] == salt[:, None])
+    if not own_content:  # the tokens, from the entries: C random rows of S + 7 columns
+        mine &= jnp.all(_entry_at(cache, at).tokens == blocks[src], axis=-1)
     h = jnp.minimum(count_leading(mine, axis=1), num_full)
     last = jnp.maximum(h - 1, 0)
     first_prev = jnp.where(h > 0, own[rows, last], ROOT)
     first_chain = jnp.where((h > 0)[:, None], cache.chain[at[rows, last]], _seed(salt))
     cols = jnp.clip(h[:, None] + jnp.arange(window, dtype=i32)[None, :], 0, j - 1)  # [B, W]
-    wblocks = blocks[rows[:, None], cols]  # [B, W, S]
+    wblocks = blocks[src[:, None], cols]  # [B, W, S]
     wchain, ch = [], first_chain
     for i in range(window):  # static and small
         ch = _next_chain(ch, wblocks[:, i])
@@ -530,26 +537,29 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
 
 
 def _start_rest(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt: jax.Array, cfg: PrefixCacheConfig,
-                found: tuple, undecided: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                found: tuple, undecided: jax.Array, src: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`found` (start, prev, chain) with the rows the window left undecided (bool[B]) answered by `_start_dense`: a
     row's answer depends on its own blocks alone, so up to B/8 such rows are probed on their own (gathered, then
-    scattered back), more as one dense probe of every row; nothing runs when every row is decided."""
-    b = blocks.shape[0]
+    scattered back), more as one dense probe of every row; nothing runs when every row is decided. Row b's blocks
+    are blocks[src[b]] (src None: blocks[b]), gathered only where a probe runs."""
+    b = num_full.shape[0]
+    src = jnp.arange(b, dtype=i32) if src is None else src
     few = max(b // 8, 1)
     count = jnp.sum(undecided, dtype=i32)
 
     def some(x):
         idx = jnp.nonzero(undecided, size=few, fill_value=b)[0]
         rows = jnp.clip(idx, 0, b - 1)
-        answer = _start_dense(cache, blocks[rows], num_full[rows], salt[rows], cfg)
+        answer = _start_dense(cache, blocks[src[rows]], num_full[rows], salt[rows], cfg)
         return tuple(v.at[idx].set(a, mode="drop") for v, a in zip(x, answer))
 
     found = vmap_flow.when((count > 0) & (count <= few), some, found)
-    return vmap_flow.when(count > few, lambda _: _start_dense(cache, blocks, num_full, salt, cfg), found)
+    return vmap_flow.when(count > few, lambda _: _start_dense(cache, blocks[src], num_full, salt, cfg), found)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "window", "own_content"))
-def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cfg: PrefixCacheConfig,
+def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, rows=None, *, cfg: PrefixCacheConfig,
                      window: int = 0, own_content: bool = False):
     """window: 0 probes every block position of every row for its indexed prefix (`_start_dense`); > 0 probes
     only `window` positions past each row's own indexed blocks, and every position only in a call where that
@@ -559,12 +569,17 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cf
     GPU). own_content (static, with a window): every row's table holds its own tokens in its validated blocks, as
     the scheduler's tables do (a row wrote them, or shared the block through a lookup that compared them, and an
     indexed block is never written: a write into it copies it first); the window's check of a row's own indexed
-    blocks then reads their entries' block, parent and salt and not their tokens (at 256 slots, 64 rows of 128
-    entries from a 24 MB table: the largest single cost of the CPU's scheduler step). Any table otherwise."""
+    blocks then reads their parent and salt from `PrefixCache.by_block` and not their tokens from the entries (at
+    256 slots, 64 rows of 128 entries from a 24 MB table: once the largest single cost of the CPU's scheduler
+    step). Any table otherwise.
+    rows (None, or int32[B] in [0, len(tokens))): row b's tokens are tokens[rows[b]] (num_validated, block_table and
+    salt are per row b), read where a step needs them rather than gathered whole first (at 256 slots, 64 rows of
+    2,048 tokens a decode step, of which the window reads 4 blocks)."""
     s, m = cfg.block_size, cfg.max_blocks_per_seq
-    blocks = _split_blocks(tokens, cfg)  # [B, J, S]
-    b, j, _ = blocks.shape
-    rows = jnp.arange(b, dtype=i32)
+    blocks = _split_blocks(tokens, cfg)  # [len(tokens), J, S]
+    b, j = num_validated.shape[0], blocks.shape[1]
+    src, rows = rows, jnp.arange(b, dtype=i32)
+    at_src = rows if src is None else src
     salt = _salts(salt, b)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
     num_full = jnp.minimum(num_validated // s, j)
@@ -581,7 +596,7 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cf
         col = start + k
         live = col < num_full
         c = jnp.clip(col, 0, j - 1)
-        toks = blocks[rows, c]
+        toks = blocks[at_src, c]
         here = _next_chain(chain, toks)
         x = (_finalise(here, cfg.hash_bits), toks, block_table[rows, c], live, salt, here)
         (cache, resolved), new_ids = _insert_position(cfg, (cache, prev), x)
@@ -593,10 +608,11 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, *, cf
     if j > 0:  # static: tokens shorter than a block hold no full block
         # Each row's already-indexed prefix is skipped; the loop below walks the rest.
         if window:
-            found, conclusive = _start_windowed(cache, blocks, num_full, block_table, salt, cfg, window, own_content)
-            start, prev, chain = _start_rest(cache, blocks, num_full, salt, cfg, found, ~conclusive)
+            found, conclusive = _start_windowed(cache, blocks, num_full, block_table, salt, cfg, window, own_content,
+                                                src)
+            start, prev, chain = _start_rest(cache, blocks, num_full, salt, cfg, found, ~conclusive, src)
         else:
-            start, prev, chain = _start_dense(cache, blocks, num_full, salt, cfg)
+            start, prev, chain = _start_dense(cache, blocks if src is None else blocks[src], num_full, salt, cfg)
         steps = jnp.max(num_full - start, initial=0)
         init = (jnp.zeros((), i32), cache, prev, chain, ids)
         _, cache, _, _, ids = vmap_flow.while_loop(lambda carry: carry[0] < steps, body, init, identity_when_done=True)
@@ -644,13 +660,13 @@ def remove_unchecked(cache: PrefixCache, block_ids: jax.Array, *, cfg: PrefixCac
             both = jnp.stack([jnp.append(gone.astype(i32), 0), jnp.append(up, c)])[:, up]  # [2, C]
             gone, up = gone | (both[0] > 0), both[1]
     descendants = jnp.where(gone & ~named, cache.block, NULL_BLOCK)
-    slot_of_block = cache.slot_of_block.at[jnp.where(gone, cache.block, n)].set(-1, mode="drop")
+    by_block = cache.by_block.at[jnp.where(gone, cache.block, n), 0].set(-1, mode="drop")
     num_removed = jnp.sum(gone, dtype=i32)
     # A cleared slot reads key 0, block NULL_BLOCK, parent ROOT, salt 0 and tokens 0 (all zero); its chain is left.
     clear = gone[:, None] & (jnp.arange(cache.entries.shape[1]) < cache.entries.shape[1] - 2)[None, :]
     cache = cache.replace(
         entries=jnp.where(clear, 0, cache.entries),
-        slot_of_block=slot_of_block,
+        by_block=by_block,
         counters=cache.counters.replace(removed=cache.counters.removed + num_removed),
     )
     return cache, RemoveResult(num_removed=num_removed, descendants=descendants)
@@ -689,7 +705,7 @@ def check_cache(cache: PrefixCache, cfg: PrefixCacheConfig) -> None:
     if not isinstance(cache, PrefixCache):
         raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
     checks.array("cache.entries", cache.entries, (cfg.capacity, cfg.block_size + 7), "i")
-    checks.array("cache.slot_of_block", cache.slot_of_block, (cfg.num_blocks,), "i")
+    checks.array("cache.by_block", cache.by_block, (cfg.num_blocks, 3), "i")
 
 
 def _check_tokens(tokens) -> tuple[int, int]:

@@ -619,7 +619,7 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     if pol.prefix_cache:
         # The speculative barrier keeps the last blocks a row's drafts could reach out of its hit.
         window = jnp.full((a,), plan.k_max if (pol.prefix_barrier and pol.speculation) else 0, i32)
-        hit_blocks, hit_ids = manager.lookup(st.kv, seqs.tokens[cand_slot], cand_len, window, plan.spec_ratio, cfg.kv,
+        hit_blocks, hit_ids = manager.lookup(st.kv, seqs.tokens, cand_slot, cand_len, window, plan.spec_ratio, cfg.kv,
                                              cand_salt)
         if pol.spec_hit_trim and pol.speculation:  # vLLM's EAGLE/MTP path: the hit loses the drafts' reach
             hit_blocks = jnp.maximum(hit_blocks - cdiv(plan.k_max, s), 0)
