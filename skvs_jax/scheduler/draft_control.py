@@ -247,8 +247,9 @@ def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows
     step_slots = jnp.broadcast_to(jnp.diff(slots)[None, :], (b, k))  # the slots each next depth adds
     # reach_of is non-decreasing, so a row's reach at a cap is the lesser of its own and the cap's: the sums over
     # rows factor into a [LEVELS + 1, K] reduction and a [K, caps] indicator (no [B, LEVELS + 1, caps] tensor).
-    row_reach = reach[jnp.clip(cap, 0, k)]
-    cap_reach = reach[jnp.minimum(caps, k)]
+    row_reach, cap_reach = jnp.clip(cap, 0, k), jnp.minimum(caps, k)
+    if reach_of != tuple(range(k + 1)):  # a tree's (a chain's slots reach their own count: no gather)
+        row_reach, cap_reach = reach[row_reach], reach[cap_reach]
     n = _sum_below_min_depth(step_slots, clearing, row_reach, cap_reach)  # [LEVELS + 1, caps] drafts per choice
     gain = _sum_below_min_depth(surv, clearing, row_reach, cap_reach)  # expected accepted * ONE
     widest = widest0 = None
