@@ -146,9 +146,9 @@ class PrefixCache:
     are column views of `entries`, one row a slot."""
 
     entries: jax.Array  # int32[C, S + 7]: key (2), block, parent, salt, tokens (S), chain (2) per slot
-    # int32[N, 3] per block: the slot indexing it (-1 if none: a block is indexed at most once), then that entry's
-    # parent and salt (stale where the slot is -1). A copy of two entry columns keyed by block: an insert checks a
-    # row's own indexed blocks here, in N rows that stay in cache, not at C random rows of `entries`.
+    # int32[N, 2] per block: the slot indexing it (-1 if none: a block is indexed at most once), then that entry's
+    # parent (stale where the slot is -1). A copy of an entry column keyed by block: an insert checks a row's own
+    # indexed blocks here, in N rows that stay in cache, not at C random rows of `entries`.
     by_block: jax.Array
     counters: PrefixCounters
 
@@ -234,7 +234,7 @@ def init(cfg: PrefixCacheConfig) -> PrefixCache:
     zero = jnp.zeros((), i32)
     return PrefixCache(
         entries=jnp.zeros((c, s + 7), i32),
-        by_block=jnp.zeros((cfg.num_blocks, 3), i32).at[:, 0].set(-1),
+        by_block=jnp.zeros((cfg.num_blocks, 2), i32).at[:, 0].set(-1),
         counters=PrefixCounters(*([zero] * len(PrefixCounters.__dataclass_fields__))),
     )
 
@@ -455,7 +455,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     dst = jnp.where(got, bucket * ways + way, c)  # c: dropped by the scatters
     cache = cache.replace(
         entries=cache.entries.at[dst].set(_entry_rows(key, bid, prev, salt, toks, chain), mode="drop"),
-        by_block=cache.by_block.at[jnp.where(got, bid, n)].set(jnp.stack([dst, prev, salt], axis=1), mode="drop"),
+        by_block=cache.by_block.at[jnp.where(got, bid, n)].set(jnp.stack([dst, prev], axis=1), mode="drop"),
     )
 
     leader_block = jnp.where(got, bid, BROKEN)
@@ -507,12 +507,14 @@ def _start_windowed(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, 
     rows = jnp.arange(b, dtype=i32)
     src = rows if src is None else src
     own = block_table[:, :j]
-    link = cache.by_block[jnp.clip(own, 0, n - 1)]  # [B, J, 3]: slot, and its entry's parent and salt
+    link = cache.by_block[jnp.clip(own, 0, n - 1)]  # [B, J, 2]: slot, and its entry's parent
     slot = link[..., 0]
     at = jnp.clip(slot, 0, c - 1)
     parent = jnp.concatenate([jnp.full((b, 1), ROOT, i32), own[:, :-1]], axis=1)
-    # A live slot's entry holds the block that names it (the index's invariant), so block needs no check.
-    mine = (own > 0) & (slot >= 0) & (link[..., 1] == parent) & (link[..., 2] == salt[:, None])
+    # A live slot's entry holds the block that names it, and has its parent's salt (the index's invariants), so in
+    # a leading run of entries each the child of the one before, only the first entry's salt needs reading.
+    first_salt = jnp.concatenate([(cache.salt[at[:, 0]] == salt)[:, None], jnp.ones((b, j - 1), bool)], axis=1)
+    mine = (own > 0) & (slot >= 0) & (link[..., 1] == parent) & first_salt
     if not own_content:  # the tokens, from the entries: C random rows of S + 7 columns
         mine &= jnp.all(_entry_at(cache, at).tokens == blocks[src], axis=-1)
     h = jnp.minimum(count_leading(mine, axis=1), num_full)
@@ -569,7 +571,7 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, rows=
     GPU). own_content (static, with a window): every row's table holds its own tokens in its validated blocks, as
     the scheduler's tables do (a row wrote them, or shared the block through a lookup that compared them, and an
     indexed block is never written: a write into it copies it first); the window's check of a row's own indexed
-    blocks then reads their parent and salt from `PrefixCache.by_block` and not their tokens from the entries (at
+    blocks then reads their parents from `PrefixCache.by_block` and not their tokens from the entries (at
     256 slots, 64 rows of 128 entries from a 24 MB table: once the largest single cost of the CPU's scheduler
     step). Any table otherwise.
     rows (None, or int32[B] in [0, len(tokens))): row b's tokens are tokens[rows[b]] (num_validated, block_table and
@@ -705,7 +707,7 @@ def check_cache(cache: PrefixCache, cfg: PrefixCacheConfig) -> None:
     if not isinstance(cache, PrefixCache):
         raise TypeError(f"cache must be a PrefixCache, got {type(cache).__name__}")
     checks.array("cache.entries", cache.entries, (cfg.capacity, cfg.block_size + 7), "i")
-    checks.array("cache.by_block", cache.by_block, (cfg.num_blocks, 3), "i")
+    checks.array("cache.by_block", cache.by_block, (cfg.num_blocks, 2), "i")
 
 
 def _check_tokens(tokens) -> tuple[int, int]:

@@ -153,7 +153,6 @@ def prefix_index_as_dict(cache, cfg, salted: bool = False) -> dict[tuple[int, ..
     assert (slot_of_block >= 0).sum() == live.sum(), "slot_of_block must hold exactly the live entries"
     by_block = np.asarray(cache.by_block)[block[live]]
     assert (by_block[:, 1] == np.asarray(cache.parent)[live]).all(), "by_block must hold each entry's parent"
-    assert (by_block[:, 2] == np.asarray(cache.salt)[live]).all(), "by_block must hold each entry's salt"
 
     def prefix(blk, depth=0):
         assert depth <= cfg.max_blocks_per_seq, "parent chains must be acyclic and at most M long"
