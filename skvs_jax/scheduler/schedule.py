@@ -577,7 +577,7 @@ def swap_in(st: SchedState, room: Room, preemption: Preemption, order: Order, cf
 def swap_in_and_admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption,
                       order: Order, cfg: SchedulerConfig) -> tuple[SchedState, Grant, Room, SwapIn, Admission]:
     """5. `swap_in`, then `admit`. With no SWAPPED and no WAITING row both change nothing and report nothing, as
-    in most decode steps; the CPU's program (`SchedulerConfig.skip`) then skips them (~50 kernels of a 256-slot
+    in most decode steps; the CPU's program (`SchedulerConfig.skip`) then skips them (~100 kernels of a 256-slot
     step, where a kernel costs ~0.7 us), a GPU's runs them (no round trip)."""
     b = cfg.cache.max_seqs
 
