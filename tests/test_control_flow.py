@@ -128,8 +128,9 @@ def test_a_vmapped_sweep_of_the_gpu_program_matches_its_lanes_own_runs():
 SMALL = CacheConfig(num_blocks=65, block_size=8, max_seqs=8, max_blocks_per_seq=16)
 BOUNDS = {  # (policy, program): {kind: most}; "total" bounds the sum
     # The CPU's 8th loop is the skip of swap-in and admission in steps with no SWAPPED or WAITING row (a loop
-    # costs a CPU nothing; its ~100 kernels cost ~30-60 us a step at 256 slots, measured).
-    ("skvs", "cpu"): dict(total=146, gather=61, scatter=49, sort=3, cumsum=22, **{"while": 8, "cond": 5}),
+    # costs a CPU nothing; its ~100 kernels cost ~30-60 us a step at 256 slots, measured); its 6th cond skips
+    # room_after's recount of the evictable blocks ([N]) when nobody was preempted.
+    ("skvs", "cpu"): dict(total=146, gather=61, scatter=49, sort=3, cumsum=22, **{"while": 8, "cond": 6}),
     ("skvs", "gpu"): dict(total=76, gather=37, scatter=34, sort=1, cumsum=5, **{"while": 1, "cond": 0}),
     ("naive_spec", "gpu"): dict(total=75, gather=36, scatter=34, sort=1, cumsum=5, **{"while": 1, "cond": 0}),
     ("skvs", "mixed"): dict(total=88, gather=40, scatter=37, sort=1, cumsum=5, **{"while": 5, "cond": 1}),

@@ -184,23 +184,24 @@ class Preemption(NamedTuple):
     """victim bool[B] preempted rows, of which swap bool[B] go to the host tier (the others are recomputed);
     swap_out_blocks int32[B, M] the swapped rows' committed blocks (NULL_BLOCK-padded); oom bool[] some row could
     not get its blocks without preempting; drafts_paid bool[]: under priced draft blocks, the drafts preempted
-    (they keep every slot); else False."""
+    (they keep every slot); else False. evictable int32[]: the idle cached blocks before the release (with no
+    victim, the release leaves them as they are: `room_after`)."""
 
     victim: jax.Array
     swap: jax.Array
     swap_out_blocks: jax.Array
     oom: jax.Array
     drafts_paid: jax.Array
+    evictable: jax.Array
 
 
 class Room(NamedTuple):
     """What is left for the phases after preemption: free int32[] blocks allocation can take without evicting,
-    avail int32[] that plus evictable cached blocks, evictable bool[N], need int32[] blocks granted so far,
-    running int32[] rows in the batch so far."""
+    avail int32[] that plus evictable cached blocks, need int32[] blocks granted so far, running int32[] rows in
+    the batch so far."""
 
     free: jax.Array
     avail: jax.Array
-    evictable: jax.Array
     need: jax.Array
     running: jax.Array
 
@@ -462,6 +463,7 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending, None if yields is None else yields[0])
     drafts_paid = jnp.zeros((), bool)
     avail = available_blocks(st, cfg, pending)
+    evictable = avail - manager.free_blocks(st.kv, cfg.kv) - pending  # its [N] count, before the release
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
         drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
@@ -518,15 +520,19 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     grant = Grant(*(jnp.where(keep, x, 0) for x in grant[:4]), cow=grant.cow & keep)
     st = st.replace(kv=kv, seqs=seqs, counters=counters, swap_used=st.swap_used + jnp.sum(swap_need, dtype=i32))
     return st, grant, Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, oom=oom,
-                                 drafts_paid=drafts_paid)
+                                 drafts_paid=drafts_paid, evictable=evictable)
 
 
-def room_after(st: SchedState, grant: Grant, cfg: SchedulerConfig) -> Room:
-    """The blocks left once the victims are gone, with the kept rows' query blocks and batch slots counted."""
-    evictable = manager.evictable(st.kv)
+def room_after(st: SchedState, grant: Grant, preemption: Preemption, cfg: SchedulerConfig) -> Room:
+    """The blocks left once the victims are gone, with the kept rows' query blocks and batch slots counted. The
+    release routes finished rows' blocks to stacks (now counted free) and leaves the evictable set as it was, so
+    with no victim the count before it holds; a CPU's program counts again ([N]) only after a preemption."""
     free = manager.free_blocks(st.kv, cfg.kv)
-    return Room(free=free, avail=free + jnp.sum(evictable, dtype=i32), evictable=evictable,
-                need=jnp.sum(grant.need_query, dtype=i32), running=jnp.sum(st.seqs.status == RUNNING, dtype=i32))
+    evictable = vmap_flow.cond(jnp.any(preemption.victim),
+                               lambda _: jnp.sum(manager.evictable(st.kv), dtype=i32),
+                               lambda _: preemption.evictable, None, skip=cfg.skip)
+    return Room(free=free, avail=free + evictable, need=jnp.sum(grant.need_query, dtype=i32),
+                running=jnp.sum(st.seqs.status == RUNNING, dtype=i32))
 
 
 def grant_opportunistic_drafts(grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption, order: Order,
@@ -656,7 +662,7 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     a_drafts = jnp.where(a_query == a_chunk, jnp.clip(a_left - a_query, 0, a_res), 0)
     a_need = cdiv(hit + a_query + a_drafts, s) - hit_blocks
     hit_col = jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None]
-    hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0), lambda _: newly_held(hit_ids, hit_col, room.evictable),
+    hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0), lambda _: newly_held(hit_ids, hit_col, manager.evictable(st.kv)),
                                    lambda _: jnp.zeros((a,), i32), None, skip=cfg.skip)
     fit = real & (a_query > 0) & (running_sum(a_need + hit_evictable, cfg.dense) <= room.avail - room.need) & (
         running_sum(real.astype(i32), cfg.dense) <= cfg.max_running - room.running)
@@ -776,7 +782,7 @@ def schedule_unchecked(st: SchedState, knobs: Knobs, step_cost: StepCost | None 
     plan = plan_drafts(st, knobs, cfg, step_cost)
     grant = budget_tokens(st, plan, order, cfg)
     st, grant, preemption = preempt(st, grant, plan, order, cfg, step_cost, finished)
-    room = room_after(st, grant, cfg)
+    room = room_after(st, grant, preemption, cfg)
     grant, room = grant_opportunistic_drafts(grant, room, plan, preemption, order, cfg)
     st = count_draft_blocks(st, grant)
     st, grant, room, restored, admission = swap_in_and_admit(st, grant, room, plan, preemption, order, cfg)
