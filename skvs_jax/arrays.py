@@ -23,12 +23,13 @@ def rank_of(order: jax.Array) -> jax.Array:
 
 def count_leading(mask: jax.Array, axis: int = -1) -> jax.Array:
     """int32 number of leading Trues of `mask` along `axis` (the axis is reduced away): the first False's index,
-    or the length when there is none. One reduction (an argmin), not a cumulative product: on a GPU a scan is
-    several kernels."""
+    or the length when there is none. One min-reduction of the positions of the Falses, not a cumulative product
+    (on a GPU a scan is several kernels) nor an argmin (a reduction of (value, index) pairs: ~3x the time of a min
+    on XLA:CPU at [64, 64], measured)."""
     mask = jnp.asarray(mask, bool)
-    if mask.shape[axis] == 0:
-        return jnp.zeros(mask.shape[:axis % mask.ndim] + mask.shape[axis % mask.ndim + 1:], i32)
-    return jnp.where(jnp.all(mask, axis=axis), mask.shape[axis], jnp.argmin(mask, axis=axis)).astype(i32)
+    n = mask.shape[axis]
+    pos = jax.lax.broadcasted_iota(i32, mask.shape, axis % mask.ndim)
+    return jnp.min(jnp.where(mask, n, pos), axis=axis, initial=n)
 
 
 def before(rank: jax.Array) -> jax.Array:

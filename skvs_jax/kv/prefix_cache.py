@@ -431,7 +431,7 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     #    leader, other content = a collision (the leader wins).
     new = want & ~exists
     same_group = jnp.all(key[:, None, :] == key[None, :, :], axis=-1) & new[None, :]  # [B, B]
-    leader = jnp.argmax(same_group, axis=1).astype(i32)
+    leader = jnp.min(jnp.where(same_group, rows[None, :], rows[:, None]), axis=1)  # the lowest new row of its key
     is_leader = new & (leader == rows)
     same_content = jnp.all(toks == toks[leader], axis=-1) & (prev == prev[leader]) & (salt == salt[leader])
     duplicate = new & ~is_leader & same_content
