@@ -662,7 +662,8 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
     a_drafts = jnp.where(a_query == a_chunk, jnp.clip(a_left - a_query, 0, a_res), 0)
     a_need = cdiv(hit + a_query + a_drafts, s) - hit_blocks
     hit_col = jnp.arange(m, dtype=i32)[None, :] < hit_blocks[:, None]
-    hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0), lambda _: newly_held(hit_ids, hit_col, manager.evictable(st.kv)),
+    hit_evictable = vmap_flow.cond(jnp.any(hit_blocks > 0),
+                                   lambda _: newly_held(hit_ids, hit_col, manager.evictable(st.kv)),
                                    lambda _: jnp.zeros((a,), i32), None, skip=cfg.skip)
     fit = real & (a_query > 0) & (running_sum(a_need + hit_evictable, cfg.dense) <= room.avail - room.need) & (
         running_sum(real.astype(i32), cfg.dense) <= cfg.max_running - room.running)
