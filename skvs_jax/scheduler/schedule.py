@@ -184,7 +184,7 @@ class Preemption(NamedTuple):
     """victim bool[B] preempted rows, of which swap bool[B] go to the host tier (the others are recomputed);
     swap_out_blocks int32[B, M] the swapped rows' committed blocks (NULL_BLOCK-padded); oom bool[] some row could
     not get its blocks without preempting; drafts_paid bool[]: under priced draft blocks, the drafts preempted
-    (they keep every slot); else False. evictable int32[]: the idle cached blocks before the release (with no
+    (they keep every slot); else False. num_evictable int32[]: the idle cached blocks before the release (with no
     victim, the release leaves them as they are: `room_after`)."""
 
     victim: jax.Array
@@ -192,7 +192,7 @@ class Preemption(NamedTuple):
     swap_out_blocks: jax.Array
     oom: jax.Array
     drafts_paid: jax.Array
-    evictable: jax.Array
+    num_evictable: jax.Array
 
 
 class Room(NamedTuple):
@@ -463,7 +463,7 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending, None if yields is None else yields[0])
     drafts_paid = jnp.zeros((), bool)
     avail = available_blocks(st, cfg, pending)
-    evictable = avail - manager.free_blocks(st.kv, cfg.kv) - pending  # its [N] count, before the release
+    num_evictable = jnp.sum(manager.evictable(st.kv), dtype=i32)  # before the release; available_blocks' own sum
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
         drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
@@ -520,7 +520,7 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     grant = Grant(*(jnp.where(keep, x, 0) for x in grant[:4]), cow=grant.cow & keep)
     st = st.replace(kv=kv, seqs=seqs, counters=counters, swap_used=st.swap_used + jnp.sum(swap_need, dtype=i32))
     return st, grant, Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, oom=oom,
-                                 drafts_paid=drafts_paid, evictable=evictable)
+                                 drafts_paid=drafts_paid, num_evictable=num_evictable)
 
 
 def room_after(st: SchedState, grant: Grant, preemption: Preemption, cfg: SchedulerConfig) -> Room:
@@ -528,10 +528,10 @@ def room_after(st: SchedState, grant: Grant, preemption: Preemption, cfg: Schedu
     release routes finished rows' blocks to stacks (now counted free) and leaves the evictable set as it was, so
     with no victim the count before it holds; a CPU's program counts again ([N]) only after a preemption."""
     free = manager.free_blocks(st.kv, cfg.kv)
-    evictable = vmap_flow.cond(jnp.any(preemption.victim),
-                               lambda _: jnp.sum(manager.evictable(st.kv), dtype=i32),
-                               lambda _: preemption.evictable, None, skip=cfg.skip)
-    return Room(free=free, avail=free + evictable, need=jnp.sum(grant.need_query, dtype=i32),
+    num_evictable = vmap_flow.cond(jnp.any(preemption.victim),
+                                   lambda _: jnp.sum(manager.evictable(st.kv), dtype=i32),
+                                   lambda _: preemption.num_evictable, None, skip=cfg.skip)
+    return Room(free=free, avail=free + num_evictable, need=jnp.sum(grant.need_query, dtype=i32),
                 running=jnp.sum(st.seqs.status == RUNNING, dtype=i32))
 
 
