@@ -4,6 +4,8 @@ priority order, prefix sums in a priority order (by a scan or dense), and the le
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -11,9 +13,51 @@ i32 = jnp.int32
 """The dtype of every count, id, length and position in the state pytrees."""
 
 
+def floor_div(x, s: int):
+    """x // s for a static positive int s: Python ints or int arrays. A power of two is an arithmetic shift, which
+    is floor division for every int (negatives included): jnp's `//` on an int array emits a dozen sign fix-ups
+    per element, which XLA then repeats in every fusion that reads the quotient (a block column is read by most
+    of a step's index computations)."""
+    if s & (s - 1) or not _traced_int(x):
+        return x // s
+    return jnp.right_shift(x, s.bit_length() - 1)
+
+
+def floor_mod(x, s: int):
+    """x % s (Python's sign: in [0, s)) for a static positive int s, a mask when s is a power of two
+    (`floor_div`'s reason)."""
+    if s & (s - 1) or not _traced_int(x):
+        return x % s
+    return jnp.bitwise_and(x, s - 1)
+
+
+def _traced_int(x) -> bool:
+    """x is a jax integer array (host values keep Python's and numpy's own operators)."""
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer)
+
+
 def cdiv(x, s: int):
     """ceil(x / s) for non-negative x: blocks of s tokens needed to hold x tokens. Python ints or int arrays."""
-    return (x + (s - 1)) // s
+    return floor_div(x + (s - 1), s)
+
+
+SMALL_TRAILING = 8  # `sums` adds a trailing axis up to this long column by column, inside one elementwise pass
+
+
+def sums(*xs: jax.Array) -> jax.Array:
+    """int32[len(xs)]: the sum of each of xs (bool or int arrays with one leading length), in one reduction. Each
+    reduction is its own kernel on a GPU and two or three on XLA:CPU (its tree rewrite splits a reduction over more
+    than 32 elements and materialises the input first), so a phase's counters summed together cost one set. A
+    trailing axis of at most `SMALL_TRAILING` is added column by column (elementwise, so it fuses); a longer one
+    is reduced on its own first."""
+    rows = []
+    for x in xs:
+        x = x.astype(i32).reshape(x.shape[0], -1)
+        if x.shape[1] > SMALL_TRAILING:
+            rows.append(jnp.sum(x, axis=1, dtype=i32))
+        else:
+            rows.append(functools.reduce(jnp.add, [x[:, j] for j in range(x.shape[1])], jnp.zeros(x.shape[:1], i32)))
+    return jnp.sum(jnp.stack(rows), axis=1, dtype=i32)
 
 
 def rank_of(order: jax.Array) -> jax.Array:

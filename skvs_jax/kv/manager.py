@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32
+from skvs_jax.arrays import cdiv, floor_div, i32
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv import allocator
 from skvs_jax.kv import prefix_cache as pc
@@ -254,7 +254,7 @@ def commit(kv: KVState, num_accepted: jax.Array, cfg: KVConfig) -> KVState:
     states through the `cfg.impl` kernel) over a [B, W] window, then over the full table only if some row did not
     fit it (settled rows are settled again with 0 accepted, which changes nothing)."""
     s, alloc = cfg.cache.block_size, kv.alloc
-    fits = alloc.seqs.num_blocks - alloc.seqs.num_committed // s <= cfg.window
+    fits = alloc.seqs.num_blocks - floor_div(alloc.seqs.num_committed, s) <= cfg.window
     alloc, _ = allocator.commit_unchecked(alloc, num_accepted, cfg=cfg.cache, spec=cfg.spec, window=cfg.window,
                                           impl=cfg.impl)
 

@@ -60,7 +60,7 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks, vmap_flow
-from skvs_jax.arrays import count_leading
+from skvs_jax.arrays import count_leading, floor_div
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -385,11 +385,11 @@ def lookup_unchecked(cache, tokens, lengths, spec_window, max_spec_ratio, salt=N
     blocks = _split_blocks(tokens, cfg)
     matched, ids = _longest_chain(cache, blocks, cfg, _salts(salt, tokens.shape[0]))
     # Keep >= 1 prompt token to compute: at most (length - 1) // S blocks.
-    matched = jnp.minimum(matched, jnp.maximum(lengths - 1, 0) // s)
+    matched = jnp.minimum(matched, floor_div(jnp.maximum(lengths - 1, 0), s))
     # buffer = max(1, int(ratio * window / S)) = max(1, floor(ratio * window) // S); one float32 multiply, so the
     # value is the same IEEE result in every implementation (the oracle computes it in numpy float32).
     scaled = jnp.floor(max_spec_ratio * spec_window.astype(jnp.float32)).astype(i32)
-    buffer = jnp.where(spec_window > 0, jnp.maximum(1, scaled // s), 0)
+    buffer = jnp.where(spec_window > 0, jnp.maximum(1, floor_div(scaled, s)), 0)
     shared = jnp.maximum(matched - buffer, 0)
     col = jnp.arange(ids.shape[1], dtype=i32)[None, :]
     block_ids = _pad_cols(jnp.where(col < shared[:, None], ids, NULL_BLOCK), m)
@@ -584,7 +584,7 @@ def insert_unchecked(cache, tokens, num_validated, block_table, salt=None, rows=
     at_src = rows if src is None else src
     salt = _salts(salt, b)
     # Only whole blocks of validated tokens: block j needs tokens [0, (j + 1) S) all validated.
-    num_full = jnp.minimum(num_validated // s, j)
+    num_full = jnp.minimum(floor_div(num_validated, s), j)
 
     # Iteration k handles block start[b] + k of every row: a block's parent is what its row's previous block
     # resolved to, possibly another row's block inserted in the same call, so block positions go in order.

@@ -77,7 +77,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from skvs_jax.arrays import cdiv, i32
+from skvs_jax.arrays import cdiv, floor_div, floor_mod, i32
 from skvs_jax.scheduler.state import StepCost
 
 ONE = 4096  # fixed-point 1.0 of acceptance and survival probabilities
@@ -118,7 +118,7 @@ def survival(alpha: jax.Array) -> jax.Array:
     """int32[B, K] surv[b, d] = prod_{j <= d} alpha[b, j], in fixed point, rounded down at every depth."""
     s, out = jnp.full(alpha.shape[:1], ONE, i32), []
     for d in range(alpha.shape[1]):  # K is static and small
-        s = s * alpha[:, d] // ONE
+        s = floor_div(s * alpha[:, d], ONE)
         out.append(s)
     return jnp.stack(out, axis=1) if out else jnp.zeros(alpha.shape, i32)
 
@@ -134,7 +134,7 @@ def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Ar
         time = time + cost.ctx_ns * ctx // 1000
     else:  # a roofline: compute hides under memory traffic (the context's KV read among it)
         c, m = cost.compute_us[t], cost.mem_us + cost.ctx_ns * ctx // 1000
-        time = time + c + m - cost.overlap * jnp.minimum(c, m) // 1024
+        time = time + c + m - floor_div(cost.overlap * jnp.minimum(c, m), 1024)
     if cost.width_us is None:
         return time
     if widest is None:
@@ -186,13 +186,13 @@ def over_peers(elapsed: jax.Array, decoded: jax.Array, decoding: jax.Array, slac
     on = decoding & (decoded > 0)
     tpot = jnp.minimum(elapsed // jnp.maximum(decoded, 1), (2**31 - 1) // b)
     mean = jnp.sum(jnp.where(on, tpot, 0), dtype=i32) // jnp.maximum(jnp.sum(on, dtype=i32), 1)
-    margin = (mean // 1024) * slack + (mean % 1024) * slack // 1024
+    margin = floor_div(mean, 1024) * slack + floor_div(floor_mod(mean, 1024) * slack, 1024)
     return on & (tpot > mean + margin)
 
 
 def lagging(lag: jax.Array, elapsed: jax.Array) -> jax.Array:
     """bool[B] the rows that lost more than 1 / LAG_SLACK of their decode time to speculation."""
-    return lag > elapsed // LAG_SLACK
+    return lag > floor_div(elapsed, LAG_SLACK)
 
 
 def goodput_drafts(surv: jax.Array, cap: jax.Array, base_tokens: jax.Array, rows: jax.Array, ctx: jax.Array,
@@ -320,7 +320,7 @@ def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: ja
     pop_p = pop_passed + jnp.sum(passed, axis=0, dtype=i32)
     halve = pop_t >= POP_HALVE_AT
     return (draft_tried + tried.astype(i32), draft_passed + passed.astype(i32),
-            jnp.where(halve, pop_t // 2, pop_t), jnp.where(halve, pop_p // 2, pop_p))
+            jnp.where(halve, floor_div(pop_t, 2), pop_t), jnp.where(halve, floor_div(pop_p, 2), pop_p))
 
 
 def priced_step(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Array, drafts: jax.Array,

@@ -19,7 +19,18 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import before, cdiv, count_leading, i32, prefix_sum, rank_of, running_sum, take_each
+from skvs_jax.arrays import (
+    before,
+    cdiv,
+    count_leading,
+    floor_div,
+    floor_mod,
+    i32,
+    prefix_sum,
+    rank_of,
+    running_sum,
+    take_each,
+)
 from skvs_jax.config import NULL_BLOCK
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs, Policy
@@ -331,8 +342,8 @@ def budget_tokens(st: SchedState, plan: DraftPlan, order: Order, cfg: SchedulerC
     query = jnp.clip(tokens_left, 0, chunk)
     drafts = jnp.where((query == chunk) & (query > 0), jnp.clip(tokens_left - query, 0, want), 0)
 
-    partial = table[jnp.arange(b, dtype=i32), jnp.clip(committed // s, 0, m - 1)]
-    cow = running & (query > 0) & (committed % s != 0) & (alloc.blocks.ref_count[partial] > 1)
+    partial = table[jnp.arange(b, dtype=i32), jnp.clip(floor_div(committed, s), 0, m - 1)]
+    cow = running & (query > 0) & (floor_mod(committed, s) != 0) & (alloc.blocks.ref_count[partial] > 1)
     need_query = jnp.where(query > 0, jnp.maximum(cdiv(committed + query, s) - held, 0) + cow.astype(i32), 0)
     need_all = jnp.where(query > 0, jnp.maximum(cdiv(committed + query + drafts, s) - held, 0) + cow.astype(i32), 0)
     return Grant(query=query, drafts=drafts, need_query=need_query, need_drafts=need_all - need_query, cow=cow)

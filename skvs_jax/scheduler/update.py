@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import arrays
-from skvs_jax.arrays import cdiv, count_leading, i32
+from skvs_jax.arrays import cdiv, count_leading, floor_div, i32
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import draft_control
@@ -58,7 +58,7 @@ def rows_to_index(st: SchedState, batch: Batch, accepted: jax.Array, cfg: Schedu
     filled_to = jnp.where(batch.scheduled, computed, start) + batch.restore
     # Only a row still running indexes: one aborted since schedule (or preempted while pending) has lost its blocks,
     # and batch.block_table would name freed ones.
-    pending = (st.seqs.index_pending | (filled_to // s > start // s)) & (st.seqs.status == RUNNING)
+    pending = (st.seqs.index_pending | (floor_div(filled_to, s) > floor_div(start, s))) & (st.seqs.status == RUNNING)
     sel = jnp.nonzero(pending, size=cfg.rows_indexed, fill_value=b)[0]
     return filled_to, sel, pending.at[sel].set(False, mode="drop")
 

@@ -38,7 +38,7 @@ import numpy as np
 from flax import struct
 
 from reference_models.medusa_tree import SMALL_TREE, DraftTree
-from skvs_jax.arrays import count_leading, i32
+from skvs_jax.arrays import count_leading, floor_div, floor_mod, i32
 from skvs_jax.serve import acceptance
 
 # DraftTree (and SMALL_TREE, Medusa's 15-node tree of depth 4) are defined beside the reference tree decoder
@@ -199,10 +199,10 @@ def move_accepted(pages: tuple[jax.Array, ...], tree: DraftTree, block_table: ja
     base = (start + qn - 1)[:, None]
     src_pos, dst_pos = base + path_nodes, base + depth  # [B, depth + 1]
     m = block_table.shape[1]
-    block_of = lambda pos: jnp.take_along_axis(block_table, jnp.clip(pos // s, 0, m - 1), axis=1)  # noqa: E731
+    block_of = lambda pos: jnp.take_along_axis(block_table, jnp.clip(floor_div(pos, s), 0, m - 1), axis=1)  # noqa: E731
     move = (depth >= 1) & (depth <= accepted[:, None]) & (src_pos != dst_pos)
-    src_blk, src_off = block_of(src_pos).reshape(-1), (src_pos % s).reshape(-1)
+    src_blk, src_off = block_of(src_pos).reshape(-1), floor_mod(src_pos, s).reshape(-1)
     dst_blk = jnp.where(move, block_of(dst_pos), n).reshape(-1)  # block n: out of range, dropped
-    dst_off = (dst_pos % s).reshape(-1)
+    dst_off = floor_mod(dst_pos, s).reshape(-1)
     # pages[blk, :, off] is one token of every layer: [T, L, ...]; one gather and one scatter per array.
     return tuple(p.at[dst_blk, :, dst_off].set(p[src_blk, :, src_off], mode="drop") for p in pages)

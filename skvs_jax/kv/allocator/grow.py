@@ -1,6 +1,7 @@
 """`allocate_unchecked`: extend every sequence's allocation at once, for slots or drafts, as named phases.
 
-    _requested_blocks → _grant_in_order → _pop_blocks → _write_table_and_states → _release_copied → _count_grow
+    _requested_blocks → _grant_in_order → _pop_blocks → _tally → _write_table_and_states → _release_copied
+    → _count_grow
 
 Rows are served in priority order, all-or-nothing each, stopping at the first that does not fit (a prefix sum
 over the free stack and the speculative pool); blocks are popped from the stacks' tops in a [B, W] window.
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, i32, prefix_sum, rank_of
+from skvs_jax.arrays import cdiv, floor_div, floor_mod, i32, prefix_sum, rank_of, sums
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     RESERVED,
@@ -53,8 +54,17 @@ class _Window(NamedTuple):
     is_held: jax.Array  # bool[B, W] a lazily held block, reused in place
     new_id: jax.Array  # int32[B, W] the popped block (where take)
     from_pool: jax.Array  # bool[B, W] taken from the speculative pool (else from the free stack)
-    taken: jax.Array  # int32[] blocks popped
-    taken_pool: jax.Array  # int32[] of those, from the speculative pool
+
+
+class _Tally(NamedTuple):
+    """A pass's counts (int32[] each), summed in one reduction (`arrays.sums`); None where the pass does not
+    count it."""
+
+    taken: jax.Array  # blocks popped
+    taken_pool: jax.Array  # of those, from the speculative pool
+    failures: jax.Array | None  # requests refused
+    copies: jax.Array | None  # granted requests that copy their partial block
+    spec_new: jax.Array | None  # (drafts) blocks given SPECULATIVE state, the held ones among them
 
 
 def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_tokens: jax.Array, *,
@@ -78,14 +88,14 @@ def _requested_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, num_
         bad |= seqs.num_drafts > 0  # decode/prefill slots always precede the drafts of a step
     # Copy-on-write: the first token lands in a partially-filled block that someone else also references, or
     # that the prefix cache pins (its index entry promises the old content; `share` may end inside it).
-    partial_col = alloc // s
+    partial_col = floor_div(alloc, s)
     if window_ids:
         window_col = partial_col[:, None] + jnp.arange(window, dtype=i32)[None, :]
         window_blk = seqs.block_table[b_idx[:, None], jnp.clip(window_col, 0, m - 1)]
         partial_blk = window_blk[:, 0]
     else:
         window_blk, partial_blk = None, seqs.block_table[b_idx, jnp.clip(partial_col, 0, m - 1)]
-    cow = (alloc % s != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
+    cow = (floor_mod(alloc, s) != 0) & ((blocks.ref_count[partial_blk] > 1) | blocks.cached[partial_blk])
     if not copies:
         bad |= requested & cow
         cow = jnp.zeros_like(cow)
@@ -142,13 +152,23 @@ def _pop_blocks(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Requ
     else:
         new_id = blocks.stacks[jnp.clip(blocks.free_top - 1 - pop_index, 0, cfg.num_blocks - 1)]
         from_pool = jnp.zeros_like(take)
-    taken = jnp.sum(take, dtype=i32)
-    taken_pool = jnp.sum(from_pool, dtype=i32)
-    return _Window(col, take, is_cow, is_held, new_id, from_pool, taken, taken_pool)
+    return _Window(col, take, is_cow, is_held, new_id, from_pool)
+
+
+def _tally(req: _Request | None, ok: jax.Array, win: _Window, *, speculative: bool) -> _Tally:
+    """The window's popped blocks and, for req (None: not counted here), the requests refused and copied (and
+    the drafts' new SPECULATIVE blocks)."""
+    xs = [win.take, win.from_pool]
+    if req is not None:
+        xs += [req.requested & ~ok, req.cow & ok & req.requested]
+        if speculative:
+            xs.append((win.take & ~win.is_cow) | win.is_held)
+    t = list(sums(*xs)) + [None] * (5 - len(xs))
+    return _Tally(*t)
 
 
 def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Request, ok: jax.Array,
-                            win: _Window, *, speculative: bool, generation: jax.Array,
+                            win: _Window, tally: _Tally, *, speculative: bool, generation: jax.Array,
                             copies: bool = True) -> tuple[BlockPool, jax.Array, jax.Array]:
     """Write the popped blocks into the table and give every touched block its state (a copy VALIDATED, others
     RESERVED or SPECULATIVE with the generation), ref count 1, the copied blocks one reference less; pop the
@@ -181,19 +201,20 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     else:
         ref_count = blocks.ref_count.at[new_ref].set(1, mode="drop")
 
-    free_taken = win.taken - win.taken_pool
     blocks = blocks.replace(
         state=state,
         ref_count=ref_count,
         generation=generation_arr,
-        free_top=blocks.free_top - free_taken,
-        pool_top=blocks.pool_top - win.taken_pool,
+        free_top=blocks.free_top - (tally.taken - tally.taken_pool),
+        pool_top=blocks.pool_top - tally.taken_pool,
     )
     return blocks, block_table, old_cow_blk
 
 
-def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool, skip: bool) -> BlockPool:
-    """Route the copied blocks (old_cow_blk int32[B], N = none) whose last reference the copies dropped."""
+def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, copies: jax.Array, *, use_pool: bool,
+                    skip: bool) -> BlockPool:
+    """Route the copied blocks (old_cow_blk int32[B], N = none; copies int32[] how many are not N) whose last
+    reference the copies dropped."""
     n = blocks.state.shape[0]
     b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
 
@@ -206,21 +227,16 @@ def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, *, use_pool: bool
 
     # Copies are rare; skip the O(N) bookkeeping when there is none. skip=False: run it every call; without copies
     # it releases nothing (an identity, so no select is needed then).
-    return vmap_flow.when_for(skip)(jnp.any(old_cow_blk < n), release_copied, blocks, identity_when_false=not skip)
+    return vmap_flow.when_for(skip)(copies > 0, release_copied, blocks, identity_when_false=not skip)
 
 
-def _count_grow(c: Counters, req: _Request, ok: jax.Array, grant: jax.Array, win: _Window | None, *,
-                speculative: bool) -> Counters:
+def _count_grow(c: Counters, tally: _Tally, *, speculative: bool) -> Counters:
     """Refused requests, copies, and (drafts) the blocks given SPECULATIVE state and those from the pool."""
-    c = c.replace(
-        alloc_failures=c.alloc_failures + jnp.sum(req.requested & ~ok, dtype=i32),
-        cow_copies=c.cow_copies + jnp.sum(req.cow & grant, dtype=i32),
-    )
+    c = c.replace(alloc_failures=c.alloc_failures + tally.failures, cow_copies=c.cow_copies + tally.copies)
     if speculative:
-        new_spec = jnp.sum((win.take & ~win.is_cow) | win.is_held, dtype=i32)
         c = c.replace(
-            spec_blocks_allocated=c.spec_blocks_allocated + new_spec,
-            spec_pool_hits=c.spec_pool_hits + win.taken_pool,
+            spec_blocks_allocated=c.spec_blocks_allocated + tally.spec_new,
+            spec_pool_hits=c.spec_pool_hits + tally.taken_pool,
         )
     return c
 
@@ -252,21 +268,22 @@ def _grow(
     ok, offset = _grant_in_order(st.blocks, req, order, ahead, use_pool=use_pool)
     win = _pop_blocks(cfg, seqs, st.blocks, req, ok, offset, speculative=speculative, use_pool=use_pool,
                       window=window)
-    blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win,
+    tally = _tally(req, ok, win, speculative=speculative)
+    blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win, tally,
                                                                speculative=speculative, generation=generation,
                                                                copies=copies)
     if copies:
-        blocks = _release_copied(blocks, old_cow_blk, use_pool=use_pool, skip=skip)
+        blocks = _release_copied(blocks, old_cow_blk, tally.copies, use_pool=use_pool, skip=skip)
 
-    return _grown(cfg, st, blocks, block_table, num_tokens, req, ok, win.new_id[:, 0], win, speculative=speculative)
+    return _grown(cfg, st, blocks, block_table, num_tokens, req, ok, win.new_id[:, 0], tally, speculative=speculative)
 
 
 def _grown(cfg: CacheConfig, st: AllocatorState, blocks: BlockPool, block_table: jax.Array, num_tokens: jax.Array,
-           req: _Request, ok: jax.Array, first_new: jax.Array, win: _Window | None, *,
+           req: _Request, ok: jax.Array, first_new: jax.Array, tally: _Tally, *,
            speculative: bool) -> tuple[AllocatorState, AllocResult]:
-    """The state and result after the writes: each granted row's lengths (and pending drafts), the counters, and
-    its copy-on-write pair (the partial block and first_new int32[B], the block popped into its window's first
-    column). win: the pass's window, read only for the drafts' counters."""
+    """The state and result after the writes: each granted row's lengths (and pending drafts), the counters (from
+    tally, the request's counts), and its copy-on-write pair (the partial block and first_new int32[B], the block
+    popped into its window's first column)."""
     seqs = st.seqs
     grant = ok & req.requested
     seqs = seqs.replace(
@@ -276,7 +293,7 @@ def _grown(cfg: CacheConfig, st: AllocatorState, blocks: BlockPool, block_table:
         num_allocated=jnp.where(grant, req.new_alloc, seqs.num_allocated),
         num_drafts=jnp.where(grant & speculative, seqs.num_drafts + num_tokens, seqs.num_drafts),
     )
-    counters = _count_grow(st.counters, req, ok, grant, win, speculative=speculative)
+    counters = _count_grow(st.counters, tally, speculative=speculative)
     cow = req.cow & grant
     result = AllocResult(ok=ok | ~req.requested, cow_src=jnp.where(cow, req.partial_blk, NULL_BLOCK),
                          cow_dst=jnp.where(cow, first_new, NULL_BLOCK))
@@ -304,29 +321,30 @@ def _grow_split(
     seqs, entry = st.seqs, st.blocks
     alloc = seqs.num_allocated
     # A narrow row's request spans at most `window` columns, so the window refuses nothing the full table grants.
-    narrow = cdiv(alloc + num_tokens, s) - alloc // s <= window
+    narrow = cdiv(alloc + num_tokens, s) - floor_div(alloc, s) <= window
     req = _requested_blocks(cfg, seqs, entry, num_tokens, speculative=False, max_draft_len=0, window=m,
                             window_ids=False)
     req_n, req_w = (req._replace(requested=req.requested & side) for side in (narrow, ~narrow))
     ok, offset = _grant_in_order(entry, req, order, ahead, use_pool=use_pool)
     zero = jnp.zeros((), i32)
 
-    def one_pass(x, r, width):
+    def one_pass(x, r, width, counted):
         """Pop the granted rows of request r into their [B, width] windows and write them into x = (blocks,
         table); returns (blocks, table, copied block per row and its copy, N where none: an identity for a
-        request of no row)."""
+        request of no row) and the pass's tally (counted: with the whole request's counts, else None)."""
         win = _pop_blocks(cfg, seqs, entry, r, ok, offset, speculative=False, use_pool=use_pool, window=width)
+        tally = _tally(counted, ok, win, speculative=False)
         out, table, old_cow_blk = _write_table_and_states(cfg, seqs.replace(block_table=x[1]), x[0], r, ok, win,
-                                                          speculative=False, generation=zero)
-        return out, table, old_cow_blk, jnp.where(old_cow_blk < n, win.new_id[:, 0], n)
+                                                          tally, speculative=False, generation=zero)
+        return (out, table, old_cow_blk, jnp.where(old_cow_blk < n, win.new_id[:, 0], n)), tally
 
-    blocks1, table1, old_n, dst_n = one_pass((entry, seqs.block_table), req_n, window)
+    (blocks1, table1, old_n, dst_n), tally = one_pass((entry, seqs.block_table), req_n, window, req)
     none = jnp.full(num_tokens.shape, n, i32)
     x = (blocks1, table1, none, none)
     blocks2, table2, old_w, dst_w = vmap_flow.when_for(skip)(
-        jnp.any(req_w.requested), lambda x: one_pass(x[:2], req_w, m), x, identity_when_false=True)
-    blocks = _release_copied(blocks2, jnp.where(narrow, old_n, old_w), use_pool=use_pool, skip=skip)
-    return _grown(cfg, st, blocks, table2, num_tokens, req, ok, jnp.where(narrow, dst_n, dst_w), None,
+        jnp.any(req_w.requested), lambda x: one_pass(x[:2], req_w, m, None)[0], x, identity_when_false=True)
+    blocks = _release_copied(blocks2, jnp.where(narrow, old_n, old_w), tally.copies, use_pool=use_pool, skip=skip)
+    return _grown(cfg, st, blocks, table2, num_tokens, req, ok, jnp.where(narrow, dst_n, dst_w), tally,
                   speculative=False)
 
 

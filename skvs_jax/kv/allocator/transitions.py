@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, count_leading, i32, take_each
+from skvs_jax.arrays import cdiv, count_leading, floor_div, i32, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
@@ -44,13 +44,13 @@ def commit_unchecked(
     blocks, seqs = st.blocks, st.seqs
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)[:, None]
     num_accepted = num_accepted.astype(i32)
-    fits = seqs.num_blocks - seqs.num_committed // s <= window
+    fits = seqs.num_blocks - floor_div(seqs.num_committed, s) <= window
     pending = seqs.num_allocated - seqs.num_committed
     ok = fits & (num_accepted >= 0) & (num_accepted <= pending)
     committed = jnp.where(fits, seqs.num_committed + jnp.clip(num_accepted, 0, pending), seqs.num_committed)
     keep = cdiv(committed, s)
 
-    col = (seqs.num_committed // s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
+    col = floor_div(seqs.num_committed, s)[:, None] + jnp.arange(window, dtype=i32)[None, :]  # [B, W]
     in_table = (col < seqs.num_blocks[:, None]) & fits[:, None]
     ids = jnp.where(in_table, seqs.block_table[b_idx, jnp.clip(col, 0, m - 1)], n)
     # The masks below are made to depend on the values just gathered (ids, old_state): without that data
