@@ -216,10 +216,11 @@ def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, copies: jax.Array
     """Route the copied blocks (old_cow_blk int32[B], N = none; copies int32[] how many are not N) whose last
     reference the copies dropped."""
     n = blocks.state.shape[0]
-    b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
 
     def release_copied(blocks: BlockPool) -> BlockPool:
-        # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0.
+        # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0. (The row
+        # ids are made here: an array from outside a skip's body is materialised to be passed in.)
+        b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
         released = (old_cow_blk < n) & (blocks.ref_count[jnp.clip(old_cow_blk, 0, n - 1)] == 0)
         last_holder = jnp.full((n,), -1, i32).at[old_cow_blk].max(b_idx, mode="drop")
         released &= last_holder[jnp.clip(old_cow_blk, 0, n - 1)] == b_idx

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from skvs_jax import vmap_flow
-from skvs_jax.arrays import cdiv, count_leading, floor_div, i32, take_each
+from skvs_jax.arrays import cdiv, count_leading, floor_div, i32, sums, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
@@ -60,7 +60,8 @@ def commit_unchecked(
     in_table &= (ids != NULL_BLOCK) & (old_state != FREE)
     validate = in_table & (col < keep[:, None])
     rejected = in_table & (col >= keep[:, None])
-    wasted = jnp.sum(rejected & (old_state == SPECULATIVE), dtype=i32)
+    # Both counts in one reduction (`arrays.sums`): the released blocks are the rejected entries.
+    wasted, rejected_count = sums(rejected & (old_state == SPECULATIVE), rejected)
 
     # The block-state transition is the article's kernel, `pallas_kernels.update_block_states`: entries of committed
     # tokens -> VALIDATED, entries past them -> STALE. Generations stay what `allocate_speculative` stamped (the
@@ -79,7 +80,8 @@ def commit_unchecked(
         # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0.
         ref_count = blocks.ref_count.at[jnp.where(rejected, ids, n)].add(-1, mode="drop")
         blocks = blocks.replace(ref_count=ref_count)
-        blocks, released = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
+        blocks, _ = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
+        released = rejected_count
         table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
         num_blocks = jnp.where(fits, jnp.minimum(seqs.num_blocks, keep), seqs.num_blocks)
     else:
@@ -244,23 +246,29 @@ def fork_unchecked(st: AllocatorState, parent: jax.Array, *, cfg: CacheConfig) -
 def reclaim_expired_unchecked(
     st: AllocatorState, current_generation: jax.Array, threshold: jax.Array, *, skip: bool = True
 ) -> tuple[AllocatorState, jax.Array]:
-    blocks = st.blocks
-    n = blocks.state.shape[0]
-    k = jnp.arange(blocks.stacks.shape[0] - n, dtype=i32)
-    ids = blocks.pool_stack
-    live = k < blocks.pool_top
-    expired = live & (jnp.asarray(current_generation, i32) - blocks.generation[ids] > threshold)
-    count = jnp.sum(expired, dtype=i32)
+    n = st.blocks.state.shape[0]
+    current_generation = jnp.asarray(current_generation, i32)
+
+    def pool(blocks: BlockPool) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """(position int32[P], id int32[P], live bool[P], expired bool[P]) of the pool's entries. Computed again
+        inside the skip's body: arrays from outside it are materialised to be passed in, and these fuse."""
+        k = jnp.arange(blocks.stacks.shape[0] - n, dtype=i32)
+        ids = blocks.pool_stack
+        live = k < blocks.pool_top
+        return k, ids, live, live & (current_generation - blocks.generation[ids] > threshold)
+
+    count = jnp.sum(pool(st.blocks)[3], dtype=i32)
 
     def compact(blocks: BlockPool) -> BlockPool:
         # The kept entries close ranks from the pool's bottom; the expired go onto the free stack: one scatter.
+        k, ids, live, expired = pool(blocks)
         kept = live & ~expired
         expired_rank = jnp.cumsum(expired, dtype=i32)
         kept_rank = jnp.minimum(k + 1, blocks.pool_top) - expired_rank
         blocks = push(blocks.replace(pool_top=jnp.zeros((), i32)), ids, expired, expired_rank, kept, kept_rank)
         return blocks.replace(state=blocks.state.at[jnp.where(expired, ids, n)].set(FREE, mode="drop"))
 
-    blocks = vmap_flow.when_for(skip)(count > 0, compact, blocks)
+    blocks = vmap_flow.when_for(skip)(count > 0, compact, st.blocks)
     counters = st.counters.replace(spec_blocks_reclaimed=st.counters.spec_blocks_reclaimed + count)
     return st.replace(blocks=blocks, counters=counters), count
 
