@@ -60,7 +60,7 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks, vmap_flow
-from skvs_jax.arrays import count_leading, floor_div
+from skvs_jax.arrays import count_leading, floor_div, sums
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -463,11 +463,12 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     resolved = jnp.where(known, entry.block, jnp.where(duplicate, leader_block[leader], leader_block))
     resolved = jnp.where(want, resolved, BROKEN)
     ct = cache.counters
+    inserted, collisions, dropped_full, rejected = sums(got, clash, candidate & ~got, is_leader & bad_id)
     cache = cache.replace(counters=ct.replace(
-        inserted=ct.inserted + jnp.sum(got, dtype=i32),
-        collisions=ct.collisions + jnp.sum(clash, dtype=i32),
-        dropped_full=ct.dropped_full + jnp.sum(candidate & ~got, dtype=i32),
-        rejected=ct.rejected + jnp.sum(is_leader & bad_id, dtype=i32),
+        inserted=ct.inserted + inserted,
+        collisions=ct.collisions + collisions,
+        dropped_full=ct.dropped_full + dropped_full,
+        rejected=ct.rejected + rejected,
     ))
     return (cache, resolved), jnp.where(got, bid, NULL_BLOCK)
 

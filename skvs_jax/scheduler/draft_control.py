@@ -77,7 +77,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from skvs_jax.arrays import cdiv, floor_div, floor_mod, i32
+from skvs_jax.arrays import cdiv, floor_div, floor_mod, i32, sums
 from skvs_jax.scheduler.state import StepCost
 
 ONE = 4096  # fixed-point 1.0 of acceptance and survival probabilities
@@ -185,7 +185,8 @@ def over_peers(elapsed: jax.Array, decoded: jax.Array, decoding: jax.Array, slac
     b = elapsed.shape[0]
     on = decoding & (decoded > 0)
     tpot = jnp.minimum(elapsed // jnp.maximum(decoded, 1), (2**31 - 1) // b)
-    mean = jnp.sum(jnp.where(on, tpot, 0), dtype=i32) // jnp.maximum(jnp.sum(on, dtype=i32), 1)
+    total, count = sums(jnp.where(on, tpot, 0), on)
+    mean = total // jnp.maximum(count, 1)
     margin = floor_div(mean, 1024) * slack + floor_div(floor_mod(mean, 1024) * slack, 1024)
     return on & (tpot > mean + margin)
 
@@ -316,8 +317,8 @@ def record_drafts(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: ja
     d = jnp.arange(draft_tried.shape[1], dtype=i32)[None, :]
     tried = verified[:, None] & (d < jnp.minimum(accepted + 1, offered)[:, None])
     passed = verified[:, None] & (d < accepted[:, None])
-    pop_t = pop_tried + jnp.sum(tried, axis=0, dtype=i32)
-    pop_p = pop_passed + jnp.sum(passed, axis=0, dtype=i32)
+    pop = jnp.sum(jnp.stack([tried, passed]), axis=1, dtype=i32)  # [2, K]: one reduction for both
+    pop_t, pop_p = pop_tried + pop[0], pop_passed + pop[1]
     halve = pop_t >= POP_HALVE_AT
     return (draft_tried + tried.astype(i32), draft_passed + passed.astype(i32),
             jnp.where(halve, floor_div(pop_t, 2), pop_t), jnp.where(halve, floor_div(pop_p, 2), pop_p))

@@ -29,6 +29,7 @@ from skvs_jax.arrays import (
     prefix_sum,
     rank_of,
     running_sum,
+    sums,
     take_each,
 )
 from skvs_jax.config import NULL_BLOCK
@@ -297,10 +298,9 @@ def goodput_plan(st: SchedState, surv: jax.Array, cap: jax.Array, chunk: jax.Arr
     first, and under `Policy.tail_guard` the behind ones bound the step's time."""
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
-    base = jnp.minimum(jnp.sum(chunk, dtype=i32), cfg.token_budget)
-    rows = jnp.sum(running, dtype=i32)
-    ctx = jnp.sum(jnp.where(running, committed, 0), dtype=i32)
-    sampling = jnp.sum(running & (chunk > 0) & (committed + chunk == seqs.num_tokens), dtype=i32)
+    base, rows, ctx, sampling = sums(chunk, running, jnp.where(running, committed, 0),
+                                     running & (chunk > 0) & (committed + chunk == seqs.num_tokens))
+    base = jnp.minimum(base, cfg.token_budget)
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
     bound_surv = draft_control.survival(draft_control.optimistic_estimates(seqs.draft_tried, seqs.draft_passed,
                                                                            st.pop_tried, st.pop_passed))
@@ -439,12 +439,13 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
 
     def side(kept, drafts):
         decode_drafts = jnp.where(plan.decode > 0, drafts, 0)
-        tokens = (draft_control.ONE * jnp.sum(kept & samples, dtype=i32)
-                  + jnp.sum(draft_control.row_gain(plan.surv, decode_drafts, cfg.reach_of), dtype=i32))
+        sampled, gain, step_tokens, rows, ctx, step_drafts = sums(
+            kept & samples, draft_control.row_gain(plan.surv, decode_drafts, cfg.reach_of),
+            jnp.where(kept, grant.query + drafts, 0), kept, jnp.where(kept, committed, 0), decode_drafts)
+        tokens = draft_control.ONE * sampled + gain
         widest = jnp.max(jnp.where(kept & (grant.query > 0), grant.query + drafts, 0))
         time = draft_control.step_time_us(
-            cost, jnp.sum(jnp.where(kept, grant.query + drafts, 0), dtype=i32), jnp.sum(kept, dtype=i32),
-            jnp.sum(jnp.where(kept, committed, 0), dtype=i32), jnp.sum(decode_drafts, dtype=i32),
+            cost, step_tokens, rows, ctx, step_drafts,
             None if cost.width_us is None else jnp.where(wide, cost.width_us.shape[0] - 1, widest))
         return tokens, time
 
@@ -520,16 +521,17 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
         num_preemptions=seqs.num_preemptions + victim.astype(i32),
     )
     ct = st.counters
+    n_recompute, n_swap, swapped_blocks = sums(recompute, swap, swap_need)
     counters = ct.replace(
         oom_steps=ct.oom_steps + oom.astype(i32),
-        preempt_recompute=ct.preempt_recompute + jnp.sum(recompute, dtype=i32),
-        preempt_swap=ct.preempt_swap + jnp.sum(swap, dtype=i32),
+        preempt_recompute=ct.preempt_recompute + n_recompute,
+        preempt_swap=ct.preempt_swap + n_swap,
         oom_steps_drafts=ct.oom_steps_drafts + by_drafts.astype(i32),
         preempt_drafts=ct.preempt_drafts + drafts_victims,
     )
     keep = (st.seqs.status == RUNNING) & ~victim
     grant = Grant(*(jnp.where(keep, x, 0) for x in grant[:4]), cow=grant.cow & keep)
-    st = st.replace(kv=kv, seqs=seqs, counters=counters, swap_used=st.swap_used + jnp.sum(swap_need, dtype=i32))
+    st = st.replace(kv=kv, seqs=seqs, counters=counters, swap_used=st.swap_used + swapped_blocks)
     return st, grant, Preemption(victim=victim, swap=swap, swap_out_blocks=swap_out_blocks, oom=oom,
                                  drafts_paid=drafts_paid, num_evictable=num_evictable)
 
@@ -542,8 +544,8 @@ def room_after(st: SchedState, grant: Grant, preemption: Preemption, cfg: Schedu
     num_evictable = vmap_flow.cond(jnp.any(preemption.victim),
                                    lambda _: jnp.sum(manager.evictable(st.kv), dtype=i32),
                                    lambda _: preemption.num_evictable, None, skip=cfg.skip)
-    return Room(free=free, avail=free + num_evictable, need=jnp.sum(grant.need_query, dtype=i32),
-                running=jnp.sum(st.seqs.status == RUNNING, dtype=i32))
+    need, running = sums(grant.need_query, st.seqs.status == RUNNING)
+    return Room(free=free, avail=free + num_evictable, need=need, running=running)
 
 
 def grant_opportunistic_drafts(grant: Grant, room: Room, plan: DraftPlan, preemption: Preemption, order: Order,
@@ -692,12 +694,15 @@ def admit(st: SchedState, grant: Grant, room: Room, plan: DraftPlan, preemption:
                         num_cached=seqs.num_cached + hit_tokens)
     ct = st.counters
     first = rows & (seqs.num_preemptions == 0)  # never admitted before: only a recompute sends a row back to WAITING
+    n_rows, n_prompt, n_cached, n_first_prompt, n_first_cached = sums(
+        rows, jnp.where(rows, seqs.num_tokens, 0), hit_tokens, jnp.where(first, seqs.num_tokens, 0),
+        jnp.where(first, hit_tokens, 0))
     counters = ct.replace(
-        admitted=ct.admitted + jnp.sum(rows, dtype=i32),
-        prompt_tokens=ct.prompt_tokens + jnp.sum(jnp.where(rows, seqs.num_tokens, 0), dtype=i32),
-        cached_tokens=ct.cached_tokens + jnp.sum(hit_tokens, dtype=i32),
-        first_prompt_tokens=ct.first_prompt_tokens + jnp.sum(jnp.where(first, seqs.num_tokens, 0), dtype=i32),
-        first_cached_tokens=ct.first_cached_tokens + jnp.sum(jnp.where(first, hit_tokens, 0), dtype=i32),
+        admitted=ct.admitted + n_rows,
+        prompt_tokens=ct.prompt_tokens + n_prompt,
+        cached_tokens=ct.cached_tokens + n_cached,
+        first_prompt_tokens=ct.first_prompt_tokens + n_first_prompt,
+        first_cached_tokens=ct.first_cached_tokens + n_first_cached,
     )
     room = room._replace(need=room.need + jnp.sum(jnp.where(admitted, a_need, 0), dtype=i32))
     return st.replace(kv=kv, seqs=seqs, counters=counters), grant, room, Admission(rows=rows, hit_tokens=hit_tokens)
@@ -771,9 +776,7 @@ def price_step(st: SchedState, batch: Batch, cfg: SchedulerConfig, step_cost: St
         return st
     cost = flat_step_cost(cfg) if step_cost is None else step_cost
     on = batch.scheduled
-    rows = jnp.sum(on, dtype=i32)
-    ctx = jnp.sum(jnp.where(on, batch.start, 0), dtype=i32)
-    drafts = jnp.sum(batch.num_drafts, dtype=i32)
+    rows, ctx, drafts = sums(on, jnp.where(on, batch.start, 0), batch.num_drafts)
     widest = widest0 = jnp.zeros((), i32)
     if cost.width_us is not None:
         prompt = jnp.any(on & (batch.num_query > 1))

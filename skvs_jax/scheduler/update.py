@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import arrays
-from skvs_jax.arrays import cdiv, count_leading, floor_div, i32
+from skvs_jax.arrays import cdiv, count_leading, floor_div, i32, sums
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import draft_control
@@ -116,13 +116,14 @@ def record(st: SchedState, batch: Batch, accepted: jax.Array, new: jax.Array, fi
     tried, passed, pop_tried, pop_passed = draft_control.record_drafts(
         st.seqs.draft_tried, st.seqs.draft_passed, st.pop_tried, st.pop_passed, verified, reached, accepted)
     ct = st.counters
+    n_finished, n_drafted, n_accepted, n_verified, n_new = sums(finished, batch.num_drafts, accepted, verified, new)
     counters = ct.replace(
         steps=ct.steps + 1,
-        finished=ct.finished + jnp.sum(finished, dtype=i32),
-        drafted=ct.drafted + jnp.sum(batch.num_drafts, dtype=i32),
-        accepted=ct.accepted + jnp.sum(accepted, dtype=i32),
-        verifications=ct.verifications + jnp.sum(verified, dtype=i32),
-        output_tokens=ct.output_tokens + jnp.sum(new, dtype=i32),
+        finished=ct.finished + n_finished,
+        drafted=ct.drafted + n_drafted,
+        accepted=ct.accepted + n_accepted,
+        verifications=ct.verifications + n_verified,
+        output_tokens=ct.output_tokens + n_new,
     )
     seqs = st.seqs.replace(accept_hist=hist, draft_tried=tried, draft_passed=passed, index_pending=pending)
     if cfg.policy.goodput_control:  # a row decoded when it sampled a token after its first one
