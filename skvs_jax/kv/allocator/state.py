@@ -105,11 +105,13 @@ class Unreffed(NamedTuple):
     """What `transitions.unref_unchecked` left for the next `transitions.free_unchecked` to route: ids int32[B, M]
     the table entries the rows dropped (N where none); clock int32[] the clock of that free (their cached blocks'
     LRU time); blocks int32[] of the blocks they released, those going to a stack (uncached): `free_blocks` until
-    then misses them."""
+    then misses them; some bool[] the mask named a row (False: ids are all N), so the free need not reduce ids
+    ([B, M]) to learn whether it has work."""
 
     ids: jax.Array
     clock: jax.Array
     blocks: jax.Array
+    some: jax.Array
 
 
 # ------------------------------------------------------------------------------------------------ init

@@ -141,8 +141,9 @@ def unref_unchecked(st: AllocatorState, seq_mask: jax.Array, *, cfg: CacheConfig
         gone = jnp.sum((st.blocks.ref_count > 0) & (ref_count == 0) & ~st.blocks.cached, dtype=i32)
         return st.replace(blocks=st.blocks.replace(ref_count=ref_count), seqs=_cleared(st.seqs, seq_mask)), gone
 
-    new, gone = vmap_flow.when_for(skip)(jnp.any(seq_mask), drop, (st, jnp.zeros((), i32)), identity_when_false=True)
-    out = Unreffed(ids=ids, clock=blocks.clock, blocks=gone)
+    some = jnp.any(seq_mask)
+    new, gone = vmap_flow.when_for(skip)(some, drop, (st, jnp.zeros((), i32)), identity_when_false=True)
+    out = Unreffed(ids=ids, clock=blocks.clock, blocks=gone, some=some)
     return new.replace(blocks=new.blocks.replace(clock=blocks.clock + 1)), out
 
 
@@ -177,7 +178,7 @@ def free_unchecked(
 
     # Freeing no sequence changes nothing but the clock, and the scheduler frees (finished rows, victims) every
     # step: skip the [B, M] and [N] passes then (skip=False: run them anyway, `vmap_flow`).
-    any_work = jnp.any(seq_mask) if first is None else jnp.any(seq_mask) | jnp.any(first.ids < n)
+    any_work = jnp.any(seq_mask) if first is None else jnp.any(seq_mask) | first.some
     st, num_released = vmap_flow.when_for(skip)(any_work, release, (st, jnp.zeros((), i32)),
                                                 identity_when_false=True)
     return st.replace(blocks=st.blocks.replace(clock=st.blocks.clock + 1)), num_released
