@@ -36,6 +36,13 @@ def _traced_int(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer)
 
 
+def div_nonneg(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x // y for int arrays with x >= 0 and y > 0 (the caller's invariant): truncating division, which equals
+    floor division there, without the sign fix-ups jnp's `//` adds per element (a fused chain that divides by
+    data, such as the draft controller's fixed-point estimates, repeats them at every use)."""
+    return jax.lax.div(x, y)
+
+
 def cdiv(x, s: int):
     """ceil(x / s) for non-negative x: blocks of s tokens needed to hold x tokens. Python ints or int arrays."""
     return floor_div(x + (s - 1), s)

@@ -273,10 +273,12 @@ def reclaim(kv: KVState, generation: jax.Array, threshold: jax.Array, skip: bool
     return kv.replace(alloc=alloc)
 
 
-def pin(alloc: AllocatorState, ids: jax.Array, skip: bool = True) -> AllocatorState:
+def pin(alloc: AllocatorState, ids: jax.Array, skip: bool = True, some: jax.Array | None = None) -> AllocatorState:
     """Mark the newly indexed blocks ids int32[X] (NULL_BLOCK = none) cached; most steps index none, and
-    pinning nothing changes nothing, so the pass over them is skipped then (unless not skip: `KVConfig.skip`)."""
-    return vmap_flow.when_for(skip)(jnp.any(ids > 0), lambda alloc: allocator.pin_unchecked(alloc, ids), alloc,
+    pinning nothing changes nothing, so the pass over them is skipped then (unless not skip: `KVConfig.skip`).
+    some bool[]: whether any id is a block, when the caller knows it (else a reduction over ids)."""
+    some = jnp.any(ids > 0) if some is None else some
+    return vmap_flow.when_for(skip)(some, lambda alloc: allocator.pin_unchecked(alloc, ids), alloc,
                                     identity_when_false=True)
 
 
@@ -338,7 +340,9 @@ def index_validated(kv: KVState, tokens: jax.Array, lengths: jax.Array, sel: jax
     """Insert-after-validation: index the full blocks of lengths int32[B] committed tokens of the rows `sel`
     (int32[R], see `index_rows`) and pin them. Only validated content ever enters the index."""
     prefix, ids = index_rows(kv.prefix, tokens, lengths, kv.alloc.seqs.block_table, sel, cfg, salt)
-    return KVState(alloc=pin(kv.alloc, ids.reshape(-1), cfg.skip), prefix=prefix)
+    # The insert counts what it indexed: a new id exactly when the count moved (a scalar, not a pass over ids).
+    some = prefix.counters.inserted != kv.prefix.counters.inserted
+    return KVState(alloc=pin(kv.alloc, ids.reshape(-1), cfg.skip, some), prefix=prefix)
 
 
 def index_on_fill(kv: KVState, view_tokens: jax.Array, filled_to: jax.Array, table: jax.Array, sel: jax.Array,

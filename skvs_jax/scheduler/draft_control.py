@@ -77,7 +77,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from skvs_jax.arrays import cdiv, floor_div, floor_mod, i32, sums
+from skvs_jax.arrays import cdiv, div_nonneg, floor_div, floor_mod, i32, sums
 from skvs_jax.scheduler.state import StepCost
 
 ONE = 4096  # fixed-point 1.0 of acceptance and survival probabilities
@@ -102,8 +102,9 @@ def thresholds() -> jax.Array:
 def acceptance_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array,
                          pop_passed: jax.Array) -> jax.Array:
     """int32[B, K] conditional acceptance per request and depth, in fixed point (see the module docstring)."""
-    pop = (pop_passed * ONE + POP_PRIOR_W * POP_PRIOR) // (pop_tried + POP_PRIOR_W)
-    return (draft_passed * ONE + REQ_PRIOR_W * pop[None, :]) // (draft_tried + REQ_PRIOR_W)
+    # Counts are non-negative and the priors' weights positive: truncating division is the floor.
+    pop = div_nonneg(pop_passed * ONE + POP_PRIOR_W * POP_PRIOR, pop_tried + POP_PRIOR_W)
+    return div_nonneg(draft_passed * ONE + REQ_PRIOR_W * pop[None, :], draft_tried + REQ_PRIOR_W)
 
 
 def optimistic_estimates(draft_tried: jax.Array, draft_passed: jax.Array, pop_tried: jax.Array,
