@@ -168,12 +168,12 @@ def _tally(req: _Request | None, ok: jax.Array, win: _Window, *, speculative: bo
 
 
 def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, req: _Request, ok: jax.Array,
-                            win: _Window, tally: _Tally, *, speculative: bool,
-                            generation: jax.Array) -> tuple[BlockPool, jax.Array, jax.Array]:
+                            win: _Window, tally: _Tally, *, speculative: bool, generation: jax.Array,
+                            copies: bool = True) -> tuple[BlockPool, jax.Array, jax.Array]:
     """Write the popped blocks into the table and give every touched block its state (a copy VALIDATED, others
-    RESERVED or SPECULATIVE with the generation), a popped block ref count 1; pop the stacks. Returns (blocks,
-    block_table int32[B, M], old_cow_blk int32[B]: each copied block, N = none), whose reference the copy drops
-    in `_release_copied`."""
+    RESERVED or SPECULATIVE with the generation), ref count 1, the copied blocks one reference less; pop the
+    stacks. Returns (blocks, block_table int32[B, M], old_cow_blk int32[B]: each copied block, N = none).
+    copies False: the request copies nothing (`_requested_blocks`), so no copied block loses a reference."""
     m, n = cfg.max_blocks_per_seq, cfg.num_blocks
     b_idx = jnp.arange(seqs.num_blocks.shape[0], dtype=i32)
     take, new_id = win.take, win.new_id
@@ -185,19 +185,21 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
     else:  # read from the new table, which avoids keeping the old one alive (a copy)
         held_id = block_table[b_idx[:, None], jnp.clip(win.col, 0, m - 1)]
     fresh_state = SPECULATIVE if speculative else RESERVED
-    touched = jnp.where(take, new_id, jnp.where(win.is_held, held_id, n))  # distinct blocks (popped or held), or N
-    # The per-block writes share this one index array (one index computation, not one per table); where a value
-    # must not change it is read back at the same id: a held block's reference count, a copy's generation.
-    safe = jnp.clip(touched, 0, n - 1)
+    touched = jnp.where(take, new_id, jnp.where(win.is_held, held_id, n))
     # A cow copy keeps the content (committed tokens) of its source: VALIDATED.
     touched_state = jnp.where(win.is_cow, VALIDATED, fresh_state).astype(jnp.int8)
     state = blocks.state.at[touched].set(touched_state, mode="drop")
     generation_arr = blocks.generation
     if speculative:
-        generation_arr = generation_arr.at[touched].set(jnp.where(win.is_cow, generation_arr[safe], generation),
-                                                        mode="drop")
-    # A popped block had no reference (it was on a stack): it gets its 1.
-    ref_count = blocks.ref_count.at[touched].set(jnp.where(take, 1, blocks.ref_count[safe]), mode="drop")
+        generation_arr = generation_arr.at[jnp.where(win.is_cow, n, touched)].set(generation, mode="drop")
+    # A popped block had no reference (it was on a stack), so one scatter-add gives it its 1 and takes the copied
+    # blocks' (never popped: they are held) away.
+    new_ref = jnp.where(take, new_id, n).reshape(-1)
+    if copies:
+        ref_count = blocks.ref_count.at[jnp.concatenate([new_ref, old_cow_blk])].add(
+            jnp.concatenate([jnp.ones_like(new_ref), jnp.full_like(old_cow_blk, -1)]), mode="drop")
+    else:
+        ref_count = blocks.ref_count.at[new_ref].set(1, mode="drop")
 
     blocks = blocks.replace(
         state=state,
@@ -211,14 +213,13 @@ def _write_table_and_states(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool
 
 def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, copies: jax.Array, *, use_pool: bool,
                     skip: bool) -> BlockPool:
-    """The copied blocks (old_cow_blk int32[B], N = none; copies int32[] how many are not N) each lose the copying
-    row's reference, and those whose last reference that was are routed."""
+    """Route the copied blocks (old_cow_blk int32[B], N = none; copies int32[] how many are not N) whose last
+    reference the copies dropped."""
     n = blocks.state.shape[0]
 
     def release_copied(blocks: BlockPool) -> BlockPool:
         # Every holder of a shared partial block may copy it in one call; the last copy drops it to 0. (The row
         # ids are made here: an array from outside a skip's body is materialised to be passed in.)
-        blocks = blocks.replace(ref_count=blocks.ref_count.at[old_cow_blk].add(-1, mode="drop"))
         b_idx = jnp.arange(old_cow_blk.shape[0], dtype=i32)
         released = (old_cow_blk < n) & (blocks.ref_count[jnp.clip(old_cow_blk, 0, n - 1)] == 0)
         last_holder = jnp.full((n,), -1, i32).at[old_cow_blk].max(b_idx, mode="drop")
@@ -226,7 +227,7 @@ def _release_copied(blocks: BlockPool, old_cow_blk: jax.Array, copies: jax.Array
         return release_blocks(blocks, old_cow_blk, released, use_pool)[0]
 
     # Copies are rare; skip the O(N) bookkeeping when there is none. skip=False: run it every call; without copies
-    # it drops and releases nothing (an identity, so no select is needed then).
+    # it releases nothing (an identity, so no select is needed then).
     return vmap_flow.when_for(skip)(copies > 0, release_copied, blocks, identity_when_false=not skip)
 
 
@@ -270,7 +271,8 @@ def _grow(
                       window=window)
     tally = _tally(req, ok, win, speculative=speculative)
     blocks, block_table, old_cow_blk = _write_table_and_states(cfg, seqs, st.blocks, req, ok, win, tally,
-                                                               speculative=speculative, generation=generation)
+                                                               speculative=speculative, generation=generation,
+                                                               copies=copies)
     if copies:
         blocks = _release_copied(blocks, old_cow_blk, tally.copies, use_pool=use_pool, skip=skip)
 
