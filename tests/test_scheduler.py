@@ -604,7 +604,7 @@ def test_indexing_a_few_rows_on_a_short_insert_equals_indexing_all_rows(seed, li
     # (tests/test_prefix_cache.py).
     want_prefix, want = prefix_cache.insert_unchecked(prefix, tokens[rows], jnp.where(live_sel, lengths[rows], 0),
                                                       table[rows], cfg=cfg.prefix,
-                                                      window=prefix_cache.INSERT_WINDOW if cfg.kv.skip_costly else 0,
+                                                      window=cfg.kv.insert_window if cfg.kv.skip_costly else 0,
                                                       own_content=True)
     chex_equal = jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), got_prefix, want_prefix)
     assert all(jax.tree.leaves(chex_equal))

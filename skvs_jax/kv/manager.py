@@ -66,6 +66,15 @@ class KVConfig:
         decode token and K drafts spill into; with lazy release the held blocks lie within the same span)."""
         return min(cdiv(1 + self.spec.draft_len, self.cache.block_size) + 1, self.cache.max_blocks_per_seq)
 
+    @property
+    def insert_window(self) -> int:
+        """Block positions past a row's own indexed prefix that the index's insert probes where costly passes
+        are skipped (`prefix_cache.insert_unchecked(window=)`): `window`, which holds every block a decode step
+        can fill and one more, so a decoding row is decided by it; a row with more new blocks (a prompt chunk)
+        takes the exact dense probe. Each position is a probe of every row's bucket ([rows, ways] entries of the
+        table), the insert's largest reads in a decode step."""
+        return self.window
+
 
 @struct.dataclass
 class KVState:
@@ -316,7 +325,7 @@ def index_rows(prefix: pc.PrefixCache, tokens: jax.Array, lengths: jax.Array, ta
             live, rows = s < b, jnp.clip(s, 0, b - 1)
             prefix, res = pc.insert_unchecked(prefix, tokens, jnp.where(live, lengths[rows], 0), table[rows],
                                               None if salt is None else salt[rows], rows, cfg=cfg.prefix,
-                                              window=pc.INSERT_WINDOW if cfg.skip_costly else 0, own_content=True)
+                                              window=cfg.insert_window if cfg.skip_costly else 0, own_content=True)
             return prefix, jnp.pad(res.block_ids, ((0, r - rows_run), (0, 0)), constant_values=NULL_BLOCK)
         return run
 

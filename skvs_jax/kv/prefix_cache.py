@@ -473,9 +473,6 @@ def _insert_position(cfg: PrefixCacheConfig, carry, x):
     return (cache, resolved), jnp.where(got, bid, NULL_BLOCK)
 
 
-INSERT_WINDOW = 4  # block positions past a row's own indexed prefix that `insert_unchecked(window=)` probes
-
-
 def _start_dense(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt: jax.Array,
                  cfg: PrefixCacheConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(start int32[B], prev int32[B], chain uint32[B, 2]): where each row's insert starts, its first full block
