@@ -67,6 +67,18 @@ def sums(*xs: jax.Array) -> jax.Array:
     return jnp.sum(jnp.stack(rows), axis=1, dtype=i32)
 
 
+def first_trues(mask: jax.Array, size: int, fill: int) -> tuple[jax.Array, jax.Array]:
+    """(positions int32[size], rank int32[X]): the positions of the first `size` Trues of mask bool[X] in order,
+    `fill` past the last (`jnp.nonzero(mask, size=size, fill_value=fill)[0]`), and mask's inclusive running count
+    (rank[-1]: its Trues; mask & (rank > size): the ones left out). One running count and one scatter, where
+    jnp.nonzero with a size takes two running counts, a bincount and a total: ~12 kernels on XLA:CPU against ~6,
+    and a GPU launch each."""
+    x = mask.shape[0]
+    rank = jnp.cumsum(mask, dtype=i32)
+    dst = jnp.where(mask & (rank <= size), rank - 1, size)
+    return jnp.full((size,), fill, i32).at[dst].set(jnp.arange(x, dtype=i32), mode="drop"), rank
+
+
 def rank_of(order: jax.Array) -> jax.Array:
     """Inverse permutation: rank[slot] = position of slot in `order` (order[r] = slot served r-th). [B] -> [B]."""
     return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))

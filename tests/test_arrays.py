@@ -62,3 +62,19 @@ def test_sums_is_each_arrays_sum(b, trailing, seed):
           for i, t in enumerate(trailing)]
     got = np.asarray(arrays.sums(*[jnp.asarray(x) for x in xs]))
     assert got.dtype == np.int32 and got.tolist() == [int(x.astype(np.int64).sum()) for x in xs]
+
+
+@given(mask=st.lists(st.booleans(), min_size=1, max_size=40), size=st.integers(1, 45), fill=st.integers(-3, 50))
+def test_first_trues_is_nonzero_with_a_size(mask, size, fill):
+    """The first `size` True positions in order, then `fill`, as jnp.nonzero(size=, fill_value=) gives them; the
+    running count is the inclusive count of Trues."""
+    m = np.asarray(mask)
+    pos, rank = arrays.first_trues(jnp.asarray(m), size, fill)
+    want = np.full(size, fill, np.int32)
+    trues = np.flatnonzero(m)[:size]
+    want[: len(trues)] = trues
+    np.testing.assert_array_equal(np.asarray(pos), want)
+    np.testing.assert_array_equal(np.asarray(rank), np.cumsum(m))
+    assert np.asarray(pos).dtype == np.int32 and np.asarray(rank).dtype == np.int32
+    nonzero = jnp.nonzero(jnp.asarray(m), size=size, fill_value=fill)[0]
+    np.testing.assert_array_equal(np.asarray(pos), np.asarray(nonzero))

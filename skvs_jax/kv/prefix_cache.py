@@ -60,7 +60,7 @@ import numpy as np
 from flax import struct
 
 from skvs_jax import checks, vmap_flow
-from skvs_jax.arrays import count_leading, floor_div, sums
+from skvs_jax.arrays import count_leading, first_trues, floor_div, sums
 from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 
 i32, u32 = jnp.int32, jnp.uint32
@@ -549,7 +549,7 @@ def _start_rest(cache: PrefixCache, blocks: jax.Array, num_full: jax.Array, salt
     count = jnp.sum(undecided, dtype=i32)
 
     def some(x):
-        idx = jnp.nonzero(undecided, size=few, fill_value=b)[0]
+        idx = first_trues(undecided, few, b)[0]
         rows = jnp.clip(idx, 0, b - 1)
         answer = _start_dense(cache, blocks[src[rows]], num_full[rows], salt[rows], cfg)
         return tuple(v.at[idx].set(a, mode="drop") for v, a in zip(x, answer))

@@ -23,6 +23,7 @@ from skvs_jax.arrays import (
     before,
     cdiv,
     count_leading,
+    first_trues,
     floor_div,
     floor_mod,
     i32,
@@ -627,10 +628,10 @@ def newly_held(hit_ids: jax.Array, hit_col: jax.Array, evictable: jax.Array) -> 
 def waiting_candidates(waiting: jax.Array, order: Order, a: int) -> jax.Array:
     """int32[A]: the first A slots of waiting bool[B] in `order`, B where there are fewer. Dense (order.ahead
     given): each waiting slot's position among the waiting is counted and the A positions matched, [A, B] compares
-    and no scan or scatter; else a gather and `jnp.nonzero`."""
+    and no scan or scatter; else a gather and `arrays.first_trues`."""
     b = waiting.shape[0]
     if order.ahead is None:
-        pos = jnp.nonzero(waiting[order.order], size=a, fill_value=b)[0]
+        pos = first_trues(waiting[order.order], a, b)[0]
         return jnp.where(pos < b, order.order[jnp.clip(pos, 0, b - 1)], b)
     position = jnp.sum(order.ahead & waiting[None, :], axis=1, dtype=i32) - 1  # among the waiting, in order
     match = waiting[None, :] & (position[None, :] == jnp.arange(a, dtype=i32)[:, None])  # [A, B]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from skvs_jax import arrays
-from skvs_jax.arrays import cdiv, count_leading, floor_div, i32, sums
+from skvs_jax.arrays import cdiv, count_leading, first_trues, floor_div, i32, sums
 from skvs_jax.kv import manager
 from skvs_jax.policies import Knobs
 from skvs_jax.scheduler import draft_control
@@ -59,8 +59,8 @@ def rows_to_index(st: SchedState, batch: Batch, accepted: jax.Array, cfg: Schedu
     # Only a row still running indexes: one aborted since schedule (or preempted while pending) has lost its blocks,
     # and batch.block_table would name freed ones.
     pending = (st.seqs.index_pending | (floor_div(filled_to, s) > floor_div(start, s))) & (st.seqs.status == RUNNING)
-    sel = jnp.nonzero(pending, size=cfg.rows_indexed, fill_value=b)[0]
-    return filled_to, sel, pending.at[sel].set(False, mode="drop")
+    sel, rank = first_trues(pending, cfg.rows_indexed, b)
+    return filled_to, sel, pending & (rank > cfg.rows_indexed)
 
 
 def drafts_in_cache_order(st: SchedState, batch: Batch, view_tokens: jax.Array, cfg: SchedulerConfig) -> jax.Array:
@@ -213,10 +213,9 @@ def add_unchecked(st, prompts, prompt_len, max_new, priority, request_id, cache_
     # that could outgrow its table.
     fits = (prompt_len <= prompts.shape[1]) & (max_new >= 1) & (max_new <= cfg.max_len - prompt_len)
     valid = (prompt_len > 0) & fits
-    empty = seqs.status == EMPTY
-    free_slots = jnp.nonzero(empty, size=b, fill_value=b)[0]
+    free_slots, empty_rank = first_trues(seqs.status == EMPTY, b, b)
     rank = jnp.cumsum(valid, dtype=i32) - 1
-    slot = jnp.where(valid & (rank < jnp.sum(empty, dtype=i32)), free_slots[jnp.clip(rank, 0, b - 1)], b)
+    slot = jnp.where(valid & (rank < empty_rank[-1]), free_slots[jnp.clip(rank, 0, b - 1)], b)
     placed = slot < b
     arrival = st.next_arrival + rank
     prompts = jnp.pad(prompts, ((0, 0), (0, cfg.max_len - prompts.shape[1])))
@@ -242,10 +241,9 @@ def fork_unchecked(st: SchedState, parent: jax.Array, request_id: jax.Array, fir
     b = cfg.cache.max_seqs
     seqs = st.seqs
     valid = (parent >= 0) & (parent < b)
-    empty = seqs.status == EMPTY
-    free_slots = jnp.nonzero(empty, size=b, fill_value=b)[0]
+    free_slots, empty_rank = first_trues(seqs.status == EMPTY, b, b)
     rank = jnp.cumsum(valid, dtype=i32) - 1
-    slot = jnp.where(valid & (rank < jnp.sum(empty, dtype=i32)), free_slots[jnp.clip(rank, 0, b - 1)], b)
+    slot = jnp.where(valid & (rank < empty_rank[-1]), free_slots[jnp.clip(rank, 0, b - 1)], b)
     p = jnp.clip(parent, 0, b - 1)
     parent_of = jnp.full((b,), -1, i32).at[slot].set(p, mode="drop")
     kv, ok = manager.fork(st.kv, parent_of, cfg.kv)
