@@ -1,6 +1,8 @@
-"""Small array idioms every layer shares, each defined once: the index dtype, ceil division, the inverse of a
-priority order, prefix sums in a priority order (by a scan or dense), and the length of a run of leading Trues
-(an accepted draft prefix, a matched hash chain)."""
+"""Small array idioms every layer shares, each defined once: the index dtype, division by a block size (a shift
+for a power of two) and ceil division, several counts in one reduction, the first positions of a mask, the
+inverse of a priority order, prefix sums in a priority order (by a scan or dense), and the length of a run of
+leading Trues (an accepted draft prefix, a matched hash chain). Several exist because each reduction, division
+fix-up or scatter is kernels a step: see docs/scheduler.md, "A seventh round"."""
 
 from __future__ import annotations
 
