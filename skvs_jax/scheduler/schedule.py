@@ -368,25 +368,28 @@ def recompute_tokens(st: SchedState, cfg: SchedulerConfig) -> jax.Array:
     return preemption_yield(st, cfg)[1]
 
 
-def available_blocks(st: SchedState, cfg: SchedulerConfig, pending: jax.Array | int = 0) -> jax.Array:
+def available_blocks(st: SchedState, cfg: SchedulerConfig, pending: jax.Array | int = 0,
+                     num_evictable: jax.Array | None = None) -> jax.Array:
     """int32[] the blocks a row's allocation can take now without preempting anyone: free (the speculative pool
     among them, `manager.free_blocks`, and pending int32[] released blocks not routed yet, `drop_finished`) plus
-    idle cached blocks that can be evicted."""
-    return manager.free_blocks(st.kv, cfg.kv) + pending + jnp.sum(manager.evictable(st.kv), dtype=i32)
+    idle cached blocks that can be evicted (num_evictable int32[], when the caller has counted them: a pass
+    over [N])."""
+    if num_evictable is None:
+        num_evictable = jnp.sum(manager.evictable(st.kv), dtype=i32)
+    return manager.free_blocks(st.kv, cfg.kv) + pending + num_evictable
 
 
-def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: SchedulerConfig,
-                   pending: jax.Array | int = 0, freed: jax.Array | None = None) -> tuple[jax.Array, Order, jax.Array]:
+def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, avail: jax.Array, cfg: SchedulerConfig,
+                   freed: jax.Array | None = None) -> tuple[jax.Array, Order, jax.Array]:
     """The fewest running rows, in victim-rule order, whose release makes need int32[B] blocks fit in the free,
     speculative-pool and evictable blocks. Returns (victim bool[B]; the rows in the rule's order, the victims
     first, as an `Order`; oom bool[], some row could not get its blocks without preemption). Most steps fit
     without preempting anyone: the victim order (a sort, or with dense prefix sums a count) is skipped then
-    (unless `SchedulerConfig.skip` is off: then it is computed and selected). pending: `available_blocks`'s.
+    (unless `SchedulerConfig.skip` is off: then it is computed and selected). avail: `available_blocks`.
     freed: `preemption_yield`'s, when the caller has it (else computed here, only when needed)."""
     b = cfg.cache.max_seqs
     alloc, running = st.kv.alloc, st.seqs.status == RUNNING
     committed, held = alloc.seqs.num_committed, alloc.seqs.num_blocks
-    avail = available_blocks(st, cfg, pending)
     total = jnp.sum(need, dtype=i32)
     b_idx = jnp.arange(b, dtype=i32)
 
@@ -415,8 +418,7 @@ def choose_victims(st: SchedState, need: jax.Array, rank: jax.Array, cfg: Schedu
 
 def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, keep_victims: jax.Array,
                            all_victims: jax.Array, cost: StepCost, cfg: SchedulerConfig,
-                           pending: jax.Array | int = 0, yields: tuple[jax.Array, jax.Array] | None = None
-                           ) -> jax.Array:
+                           avail: jax.Array, yields: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """3'. Priced draft blocks: bool[], the drafts should preempt the rows all_victims has beyond keep_victims
     (bool[B] each: the victims the query tokens alone need, and those every draft slot too needs).
 
@@ -425,11 +427,10 @@ def price_draft_preemption(st: SchedState, grant: Grant, plan: DraftPlan, order:
     every kept row keeps its drafts, the extra victims' output this step is lost, and their committed tokens'
     recompute (`draft_control.recompute_us`) is added to the step's time. Each side's expected output tokens
     (sampling rows * ONE + the survivals of its drafts, `draft_control.row_gain`) and time (`step_time_us`) go to
-    `draft_control.preemption_pays`. pending: `available_blocks`'s. yields: `preemption_yield`'s (else computed)."""
+    `draft_control.preemption_pays`. avail: `available_blocks`. yields: `preemption_yield`'s (else computed)."""
     freed, recompute_all = preemption_yield(st, cfg) if yields is None else yields
     seqs, committed = st.seqs, st.kv.alloc.seqs.num_committed
     running = seqs.status == RUNNING
-    avail = available_blocks(st, cfg, pending)
     kept1, kept2 = running & ~keep_victims, running & ~all_victims
     avail1 = avail + jnp.sum(jnp.where(keep_victims, freed, 0), dtype=i32)
     room1 = avail1 - jnp.sum(jnp.where(kept1, grant.need_query, 0), dtype=i32)
@@ -473,10 +474,10 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
     pending = 0 if finished is None else finished.blocks
     # Selecting (no skips: a GPU's program), every pass below runs each step: read the rows' yield once for them all.
     yields = None if cfg.skip else preemption_yield(st, cfg)
-    victim, victim_order, oom = choose_victims(st, need, rank, cfg, pending, None if yields is None else yields[0])
+    num_evictable = jnp.sum(manager.evictable(st.kv), dtype=i32)  # before the release (`room_after` reuses it)
+    avail = available_blocks(st, cfg, pending, num_evictable)
+    victim, victim_order, oom = choose_victims(st, need, rank, avail, cfg, None if yields is None else yields[0])
     drafts_paid = jnp.zeros((), bool)
-    avail = available_blocks(st, cfg, pending)
-    num_evictable = jnp.sum(manager.evictable(st.kv), dtype=i32)  # before the release; available_blocks' own sum
     if pol.drafts_preempt:  # attribution: the step would not be short without its drafts' blocks
         by_drafts = oom & (jnp.sum(grant.need_query, dtype=i32) <= avail)
         drafts_victims = jnp.where(by_drafts, jnp.sum(victim, dtype=i32), 0)
@@ -485,10 +486,9 @@ def preempt(st: SchedState, grant: Grant, plan: DraftPlan, order: Order, cfg: Sc
 
         def priced(_):
             ys = preemption_yield(st, cfg) if yields is None else yields
-            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, cfg, pending,
-                                                   ys[0])
+            all_v, all_o, all_oom = choose_victims(st, grant.need_query + grant.need_drafts, rank, avail, cfg, ys[0])
             return all_v, all_o, all_oom, price_draft_preemption(st, grant, plan, order, victim, all_v, cost, cfg,
-                                                                 pending, ys)
+                                                                 avail, ys)
 
         # Most steps' drafts fit without anyone preempted: then no draft victim exists and pricing is moot. Skipped
         # then: 27 of the 1,048 top-level ops of the shipped model's fused engine step, where on a CPU a step's
