@@ -57,6 +57,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         self._do(testing.Reclaim(self.spec.generation_threshold))
 
     @rule(data=hs.data())
+    def engine_step_one_pass(self, data):
+        """The scheduler's order: a decode slot and drafts in one `allocate_step`, commit, reclaim."""
+        b, k = self.cfg.max_seqs, self.spec.draft_len
+        order = tuple(data.draw(hs.permutations(range(b))))
+        window = data.draw(hs.sampled_from([None, 2]))
+        self._do(testing.AllocateStep((1,) * b, (k,) * b, order, window))
+        self._do(testing.Commit(tuple(data.draw(hs.lists(hs.integers(0, k + 1), min_size=b, max_size=b)))))
+        self._do(testing.Reclaim(self.spec.generation_threshold))
+
+    @rule(data=hs.data())
+    def fork_then_step(self, data):
+        """Every holder of a shared partial block appends and drafts in one `allocate_step`: the copies are made,
+        the original is released once, after the drafts popped."""
+        b, k = self.cfg.max_seqs, self.spec.draft_len
+        parent = data.draw(hs.integers(0, b - 1))
+        parent_of = tuple(parent if slot != parent else -1 for slot in range(b))
+        self._do(testing.Free(tuple(slot != parent for slot in range(b))))
+        self._do(testing.Fork(parent_of))
+        self._do(testing.AllocateStep((1,) * b, (k,) * b, tuple(range(b)), data.draw(hs.sampled_from([None, 2]))))
+
+    @rule(data=hs.data())
     def fork_then_both_append(self, data):
         """Parent and child write into their shared partial block in the same call: both must copy it, and
         the original is released exactly once."""
@@ -121,6 +142,34 @@ def test_window_never_changes_a_granted_result(cfg, spec, window, data):
     assert not np.asarray(res_n.ok)[wide & (np.asarray(counts) > 0)].any()
     if not wide.any():
         jax.tree.map(np.testing.assert_array_equal, (st_w, res_w), (st_n, res_n))
+
+
+@settings(max_examples=30)
+@given(cfg=testing.cache_configs(), spec=testing.spec_configs(), window=hs.sampled_from([None, 1, 2]),
+       data=hs.data())
+def test_allocate_step_is_the_two_calls_when_drafts_ride_on_slots(cfg, spec, window, data):
+    """`allocate_step` gives the state and results of `allocate` then `allocate_speculative` wherever its two
+    rules change nothing: every row that drafts has a granted, nonzero slot request, and no slot copies a block
+    (a copied block released between the two calls could be popped by the drafts)."""
+    st, oracle = allocator.init(cfg), OracleAllocator(cfg, spec)
+    for step, op in enumerate(data.draw(testing.operation_sequences(cfg, spec, max_size=12))):
+        st = testing.apply(op, st, oracle, cfg, spec, generation=step)
+    b = cfg.max_seqs
+    tokens = np.asarray(data.draw(hs.lists(hs.integers(0, 2 * cfg.block_size), min_size=b, max_size=b)), np.int32)
+    drafts = np.asarray(data.draw(hs.lists(hs.integers(0, spec.draft_len), min_size=b, max_size=b)), np.int32)
+    order = jnp.asarray(data.draw(hs.permutations(range(b))), i32)
+    gen = 7
+    two, res = allocator.allocate(st, jnp.asarray(tokens), order, cfg=cfg, spec=spec)
+    two, dres = allocator.allocate_speculative(two, jnp.asarray(drafts), gen, order, cfg=cfg, spec=spec, window=window)
+    one, res1, dres1 = allocator.allocate_step(st, jnp.asarray(tokens), jnp.asarray(drafts), gen, order, cfg=cfg,
+                                               spec=spec, window=window)
+    rides = np.all((drafts == 0) | (np.asarray(res.ok) & (tokens > 0)))
+    copies = np.any(np.asarray(res.cow_src) != NULL_BLOCK)
+    if rides and not copies:
+        jax.tree.map(np.testing.assert_array_equal, (two, res, dres), (one, res1, dres1))
+    # Whatever happens, the slots' part is the same call's.
+    np.testing.assert_array_equal(res1.ok, res.ok)
+    np.testing.assert_array_equal(np.stack([res1.cow_src, res1.cow_dst]), np.stack([res.cow_src, res.cow_dst]))
 
 
 def _split_and_single(st, counts, order, cfg, spec, window, skip):

@@ -228,31 +228,39 @@ def evict(kv: KVState, num_blocks: jax.Array, cfg: KVConfig) -> KVState:
     return vmap_flow.when(num_blocks > 0, run, kv)
 
 
-def allocate(kv: KVState, num_tokens: jax.Array, generation: jax.Array, order: jax.Array | None, cfg: KVConfig, *,
-             speculative: bool, ahead: jax.Array | None = None, copies: bool = True) -> tuple[KVState, AllocResult]:
+def allocate(kv: KVState, num_tokens: jax.Array, order: jax.Array | None, cfg: KVConfig, *,
+             ahead: jax.Array | None = None) -> tuple[KVState, AllocResult]:
     """`allocator.allocate_unchecked` of num_tokens int32[B] in priority order `order`: one allocation of every
-    row over the full table. With the costly passes' skips (`KVConfig.skip_costly`: a CPU's program) it is
-    computed as `allocator.allocate_split_unchecked`, the rows whose request spans <= W columns (every decode
-    row) in a [B, W] window and only the wider ones (prefill chunks, swap-ins) over [B, M], skipped when there
-    are none; a GPU's program runs the one pass over [B, M] (one set of kernels, not two). The same state and
-    result either way. Drafts take the window pass alone: a row's at most K drafts start in its partial block
-    and span at most ceil((S - 1 + K) / S) <= W columns, so only an invalid request could be wider, and the
-    window refuses it as the full table would. ahead bool[B, B]: the order as `arrays.before` of its rank, for
-    dense prefix sums (then order may be None; the scheduler built it, so it is not checked to be a
-    permutation). copies False (drafts only): a draft request that would copy its partial block is refused, and
-    the copy's passes are left out (`allocator.allocate_unchecked(copies=)`)."""
+    row's slots over the full table (a step with drafts allocates them with its slots: `allocate_step`).
+    With the costly passes' skips (`KVConfig.skip_costly`: a CPU's program) it is computed as
+    `allocator.allocate_split_unchecked`, the rows whose request spans <= W columns (every decode row) in a
+    [B, W] window and only the wider ones (prefill chunks, swap-ins) over [B, M], skipped when there are none; a
+    GPU's program runs the one pass over [B, M] (one set of kernels, not two). The same state and result either
+    way. ahead bool[B, B]: the order as `arrays.before` of its rank, for dense prefix sums (then order may be
+    None; the scheduler built it, so it is not checked to be a permutation)."""
     w, alloc = cfg.window, kv.alloc
-    if speculative:
-        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
-                                                  window=w, speculative=True, skip=cfg.skip_costly, ahead=ahead,
-                                                  copies=copies)
-    elif cfg.skip_costly:
+    if cfg.skip_costly:
         alloc, res = allocator.allocate_split_unchecked(alloc, num_tokens, order, cfg=cfg.cache, spec=cfg.spec,
                                                         window=w, skip=True, ahead=ahead)
     else:
-        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, generation, order, cfg=cfg.cache, spec=cfg.spec,
+        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, 0, order, cfg=cfg.cache, spec=cfg.spec,
                                                   window=None, speculative=False, skip=False, ahead=ahead)
     return kv.replace(alloc=alloc), res
+
+
+def allocate_step(kv: KVState, num_tokens: jax.Array, num_drafts: jax.Array, generation: jax.Array,
+                  order: jax.Array | None, cfg: KVConfig, *,
+                  ahead: jax.Array | None = None) -> tuple[KVState, AllocResult, AllocResult]:
+    """`allocate(num_tokens)` then `allocate(num_drafts, speculative=True)` in one pass
+    (`allocator.allocate_step_unchecked`: one scatter per table for both; a row's drafts ride on its granted
+    slots, and the blocks the slots copied away are released after the drafts popped). With the costly passes'
+    skips (a CPU's program) the rows whose slots and drafts span <= W columns (every decode row) take a [B, W]
+    window and the others a pass over [B, M], skipped when there are none; a GPU's program runs the one pass over
+    [B, M]. Returns (kv, the slots' result, the drafts')."""
+    alloc, res, draft_res = allocator.allocate_step_unchecked(
+        kv.alloc, num_tokens, num_drafts, generation, order, cfg=cfg.cache, spec=cfg.spec, draft_window=cfg.window,
+        split_window=cfg.window if cfg.skip_costly else None, skip=cfg.skip_costly, ahead=ahead)
+    return kv.replace(alloc=alloc), res, draft_res
 
 
 # ------------------------------------------------------------------------------------------- settle side

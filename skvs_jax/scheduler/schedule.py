@@ -715,24 +715,22 @@ def evict_and_allocate(st: SchedState, grant: Grant, room: Room, restored: SwapI
     first (`manager.eviction_order`), with their index entries; stale
     speculative-pool blocks are spent before that (the allocator takes them after the free stack), so a
     validated prefix is never evicted while a stale draft block is kept. Then one allocation of every row's
-    tokens (prefill chunks, decode tokens, restored blocks) and one of the draft slots, for the whole batch.
+    tokens (prefill chunks, decode tokens, restored blocks) and of its draft slots, for the whole batch in one
+    pass (`manager.allocate_step`).
     Returns the state, the first allocation's result (its copy-on-write pairs) and ok bool[]: every allocation
     succeeded (False would be a scheduler bug; the tests check it)."""
     shortfall = jnp.maximum(room.need - manager.free_blocks(st.kv, cfg.kv), 0)
     kv = manager.evict(st.kv, shortfall, cfg.kv)
-    kv, res = manager.allocate(kv, grant.query + restored.tokens, jnp.zeros((), i32), order.order, cfg.kv,
-                               ahead=order.ahead,
-                               speculative=False)
-    ok = jnp.all(res.ok)
+    tokens = grant.query + restored.tokens
     if cfg.policy.speculation:
-        # Draft slots never copy: a row has them only with its whole chunk (query > 0), whose allocation just
-        # left its partial block one it alone holds (popped, copied, or its own unshared one) or none (the chunk
-        # ended on a block boundary). So the draft pass leaves the copy's passes out; a request that would copy
-        # is refused, which alloc_ok reports.
-        kv, spec_res = manager.allocate(kv, grant.drafts, st.step, order.order, cfg.kv, speculative=True,
-                                        ahead=order.ahead, copies=False)
-        ok &= jnp.all(spec_res.ok)
-    return st.replace(kv=kv), res, ok
+        # One pass for the slots and the drafts: a row has drafts only with its whole chunk (query > 0), so
+        # they ride on its granted slots, which leave its partial block one it alone holds (popped, copied, or its
+        # own unshared one) or none: drafts never copy.
+        kv, res, draft_res = manager.allocate_step(kv, tokens, grant.drafts, st.step, order.order, cfg.kv,
+                                                   ahead=order.ahead)
+        return st.replace(kv=kv), res, jnp.all(res.ok & draft_res.ok)
+    kv, res = manager.allocate(kv, tokens, order.order, cfg.kv, ahead=order.ahead)
+    return st.replace(kv=kv), res, jnp.all(res.ok)
 
 
 def make_batch(st: SchedState, grant: Grant, preemption: Preemption, restored: SwapIn, admission: Admission,

@@ -24,6 +24,7 @@ from skvs_jax.testing.allocator_kit import (
     SPEC_CONFIGS,
     Allocate,
     AllocateSpeculative,
+    AllocateStep,
     Commit,
     Evict,
     Fork,
@@ -51,6 +52,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'skvs_jax.testing' has no attribute {name!r}")
 
 
-__all__ = ["MAX_EVICT", "SMALL_CONFIGS", "SPEC_CONFIGS", "Allocate", "AllocateSpeculative", "Commit", "Evict", "Fork",
-           "Free", "Operation", "Reclaim", "SetCached", "SharePrefix", "apply", "assert_matches_oracle",
-           "assert_no_leak", "check_invariants", "prefix_index_as_dict", "run_sequence", *_STRATEGIES]
+__all__ = ["MAX_EVICT", "SMALL_CONFIGS", "SPEC_CONFIGS", "Allocate", "AllocateSpeculative", "AllocateStep", "Commit",
+           "Evict", "Fork", "Free", "Operation", "Reclaim", "SetCached", "SharePrefix", "apply",
+           "assert_matches_oracle", "assert_no_leak", "check_invariants", "prefix_index_as_dict", "run_sequence",
+           *_STRATEGIES]

@@ -182,6 +182,14 @@ class AllocateSpeculative:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllocateStep:
+    num_tokens: tuple[int, ...]  # slots, as Allocate
+    num_drafts: tuple[int, ...]  # drafts on top of them, 0..K (beyond K - pending: refused)
+    order: tuple[int, ...]
+    window: int | None = None  # the drafts' bound and the narrow pass's width (`allocator.allocate_step(window=)`)
+
+
+@dataclasses.dataclass(frozen=True)
 class Commit:
     accept: tuple[int, ...]  # accept min(accept, pending) per slot
     window: int | None = None  # table columns examined per sequence (None = all)
@@ -221,7 +229,8 @@ class Reclaim:
     threshold: int
 
 
-Operation = Allocate | AllocateSpeculative | Commit | Free | Fork | SharePrefix | SetCached | Evict | Reclaim
+Operation = (Allocate | AllocateSpeculative | AllocateStep | Commit | Free | Fork | SharePrefix | SetCached | Evict
+             | Reclaim)
 MAX_EVICT = 4
 
 
@@ -235,7 +244,7 @@ def apply(
 ) -> AllocatorState:
     """Apply one operation to the JAX state and the oracle; assert that their per-call results agree.
 
-    `generation` is the step number used by AllocateSpeculative and Reclaim.
+    `generation` is the step number used by AllocateSpeculative, AllocateStep and Reclaim.
     """
     gen = generation
     b = cfg.max_seqs
@@ -254,6 +263,14 @@ def apply(
         ok, pairs = oracle.allocate_speculative(drafts, gen, op.order)
         _same("allocate_speculative ok", res.ok, ok)
         _same("allocate_speculative cow", np.stack([res.cow_src, res.cow_dst], 1), pairs)
+    elif isinstance(op, AllocateStep):
+        st, res, dres = allocator.allocate_step(st, jnp.asarray(op.num_tokens, i32), jnp.asarray(op.num_drafts, i32),
+                                                gen, jnp.asarray(op.order, i32), cfg=cfg, spec=spec, window=op.window)
+        ok, pairs, draft_ok = oracle.allocate_step(op.num_tokens, op.num_drafts, gen, op.order, window=op.window)
+        _same("allocate_step ok", res.ok, ok)
+        _same("allocate_step cow", np.stack([res.cow_src, res.cow_dst], 1), pairs)
+        _same("allocate_step draft ok", dres.ok, draft_ok)
+        _same("allocate_step draft cow", np.stack([dres.cow_src, dres.cow_dst], 1), [(NULL_BLOCK, NULL_BLOCK)] * b)
     elif isinstance(op, Commit):
         pending = [a - c for a, c in zip(oracle.allocated, oracle.committed)]
         accept = tuple(min(a, p) for a, p in zip(op.accept, pending))

@@ -86,6 +86,30 @@ class OracleAllocator:
 
     def allocate(self, num_tokens, order=None, *, speculative=False, generation=0, window=None):
         """Returns (ok, cow_pairs) with ok: list[bool] and cow_pairs: list[(src, dst)] per slot."""
+        ok, cow_pairs, cowed_old = self._grow(num_tokens, order, speculative, generation, window, None)
+        self._release_copied(cow_pairs, cowed_old)
+        return ok, cow_pairs
+
+    def allocate_step(self, num_tokens, num_drafts, generation, order=None, *, window=None):
+        """`allocate(num_tokens)` (over the whole table) and `allocate_speculative(num_drafts, window=window)` as
+        one transition: a row's drafts ride on its slots (refused unless its slot request was granted and
+        nonzero), and the blocks the slots copied away are released after both have popped. Returns (ok,
+        cow_pairs, draft_ok)."""
+        ok, cow_pairs, cowed_old = self._grow(num_tokens, order, False, 0, None, None)
+        refuse = [not (ok[b] and int(num_tokens[b]) > 0) for b in range(self.cfg.max_seqs)]
+        draft_ok, draft_pairs, _ = self._grow(num_drafts, order, True, generation, window, refuse)
+        assert all(p[0] == NULL_BLOCK for p in draft_pairs), "drafts on granted slots never copy"
+        self._release_copied(cow_pairs, cowed_old)
+        return ok, cow_pairs, draft_ok
+
+    def _release_copied(self, cow_pairs, cowed_old) -> None:
+        for b in range(self.cfg.max_seqs):  # released after all pops, at the last slot that copied the block
+            old = cow_pairs[b][0]
+            if old != NULL_BLOCK and self.ref[old] == 0 and cowed_old[old] == b:
+                self._release(old)
+
+    def _grow(self, num_tokens, order, speculative, generation, window, refuse):
+        """allocate's pops and writes, its copied blocks not yet released; refuse: rows refused outright."""
         s, m = self.cfg.block_size, self.cfg.max_blocks_per_seq
         window = window or m
         num_seqs = self.cfg.max_seqs
@@ -109,6 +133,7 @@ class OracleAllocator:
             new_alloc = alloc + n
             bad = n < 0 or new_alloc > m * s or cdiv(new_alloc, s) - alloc // s > window
             bad = bad or (self.drafts[b] + n > self.spec.draft_len if speculative else self.drafts[b] > 0)
+            bad = bad or (refuse is not None and refuse[b])
             need = max(0, cdiv(new_alloc, s) - len(table)) + int(cow[b])
             if bad or (need > 0 and (stopped or need > remaining)):
                 ok[b] = False
@@ -142,12 +167,7 @@ class OracleAllocator:
             self.allocated[b] = new_alloc
             if speculative:
                 self.drafts[b] += n
-        for b in range(num_seqs):  # released after all pops, at the last slot that copied the block
-            if cow_pairs[b][0] != NULL_BLOCK:
-                old = cow_pairs[b][0]
-                if self.ref[old] == 0 and cowed_old[old] == b:
-                    self._release(old)
-        return ok, cow_pairs
+        return ok, cow_pairs, cowed_old
 
     def allocate_speculative(self, num_drafts, generation, order=None, *, window=None):
         return self.allocate(num_drafts, order, speculative=True, generation=generation, window=window)

@@ -719,17 +719,19 @@ class OracleScheduler:
     def evict_and_allocate(self, start: StepStart, grant: Grant, back: SwapIn, demand: Demand) -> Allocation:
         """6. Evict the shortfall from the cached blocks, leaves first and least recently used first, and drop
         their index entries (unpinning any entries' descendants); then allocate query + restored tokens, then
-        draft slots, in priority order."""
+        draft slots, in priority order (`allocate_step`)."""
         a, cfg = self.alloc, self.cfg
         shortfall = max(demand.blocks - self._free_now(), 0)
         if shortfall > 0:
             evicted = a.evict(leaves_first(a, self.index)[:shortfall])
             self._unpin(self.index.remove(evicted))
         tokens = [q + r for q, r in zip(grant.num_query, back.restore)]
-        ok, cow_pairs = self._allocate(tokens, start.order, False)
         spec_ok = [True] * cfg.cache.max_seqs
-        if self.pol.speculation:
-            spec_ok, _ = self._allocate(grant.num_drafts, start.order, True)
+        if self.pol.speculation:  # slots and drafts in one transition, the drafts in the W window
+            ok, cow_pairs, spec_ok = a.allocate_step(tokens, grant.num_drafts, self.step, start.order,
+                                                     window=self._window())
+        else:
+            ok, cow_pairs = a.allocate(tokens, start.order, speculative=False, generation=self.step)
         return Allocation(ok=all(ok) and all(spec_ok), cow_src=[p[0] for p in cow_pairs],
                           cow_dst=[p[1] for p in cow_pairs])
 
@@ -786,13 +788,6 @@ class OracleScheduler:
     def _window(self) -> int:
         s = self.cfg.cache.block_size
         return min(cdiv(1 + self.pol.draft_len, s) + 1, self.cfg.cache.max_blocks_per_seq)
-
-    def _allocate(self, tokens, order, speculative):
-        """Slots: one allocation of every row over the full table. Drafts: in the W window (no valid draft
-        request is wider), as the jitted one."""
-        if speculative:
-            return self.alloc.allocate(tokens, order, speculative=True, generation=self.step, window=self._window())
-        return self.alloc.allocate(tokens, order, speculative=False, generation=self.step)
 
     def _unpin(self, ids) -> None:
         self.alloc.set_cached(ids, [False] * len(ids))

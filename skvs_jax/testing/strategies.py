@@ -54,6 +54,8 @@ def operations(cfg: CacheConfig, spec: SpecConfig) -> hs.SearchStrategy[kit.Oper
     return hs.one_of(
         hs.builds(kit.Allocate, vec(tokens), order),
         hs.builds(kit.AllocateSpeculative, vec(hs.integers(0, spec.draft_len)), order),
+        hs.builds(kit.AllocateStep, vec(tokens), vec(hs.integers(0, spec.draft_len)), order,
+                  hs.sampled_from([None, 1, 2])),
         hs.builds(kit.Commit, vec(hs.integers(0, spec.draft_len + 2)), hs.sampled_from([None, None, 2])),
         hs.builds(kit.Free, vec(hs.booleans())),
         hs.builds(kit.Fork, vec(hs.integers(-1, b - 1))),

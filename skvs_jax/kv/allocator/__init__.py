@@ -19,7 +19,8 @@ A block's state says what its content is:
 Per sequence the allocator keeps two lengths, `num_committed <= num_allocated`, plus `num_drafts` (pending
 draft tokens, <= K) and `num_blocks` (table entries in use, >= ceil(num_allocated / S)). One step of an engine
 runs `allocate` (decode/prefill slots) → `allocate_speculative` (draft slots) → model → `commit` (accepted
-counts) → `reclaim_expired`; `free` ends a sequence and is idempotent.
+counts) → `reclaim_expired`; `free` ends a sequence and is idempotent. `allocate_step` is the first two in one
+pass (one scatter per table), as the scheduler runs them.
 
 Batched semantics, shared by every transition: decisions are taken from the state at call entry; sequences
 are served in a given priority order `order` (a permutation of slots, `order[r]` = slot served r-th); a
@@ -29,7 +30,8 @@ from the top of a stack; released blocks are pushed in row-major (sequence slot,
 raises inside jit: failures come back as per-sequence `ok` flags and counters.
 
 Modules: `state` (the pytrees, `init`, `with_budget`, the stack operations), `grow` (`allocate_unchecked`, in
-phases, and `allocate_split_unchecked`, its result in a window and the full table), `transitions` (commit, free,
+phases, `allocate_split_unchecked`, its result in a window and the full table, and `allocate_step_unchecked`,
+slots and drafts in one pass), `transitions` (commit, free,
 share, fork, reclaim, pin, evict), `api` (the checked public transitions). Everything public is re-exported
 here: `from skvs_jax.kv import allocator; allocator.allocate(...)`.
 """
@@ -37,6 +39,7 @@ here: `from skvs_jax.kv import allocator; allocator.allocate(...)`.
 from skvs_jax.kv.allocator.api import (
     allocate,
     allocate_speculative,
+    allocate_step,
     check_state,
     commit,
     evict_lru,
@@ -46,7 +49,7 @@ from skvs_jax.kv.allocator.api import (
     set_cached,
     share,
 )
-from skvs_jax.kv.allocator.grow import allocate_split_unchecked, allocate_unchecked
+from skvs_jax.kv.allocator.grow import allocate_split_unchecked, allocate_step_unchecked, allocate_unchecked
 from skvs_jax.kv.allocator.state import (
     FREE,
     RESERVED,
@@ -85,10 +88,10 @@ from skvs_jax.kv.allocator.transitions import (
 __all__ = [
     "FREE", "RESERVED", "SPECULATIVE", "STALE", "VALIDATED", "STATE_NAMES",
     "AllocatorState", "AllocResult", "BlockPool", "CommitResult", "Counters", "SeqBlocks", "init", "with_budget",
-    "allocate", "allocate_speculative", "check_state", "commit", "evict_lru", "fork", "free", "reclaim_expired",
-    "set_cached", "share", "accepted_lengths",
-    "allocate_split_unchecked", "allocate_unchecked", "commit_unchecked", "evict_lru_unchecked", "evict_unchecked",
-    "evict_ids_unchecked", "evicted_ids", "fork_unchecked",
+    "allocate", "allocate_speculative", "allocate_step", "check_state", "commit", "evict_lru", "fork", "free",
+    "reclaim_expired", "set_cached", "share", "accepted_lengths",
+    "allocate_split_unchecked", "allocate_step_unchecked", "allocate_unchecked", "commit_unchecked",
+    "evict_lru_unchecked", "evict_unchecked", "evict_ids_unchecked", "evicted_ids", "fork_unchecked",
     "free_unchecked", "lru_order", "pin_unchecked", "reclaim_expired_unchecked", "set_cached_unchecked",
     "share_unchecked", "unpin_unchecked", "Unreffed", "unref_unchecked",
 ]

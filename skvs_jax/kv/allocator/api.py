@@ -8,7 +8,7 @@ import numpy as np
 import pallas_kernels as pk
 from skvs_jax import checks
 from skvs_jax.config import CacheConfig, SpecConfig
-from skvs_jax.kv.allocator.grow import allocate_unchecked
+from skvs_jax.kv.allocator.grow import allocate_step_unchecked, allocate_unchecked
 from skvs_jax.kv.allocator.state import AllocatorState, AllocResult, CommitResult
 from skvs_jax.kv.allocator.transitions import (
     commit_unchecked,
@@ -98,6 +98,38 @@ def allocate_speculative(
     if order is not None:
         checks.permutation("order", order, cfg.max_seqs)
     return allocate_unchecked(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
+
+
+def allocate_step(
+    st: AllocatorState,
+    num_tokens: jax.Array,
+    num_drafts: jax.Array,
+    generation: jax.Array | int,
+    order: jax.Array | None = None,
+    *,
+    cfg: CacheConfig,
+    spec: SpecConfig = SpecConfig(),
+    window: int | None = None,
+) -> tuple[AllocatorState, AllocResult, AllocResult]:
+    """An engine step's allocations in one pass: `allocate(num_tokens)` (over the whole table), then
+    `allocate_speculative(num_drafts, generation, window=window)`, each in priority order, with one scatter per
+    table for both. Two rules make them one pass: a row's drafts ride on its slots (refused unless its slot
+    request was granted and nonzero: a decode step drafts after the token it verifies), and the blocks the slots
+    copied away are released after the drafts have popped. Where those change nothing the state and results are
+    the two calls'. `window` (static): the drafts' bound, as in `allocate_speculative`, and the width of the pass
+    that serves every row whose slots and drafts fit in it (a decode step's); the rest take a pass over the whole
+    table, skipped when there are none. Returns (state, the slots' result, the drafts' result: no copies)."""
+    check_state(st, cfg)
+    checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
+    _check_counts("num_tokens", num_tokens, cfg)
+    _check_counts("num_drafts", num_drafts, cfg)
+    checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
+    checks.scalar_int("generation", generation)
+    checks.in_range("generation", generation, 0, 2**31 - 1)
+    if order is not None:
+        checks.permutation("order", order, cfg.max_seqs)
+    return allocate_step_unchecked(st, num_tokens, num_drafts, generation, order, cfg=cfg, spec=spec,
+                                   draft_window=window, split_window=window)
 
 
 def commit(

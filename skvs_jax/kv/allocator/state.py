@@ -190,17 +190,26 @@ def prefix_counts(*masks: jax.Array) -> jax.Array:
     return jnp.cumsum(jnp.stack(masks), axis=1, dtype=i32)
 
 
-def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[jax.Array, jax.Array]:
-    """The block at combined pop position `index` (0 = the top of the first stack, the second continuing below
-    it; the pool first when pool_first, else the free stack), with one gather; and bool (same shape) from the
-    first stack. Positions past both stacks read an arbitrary block."""
-    n = blocks.state.shape[0]
+def pop_position(n: int, free_top: jax.Array, pool_top: jax.Array, index: jax.Array, *,
+                 pool_first: bool) -> tuple[jax.Array, jax.Array]:
+    """The position in `stacks` (N blocks, so the pool starts at N) of combined pop position `index` (0 = the top
+    of the first stack, the second continuing below it; the pool first when pool_first, else the free stack)
+    from stacks whose tops are free_top and pool_top; and bool (same shape) from the first stack. Positions past
+    both stacks are out of range."""
     if pool_first:
-        first_top, first_base, second_top, second_base = blocks.pool_top, n, blocks.free_top, 0
+        first_top, first_base, second_top, second_base = pool_top, n, free_top, 0
     else:
-        first_top, first_base, second_top, second_base = blocks.free_top, 0, blocks.pool_top, n
+        first_top, first_base, second_top, second_base = free_top, 0, pool_top, n
     from_first = index < first_top
     pos = jnp.where(from_first, first_base + first_top - 1 - index, second_base + second_top - 1 - (index - first_top))
+    return pos, from_first
+
+
+def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[jax.Array, jax.Array]:
+    """The block at combined pop position `index` (`pop_position`), with one gather; and bool (same shape) from
+    the first stack. Positions past both stacks read an arbitrary block."""
+    pos, from_first = pop_position(blocks.state.shape[0], blocks.free_top, blocks.pool_top, index,
+                                   pool_first=pool_first)
     return blocks.stacks[jnp.clip(pos, 0, blocks.stacks.shape[0] - 1)], from_first
 
 
