@@ -34,6 +34,9 @@ def test_micro_allocator_small_run_prints_its_ratios(capsys):
     assert commands.main(argv.split() + ["--dispatch-steps", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "identical states" in "\n".join(lines)  # the run checks the batched allocator against the oracle
+    # ... and the scheduler's one-pass form against the two calls, timed beside them
+    assert re.search(r"allocate_step: slots \+ drafts one pass +median +[0-9.]+ us/step .* [0-9.]+x the two calls",
+                     "\n".join(lines))
     assert re.fullmatch(r"allocator speedup vs sequential jax search: [0-9.]+x", lines[-2])
     assert re.fullmatch(r"allocator speedup vs python oracle: [0-9.]+x", lines[-1])
 

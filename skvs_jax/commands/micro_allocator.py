@@ -4,7 +4,9 @@ The step is what an engine does per decode step with speculation: allocate one d
 allocate K draft slots (generation = step), commit a random accepted prefix (1 + leading accepted drafts of a
 random accept mask), reclaim expired speculative-pool blocks. It is timed for
 
-  1. the batched JAX allocator (`skvs_jax.allocator`), jitted with the state donated;
+  1. the batched JAX allocator (`skvs_jax.allocator`), jitted with the state donated: the two allocations as two
+     calls (`allocate`, `allocate_speculative`) and as the scheduler makes them, one `allocate_step` (one pass,
+     one scatter per table), calls of the two alternated; both must end in the same state;
   2. a JAX page manager that searches one free block at a time in `lax.fori_loop` (the way MaxText's former
      page manager worked), doing the same block work without a speculative pool;
   3. the plain-Python oracle (`skvs_jax.oracle`), the same semantics one block at a time.
@@ -145,17 +147,28 @@ def run(args: argparse.Namespace) -> int:
     # passes the same static window for decode steps (commit falls back to the full table if it must).
     window = -(-(1 + k) // cfg.block_size) + 1
 
-    def step(st, accepted, gen):
-        st, r1 = allocator.allocate(st, ones, cfg=cfg, spec=spec, window=window)
-        st, r2 = allocator.allocate_speculative(st, drafts, gen, cfg=cfg, spec=spec, window=window)
+    def settle(st, r1, r2, accepted, gen):
         st, _ = allocator.commit(st, accepted, cfg=cfg, spec=spec, window=window)
         st, _ = allocator.reclaim_expired(st, gen, spec.generation_threshold)
         return st, jnp.sum(~r1.ok, dtype=i32) + jnp.sum(~r2.ok, dtype=i32)
 
+    def step(st, accepted, gen):
+        st, r1 = allocator.allocate(st, ones, cfg=cfg, spec=spec, window=window)
+        st, r2 = allocator.allocate_speculative(st, drafts, gen, cfg=cfg, spec=spec, window=window)
+        return settle(st, r1, r2, accepted, gen)
+
+    def step_one_pass(st, accepted, gen):
+        st, r1, r2 = allocator.allocate_step(st, ones, drafts, gen, cfg=cfg, spec=spec, window=window)
+        return settle(st, r1, r2, accepted, gen)
+
     def steps(st, accepted, gens):  # `chunk` steps in one program: the in-graph cost, no per-call dispatch
         return jax.lax.scan(lambda st, xs: step(st, *xs), st, (accepted, gens))
 
+    def steps_one_pass(st, accepted, gens):
+        return jax.lax.scan(lambda st, xs: step_one_pass(st, *xs), st, (accepted, gens))
+
     steps_jit = jax.jit(steps, donate_argnums=0)
+    steps_one_pass_jit = jax.jit(steps_one_pass, donate_argnums=0)
     step_jit = jax.jit(step, donate_argnums=0)
     acc_dev = jnp.asarray(accepted)
     gens = jnp.arange(total, dtype=i32)
@@ -166,17 +179,36 @@ def run(args: argparse.Namespace) -> int:
         oracle.commit(accepted[t])
         oracle.reclaim_expired(t, spec.generation_threshold)
 
-    # 1. batched JAX allocator: warm-up call, then timed calls of `chunk` steps each.
-    failures, times = 0, []
+    # 1. batched JAX allocator: warm-up call, then timed calls of `chunk` steps each, the two allocations as two
+    # calls and as one pass alternated, each on its own copy of the state. Each timed call follows an untimed one
+    # of the same program on the same state (its next steps), so both are timed with their state in cache, as a
+    # lone allocator would be, rather than after the other's program evicted it.
+    failures, times, one_pass_times = 0, [], []
+    st_one_pass = jax.tree.map(jnp.copy, st)
     chunks = [(acc_dev[c * chunk : (c + 1) * chunk], gens[c * chunk : (c + 1) * chunk]) for c in range(calls + 1)]
-    for c, (acc_c, gens_c) in enumerate(chunks):
+
+    def timed(fn, st, acc_c, gens_c):
         t0 = time.perf_counter()
-        st, fails = steps_jit(st, acc_c, gens_c)
+        st, fails = fn(st, acc_c, gens_c)
         jax.block_until_ready(st)
-        if c:
-            times.append((time.perf_counter() - t0) / chunk)
-        failures += int(fails.sum())
-    jax_us = median_us(times)
+        return st, int(fails.sum()), (time.perf_counter() - t0) / chunk
+
+    for c in range(0, len(chunks), 2):  # per variant, a pair of calls: the first warms, the second is timed
+        pair = chunks[c : c + 2]
+        refused = []
+        for acc_c, gens_c in pair:
+            st, f, dt = timed(steps_jit, st, acc_c, gens_c)
+            refused.append(f)
+        times += [dt] if len(pair) == 2 else []
+        for acc_c, gens_c in pair:
+            st_one_pass, f, dt = timed(steps_one_pass_jit, st_one_pass, acc_c, gens_c)
+            refused.append(-f)
+        one_pass_times += [dt] if len(pair) == 2 else []
+        if sum(refused):
+            raise AssertionError("allocate_step and the two calls refused different requests")
+        failures += sum(f for f in refused if f > 0)
+    jax_us, one_pass_us, timed_calls = median_us(times), median_us(one_pass_times), len(times)
+    jax.tree.map(np.testing.assert_array_equal, st_one_pass, st)  # the same state, block for block
     # ... and one jitted call per step, dispatch included.
     first = (calls + 1) * chunk
     st, fails = step_jit(st, acc_dev[first], gens[first])
@@ -227,9 +259,12 @@ def run(args: argparse.Namespace) -> int:
         f"M={cfg.max_blocks_per_seq} blocks/seq, K={k}, accept p={args.accept_prob}, window={window} columns, "
         f"{in_use:,} blocks in use at start; jax {jax.__version__} on {jax.devices()[0].platform}"
     )
-    print(f"  allocation failures during the run: {failures}; batched jax and python oracle end in identical states")
+    print(f"  allocation failures during the run: {failures}; batched jax (both forms) and python oracle end in "
+          f"identical states")
     print(f"  timing: median over calls of {chunk} steps under one lax.scan (in-graph cost, as inside an engine step)")
-    print(f"  batched jax allocator (jit, state donated)  median {jax_us:10.1f} us/step  ({calls} calls)")
+    print(f"  batched jax allocator (jit, state donated)  median {jax_us:10.1f} us/step  ({timed_calls} calls)")
+    print(f"  ... allocate_step: slots + drafts one pass  median {one_pass_us:10.1f} us/step  ({timed_calls} calls, "
+          f"alternated in pairs; {one_pass_us / jax_us:.2f}x the two calls)")
     print(f"  sequential jax search (fori_loop, argmin)   median {seq_us:10.1f} us/step  ({seq_calls} calls)")
     print(f"  plain-python oracle                         median {oracle_us:10.1f} us/step  ({total} steps)")
     print(f"  batched jax, one jitted call per step (dispatch included): median {jax_call_us:.1f} us/step, "
