@@ -215,7 +215,8 @@ def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[j
 
 def release_blocks(
     blocks: BlockPool, ids: jax.Array, released: jax.Array, use_pool: bool, first: jax.Array | None = None,
-    first_clock: jax.Array | None = None,
+    first_clock: jax.Array | None = None, routed_as: int | None = None,
+    also: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[BlockPool, jax.Array]:
     """Route blocks whose ref count just reached 0 (flat ids[X], distinct where `released`).
 
@@ -226,13 +227,17 @@ def release_blocks(
     (`transitions.unref_unchecked`): they are routed as if before all the others, in their own order (pushed
     first, offered the pool's room first), and their cached blocks take the clock of that free, first_clock
     int32[], not the current one.
+
+    routed_as (None: each block's state): the state every released block is routed by, for a caller that has just
+    given them all that state and leaves the write to this scatter. also (mask bool[X], state int8[X]): the states
+    of other entries (and of released cached ones, which keep theirs otherwise), written by the same scatter.
     """
     n = blocks.state.shape[0]
     safe = jnp.where(released, ids, NULL_BLOCK)
-    if use_pool:
+    if use_pool and routed_as is None:
         was_cached, state = take_each((blocks.cached, blocks.state), safe)
     else:
-        was_cached, state = blocks.cached[safe], None
+        was_cached, state = blocks.cached[safe], routed_as
     cached = released & was_cached
     uncached = released & ~cached
 
@@ -249,10 +254,14 @@ def release_blocks(
         want_pool = uncached & ((state == SPECULATIVE) | (state == STALE))
         room = blocks.stacks.shape[0] - n - blocks.pool_top
         # The pool takes the first `room` candidates; the rest and every other uncached block go to the free stack.
-        counts = prefix_counts(*split(want_pool), *split(uncached))
-        half = counts.shape[0] // 2
-        want_rank, want_total = group_major(counts[0], counts[half - 1])
-        uncached_rank, uncached_total = group_major(counts[half], counts[-1])
+        if routed_as in (SPECULATIVE, STALE):  # every uncached block is a candidate: one running count serves both
+            counts = prefix_counts(*split(uncached))
+            want_rank, want_total = uncached_rank, uncached_total = group_major(counts[0], counts[-1])
+        else:
+            counts = prefix_counts(*split(want_pool), *split(uncached))
+            half = counts.shape[0] // 2
+            want_rank, want_total = group_major(counts[0], counts[half - 1])
+            uncached_rank, uncached_total = group_major(counts[half], counts[-1])
         to_pool = want_pool & (want_rank <= room)
         pool_rank = jnp.minimum(want_rank, room)
         pool_total = jnp.minimum(want_total, room)
@@ -266,7 +275,11 @@ def release_blocks(
         free_rank, free_total = group_major(counts[0], counts[-1])
         blocks = push(blocks, ids, to_free, free_rank, totals=(free_total, None))
         new_state = jnp.full(ids.shape, FREE, jnp.int8)
-    state_arr = blocks.state.at[jnp.where(uncached, ids, n)].set(new_state, mode="drop")
+    if also is None:
+        state_arr = blocks.state.at[jnp.where(uncached, ids, n)].set(new_state, mode="drop")
+    else:
+        state_arr = blocks.state.at[jnp.where(uncached | also[0], ids, n)].set(
+            jnp.where(uncached, new_state, also[1]).astype(jnp.int8), mode="drop")
     clock = blocks.clock if first is None else jnp.where(first, first_clock, blocks.clock)
     last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(clock, mode="drop")
     return blocks.replace(state=state_arr, last_used=last_used), jnp.sum(released, dtype=i32)

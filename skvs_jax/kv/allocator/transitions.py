@@ -14,6 +14,7 @@ from skvs_jax.config import NULL_BLOCK, CacheConfig, SpecConfig
 from skvs_jax.kv.allocator.state import (
     FREE,
     SPECULATIVE,
+    STALE,
     VALIDATED,
     AllocatorState,
     BlockPool,
@@ -67,24 +68,32 @@ def commit_unchecked(
     # tokens -> VALIDATED, entries past them -> STALE. Generations stay what `allocate_speculative` stamped (the
     # step that allocated the block), so its generation output is not used. A block named by an accepted and a
     # rejected entry stays VALIDATED (never happens: blocks past the committed prefix are never shared). Off the
-    # Pallas kernel (impl "xla", "reference", or "auto" off a GPU) the kernel's states alone, by two scatters over
-    # the entries (`pallas_kernels.update_states_by_scatter`), not its jnp reference's passes over all N blocks.
-    if pk.resolve_impl(impl, None)[0] != "pallas":
-        state = pk.update_states_by_scatter(blocks.state, ids, validate, validate | rejected)
-    else:
-        state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, validate | rejected, 0,
-                                             impl=impl)
-    blocks = blocks.replace(state=state)
+    # Pallas kernel (impl "xla", "reference", or "auto" off a GPU) the kernel's states by a scatter over the entries,
+    # not its jnp reference's passes over all N blocks, and one scatter: entries that name one block agree on its
+    # state (a shared block holds committed tokens of every holder, so none rejects it), where the kernel's generic
+    # form (`pallas_kernels.update_states_by_scatter`) takes a second to let an accepting entry win; under immediate
+    # release it is the release's own state scatter (a rejected block's state after it is where it was routed).
+    settled = validate | rejected
+    kernel_states = jnp.where(validate, VALIDATED, STALE).astype(jnp.int8)
+    by_scatter = pk.resolve_impl(impl, None)[0] != "pallas"
+    if not by_scatter:
+        state, _, _ = pk.update_block_states(blocks.state, blocks.generation, ids, validate, settled, 0, impl=impl)
+        blocks = blocks.replace(state=state)
     table = seqs.block_table
     if spec.release == "immediate":
-        # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0.
+        # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0. They
+        # are STALE now (the kernel's states), which routes them to the pool first.
         ref_count = blocks.ref_count.at[jnp.where(rejected, ids, n)].add(-1, mode="drop")
         blocks = blocks.replace(ref_count=ref_count)
-        blocks, _ = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool)
+        also = (settled.reshape(-1), kernel_states.reshape(-1)) if by_scatter else None
+        blocks, _ = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool, routed_as=STALE,
+                                   also=also)
         released = rejected_count
         table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
         num_blocks = jnp.where(fits, jnp.minimum(seqs.num_blocks, keep), seqs.num_blocks)
     else:
+        if by_scatter:
+            blocks = blocks.replace(state=blocks.state.at[jnp.where(settled, ids, n)].set(kernel_states, mode="drop"))
         released = jnp.zeros((), i32)
         num_blocks = seqs.num_blocks
 
