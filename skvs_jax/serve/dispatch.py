@@ -6,9 +6,9 @@ width, update), so the scheduler, the allocator, the prefix cache, drafting and 
 device between steps. The width a step needs is picked on the device from what the previous step left in the
 state (`EngineState.prompt_work`, `EngineState.next_want`), by the host's own rule (`serve.widths`): the prompt
 width while some row has prompt work, else 1 + the smallest draft width holding the bound. A program has one
-width: a step that needs a wider one ends the dispatch, and so does one whose narrower program would save more
-than the padding is worth (`fits_width`); no `lax.switch` on a computed index, which on XLA:GPU is one more host
-round trip per step. The schedule never depends on the width (it is an upper bound), so a dispatch makes
+width: a step that needs a wider one ends the dispatch, and so does a run of steps needing narrower ones once
+their padding has cost a host turn (`fits_width`); no `lax.switch` on a computed index, which on XLA:GPU is one
+more host round trip per step. The schedule never depends on the width (it is an upper bound), so a dispatch makes
 exactly the one-step engine's schedules: only the number of host visits changes.
 
 Before step i the loop ends (`STOP_*`, first that holds) when:
@@ -19,9 +19,10 @@ Before step i the loop ends (`STOP_*`, first that holds) when:
   ADMIT        the empty slots left after the staged admissions reach `admit_at`: the host's first request not
                staged fits, and the one-step engine would admit it before this step (the host passes a huge
                number when every queued request is staged)
-  WIDTH        the step needs a wider width, or a narrower one whose program would save more than a sixteenth of
-               the step (`fits_width`, by the fitted step cost); step 0 of a dispatch the host chose the width of
-               runs at any width at least the one needed
+  WIDTH        the step needs a wider width, or a narrower one and the padding the steps needing narrower ones
+               have paid in a row has reached the price of a host turn (`fits_width`, by the fitted step cost: a
+               ski rental); step 0 of a dispatch the host chose the width of runs at any width at least the one
+               needed
   FIRST_TOKEN  (i > 0) the previous step sampled some request's first token: the host streams it now, so the
                time to first token does not wait for the rest of the dispatch
 
@@ -180,47 +181,62 @@ def swaps_possible(cfg: EngineConfig) -> bool:
     return cfg.sched.policy.preemption == "swap" and cfg.sched.swap_blocks > 0
 
 
-PAD_SHARE = 16  # a step runs on in a wider program while the padding costs at most 1/16 of the step (fitted cost)
+HOST_TURN_STEPS = 1.0  # a dispatch's end is priced at this many steps of the running program (fitted cost)
 
 
-def fits_width(st: EngineState, need: jax.Array, *, cfg: EngineConfig, width: int) -> jax.Array:
-    """bool[]: a step that needs width `need` runs on in this program of `width` instead of ending the dispatch:
-    need <= width, and the padding (by the state's fitted step cost: the width the program runs minus the one
-    needed) costs at most 1 / `PAD_SHARE` of the step. A decode step in a program wider than 1 + K runs its narrow
-    branch (`engine_step.model_step_at`), so a prompt-width program pads it to 1 + K only. Without a width table
-    (a flat cost: widths priced alike) every narrower need runs on. Ending a dispatch costs a host turn, which on
-    this project's CPU is worth more than a few percent of one step; a GPU's fitted widths are nearly flat."""
+def fits_width(st: EngineState, need: jax.Array, padded: jax.Array, *, cfg: EngineConfig,
+               width: int) -> tuple[jax.Array, jax.Array]:
+    """Whether a step that needs width `need` runs on in this program of `width` instead of ending the dispatch,
+    and what the padding paid in a row comes to if it does: (bool[], float32[]). padded float32[]: the padding the
+    steps before it in a row that needed narrower widths paid (`EngineState.padded_us`).
+
+    A ski rental: ending the dispatch for a narrower program costs a host turn (priced at `HOST_TURN_STEPS` steps
+    of the running program), running on costs the step's padding (the width the program runs minus the one needed,
+    by the state's fitted step cost), and how long the narrower needs will last is unknown. So the steps run on
+    until their padding has summed to a host turn's price, then the dispatch ends: never more than twice what the
+    better choice in hindsight costs. A step that needs the whole width ends the run. A decode step in a program
+    wider than 1 + K runs its narrow branch (`engine_step.model_step_at`), so a prompt-width program pads it to
+    1 + K only. Without a width table (a flat cost: widths priced alike) every narrower need runs on. On this
+    project's CPU a width costs up to a fifth more than the next narrower one and a host turn about one step; a
+    GPU's fitted widths are nearly flat, so its runs rarely end."""
     narrow = engine_step.narrow_width(cfg)
     cost = st.step_cost
+    zero = jnp.zeros((), jnp.float32)
     if cost is None or cost.width_us is None:
-        return need <= width
+        return need <= width, zero
     table = cost.width_us
     runs = jnp.where((width > narrow) & (need <= narrow), narrow, width)
     top = table.shape[0] - 1
-    pad = table[jnp.minimum(runs, top)] - table[jnp.minimum(need, top)]
-    step = cost.token_us[0] + table[jnp.minimum(need, top)]
-    return (need <= width) & (pad * PAD_SHARE <= step)
+    pad = jnp.maximum(table[jnp.minimum(runs, top)] - table[jnp.minimum(need, top)], 0).astype(jnp.float32)
+    turn = jnp.float32(HOST_TURN_STEPS) * (cost.token_us[0] + table[jnp.minimum(runs, top)]).astype(jnp.float32)
+    fits = (need <= width) & ((pad == 0) | (padded < turn))
+    return fits, jnp.where(pad > 0, padded + pad, zero)
 
 
 def stop_before(i: jax.Array, st: EngineState, first_token: jax.Array, lim: Limits, *, cfg: EngineConfig,
-                width: int, admits: jax.Array | None = None) -> jax.Array:
-    """int32[]: why the loop ends before step i (`RUNNING`: it does not). first_token: bool[] the previous step
-    sampled some request's first token (False before step 0). admits: int32[] the staged requests the loop
-    would admit before step i (`admissible`; None: none), which the rules see as admitted."""
+                width: int, admits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(int32[], float32[]): why the loop ends before step i (`RUNNING`: it does not), and the state's
+    `padded_us` for step i: with the step's padding if it runs (`fits_width`), as it was if the loop ends.
+    first_token: bool[] the previous step sampled some request's first token (False before step 0). admits:
+    int32[] the staged requests the loop would admit before step i (`admissible`; None: none), which the rules
+    see as admitted."""
     seqs = st.sched.seqs
     admits = jnp.asarray(0, i32) if admits is None else admits
     # A parent that finished with its first token still forks (off its FINISHED slot, before a schedule frees it).
     fork = jnp.any((seqs.status != sc.EMPTY) & (st.sampling.siblings > 0) & (seqs.num_tokens > seqs.prompt_len))
     empty = jnp.sum(seqs.status == sc.EMPTY, dtype=i32) - admits
     need = needed_width(st, cfg, admits > 0)
-    wrong_width = jnp.where((i == 0) & (lim.exact == 0), need > width, ~fits_width(st, need, cfg=cfg, width=width))
+    padded = jnp.zeros((), jnp.float32) if st.padded_us is None else st.padded_us
+    fits, padded_if_run = fits_width(st, need, padded, cfg=cfg, width=width)
+    wrong_width = jnp.where((i == 0) & (lim.exact == 0), need > width, ~fits)
     idle = ~jnp.any(sc.live(seqs.status)) & (admits == 0)
     reasons = [(i >= lim.n, BOUND), (idle, IDLE), (fork, FORK),
                (empty >= lim.admit_at, ADMIT), (wrong_width, WIDTH), ((i > 0) & first_token, FIRST_TOKEN)]
     stop = jnp.asarray(RUNNING, i32)
     for hit, code in reversed(reasons):  # the first that holds wins
         stop = jnp.where(hit, code, stop)
-    return jnp.where(lim.probe > 0, jnp.where(i >= lim.n, BOUND, RUNNING), stop).astype(i32)
+    stop = jnp.where(lim.probe > 0, jnp.where(i >= lim.n, BOUND, RUNNING), stop).astype(i32)
+    return stop, jnp.where(stop == RUNNING, padded_if_run, padded)
 
 
 def _first_tokens(st: EngineState, out: StepOut) -> jax.Array:
@@ -289,7 +305,9 @@ def run_steps(runner, params, st: EngineState, knobs, lim: Limits, branch=engine
     buf = jax.tree.map(lambda x: jnp.zeros((capacity,) + x.shape, x.dtype), zero)
     took = jnp.full((capacity, b), -1, i32)
     admits0 = admissible(st, lim)  # what the stop rule saw is what the step admits: carried, not recounted
-    stop0 = stop_before(jnp.asarray(0, i32), st, jnp.asarray(False), lim, cfg=cfg, width=width, admits=admits0)
+    stop0, padded0 = stop_before(jnp.asarray(0, i32), st, jnp.asarray(False), lim, cfg=cfg, width=width,
+                                 admits=admits0)
+    st = _with_padded(st, padded0)
 
     def cond(carry):
         return carry[4] == RUNNING
@@ -304,12 +322,17 @@ def run_steps(runner, params, st: EngineState, knobs, lim: Limits, branch=engine
         buf = jax.tree.map(lambda b, x: jax.lax.dynamic_update_index_in_dim(b, x, i, 0), buf, out)
         ran = i + jnp.where(swapped, 0, 1).astype(i32)
         admits = admissible(new, lim)
-        stop = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width, admits=admits)
-        return ran, new, buf, took, jnp.where(swapped, SWAP, stop).astype(i32), admits
+        stop, padded = stop_before(ran, new, _first_tokens(new, out), lim, cfg=cfg, width=width, admits=admits)
+        return ran, _with_padded(new, padded), buf, took, jnp.where(swapped, SWAP, stop).astype(i32), admits
 
     init = (jnp.asarray(0, i32), st, buf, took, stop0, admits0)
     steps, st, buf, took, stop, _ = jax.lax.while_loop(cond, body, init)
     return st, Dispatched(steps=steps, stop=stop, out=buf, took=took)
+
+
+def _with_padded(st: EngineState, padded: jax.Array) -> EngineState:
+    """st with the width rule's running padding (kept where the state keeps it)."""
+    return st if st.padded_us is None else st.replace(padded_us=padded)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -203,7 +203,8 @@ class Engine:
             sched=sc.init(scfg), cache=cache, hidden=jnp.zeros((b, runner.hidden_size), jnp.float32),
             sampling=sampling_mod.default_rows(b), step_cost=self._device_step_cost(),
             prompt_work=jnp.asarray(False), next_want=jnp.asarray(self.policy.draft_len, jnp.int32),
-            staged=jax.tree.map(jnp.asarray, self._incoming([])) if self._stages else None)
+            staged=jax.tree.map(jnp.asarray, self._incoming([])) if self._stages else None,
+            padded_us=jnp.zeros((), jnp.float32))
         # init() shares one zeros buffer between fields; donation needs every leaf to own its buffer.
         state = jax.tree.map(lambda x: x.copy(), state)
         if self.mesh is None:

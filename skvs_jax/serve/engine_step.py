@@ -73,6 +73,10 @@ class EngineState:
     # Queued requests the dispatch loop admits itself when a finish frees a slot (`serve.dispatch.Staged`); None
     # where the host admits every request (one step per dispatch, swap preemption).
     staged: Any = None
+    # float32[] the padding (µs, by the fitted step cost) the steps since one last needed its program's whole width
+    # paid by running wider than they needed: the dispatch loop's width rule (`serve.dispatch.fits_width`). None:
+    # not kept (each dispatch starts from 0).
+    padded_us: jax.Array | None = None
 
 
 @struct.dataclass
