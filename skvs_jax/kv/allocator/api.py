@@ -46,6 +46,16 @@ def _check_counts(name: str, x, cfg: CacheConfig) -> None:
     checks.in_range(name, x, 0, cfg.max_tokens_per_seq)
 
 
+def _check_drafts(num_drafts, generation, order, cfg: CacheConfig, spec: SpecConfig) -> None:
+    """The draft request's arguments (`allocate_speculative`, `allocate_step`) and the priority order."""
+    _check_counts("num_drafts", num_drafts, cfg)
+    checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
+    checks.scalar_int("generation", generation)
+    checks.in_range("generation", generation, 0, 2**31 - 1)  # reclaim's age is a difference of two of these
+    if order is not None:
+        checks.permutation("order", order, cfg.max_seqs)
+
+
 def allocate(
     st: AllocatorState,
     num_tokens: jax.Array,
@@ -91,12 +101,7 @@ def allocate_speculative(
     """
     check_state(st, cfg)
     checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
-    _check_counts("num_drafts", num_drafts, cfg)
-    checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
-    checks.scalar_int("generation", generation)
-    checks.in_range("generation", generation, 0, 2**31 - 1)  # reclaim's age is a difference of two of these
-    if order is not None:
-        checks.permutation("order", order, cfg.max_seqs)
+    _check_drafts(num_drafts, generation, order, cfg, spec)
     return allocate_unchecked(st, num_drafts, generation, order, cfg=cfg, spec=spec, window=window, speculative=True)
 
 
@@ -122,12 +127,7 @@ def allocate_step(
     check_state(st, cfg)
     checks.static_int("window", window, 1, cfg.max_blocks_per_seq)
     _check_counts("num_tokens", num_tokens, cfg)
-    _check_counts("num_drafts", num_drafts, cfg)
-    checks.in_range("num_drafts", num_drafts, 0, spec.draft_len)
-    checks.scalar_int("generation", generation)
-    checks.in_range("generation", generation, 0, 2**31 - 1)
-    if order is not None:
-        checks.permutation("order", order, cfg.max_seqs)
+    _check_drafts(num_drafts, generation, order, cfg, spec)
     return allocate_step_unchecked(st, num_tokens, num_drafts, generation, order, cfg=cfg, spec=spec,
                                    draft_window=window, split_window=window)
 
