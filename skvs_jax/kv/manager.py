@@ -238,13 +238,9 @@ def allocate(kv: KVState, num_tokens: jax.Array, order: jax.Array | None, cfg: K
     GPU's program runs the one pass over [B, M] (one set of kernels, not two). The same state and result either
     way. ahead bool[B, B]: the order as `arrays.before` of its rank, for dense prefix sums (then order may be
     None; the scheduler built it, so it is not checked to be a permutation)."""
-    w, alloc = cfg.window, kv.alloc
-    if cfg.skip_costly:
-        alloc, res = allocator.allocate_split_unchecked(alloc, num_tokens, order, cfg=cfg.cache, spec=cfg.spec,
-                                                        window=w, skip=True, ahead=ahead)
-    else:
-        alloc, res = allocator.allocate_unchecked(alloc, num_tokens, 0, order, cfg=cfg.cache, spec=cfg.spec,
-                                                  window=None, speculative=False, skip=False, ahead=ahead)
+    alloc, res = allocator.allocate_split_unchecked(kv.alloc, num_tokens, order, cfg=cfg.cache, spec=cfg.spec,
+                                                    window=cfg.window if cfg.skip_costly else None,
+                                                    skip=cfg.skip_costly, ahead=ahead)
     return kv.replace(alloc=alloc), res
 
 

@@ -60,7 +60,8 @@ class _Window(NamedTuple):
     is_cow: jax.Array  # bool[B, W] the copy (column 0 of a copying row)
     is_held: jax.Array  # bool[B, W] a lazily held block, reused in place
     new_id: jax.Array  # int32[B, W] the popped block (where take)
-    from_pool: jax.Array  # bool[B, W] taken from the speculative pool (else from the free stack)
+    from_pool: jax.Array | None  # bool[B, W] taken from the speculative pool (else the free stack); None: not
+    # counted from the window (`_pop_step`: its caller counts pool pops from the grants' totals)
     is_draft: jax.Array | None = None  # bool[B, W] (`allocate_step`) touched by the drafts: SPECULATIVE, generation
 
 
@@ -356,10 +357,9 @@ def _pop_step(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, after: Block
     is_held = in_slots & ~is_new & (col >= cdiv(alloc, s)[:, None])
     index = offset[:, None] + jnp.where(is_cow, 0, col - held[:, None] + cow[:, None].astype(i32))
     if use_pool:
-        pos, from_free = pop_position(n, blocks.free_top, blocks.pool_top, index, pool_first=False)
-        from_pool = take & ~from_free
+        pos = pop_position(n, blocks.free_top, blocks.pool_top, index, pool_first=False)[0]
     else:
-        pos, from_pool = blocks.free_top - 1 - index, jnp.zeros_like(take)
+        pos = blocks.free_top - 1 - index
     in_drafts = None
     if d is not None:
         in_drafts = ((col >= d.start[:, None]) & (col < cdiv(d.req.new_alloc, s)[:, None])
@@ -367,15 +367,14 @@ def _pop_step(cfg: CacheConfig, seqs: SeqBlocks, blocks: BlockPool, after: Block
         take_draft = in_drafts & is_new
         d_index = d.offset[:, None] + col - jnp.maximum(held, d.start)[:, None]
         if use_pool:
-            d_pos, d_pool = pop_position(n, after.free_top, after.pool_top, d_index, pool_first=True)
-            from_pool = jnp.where(in_drafts, take_draft & d_pool, from_pool)
+            d_pos = pop_position(n, after.free_top, after.pool_top, d_index, pool_first=True)[0]
         else:
             d_pos = after.free_top - 1 - d_index
         pos = jnp.where(in_drafts, d_pos, pos)
         take |= take_draft
         is_held |= in_drafts & ~is_new
     new_id = blocks.stacks[jnp.clip(pos, 0, blocks.stacks.shape[0] - 1)]
-    return _Window(col, take, is_cow, is_held, new_id, from_pool, in_drafts)
+    return _Window(col, take, is_cow, is_held, new_id, None, in_drafts)
 
 
 def _grow_step(
@@ -513,16 +512,17 @@ def allocate_split_unchecked(
     *,
     cfg: CacheConfig,
     spec: SpecConfig,
-    window: int,
+    window: int | None,
     skip: bool = True,
     ahead: jax.Array | None = None,
 ) -> tuple[AllocatorState, AllocResult]:
-    """`allocate_unchecked(window=None, speculative=False)`'s state and result, computed as `_grow_step`: in a
-    [B, window] window for the rows whose request fits it, over [B, M] only for the rest (a CPU's program,
-    where the full table's passes cost per element; a GPU's runs the one pass)."""
+    """`allocate_unchecked(window=None, speculative=False)`'s state and result, computed as `_grow_step` without
+    drafts: in a [B, window] window for the rows whose request fits it, over [B, M] only for the rest (a CPU's
+    program, where the full table's passes cost per element); window None: the one pass over [B, M] (a GPU's)."""
     m = cfg.max_blocks_per_seq
     return _grow_step(cfg, st, num_tokens.astype(i32), None, jnp.zeros((), i32), order, use_pool=spec.use_spec_pool,
-                      max_draft_len=0, draft_window=m, split_window=min(window, m), skip=skip, ahead=ahead)[:2]
+                      max_draft_len=0, draft_window=m, split_window=None if window is None else min(window, m),
+                      skip=skip, ahead=ahead)[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "spec", "window", "speculative", "skip"))
