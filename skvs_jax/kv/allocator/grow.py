@@ -431,25 +431,27 @@ def _grow_step(
     end = jnp.where(granted, req.new_alloc, seqs.num_allocated)
     if d is not None:
         end = jnp.where(d.ok & d.req.requested, d.req.new_alloc, end)
+    narrow = cdiv(end, s) - floor_div(seqs.num_allocated, s) <= split_window if split else None
+    # The counters and the split's "any wide row" in one reduction (`arrays.sums`): each is two kernels on XLA:CPU.
+    counted = [req.requested & ~ok, req.cow & granted] + ([granted & ~narrow] if split else [])
+    if d is not None:
+        d_granted = d.ok & d.req.requested
+        counted[0] = counted[0].astype(i32) + (d.req.requested & ~d.ok).astype(i32)
+        counted += [jnp.where(d.ok, d.req.need, 0), jnp.where(d_granted, cdiv(d.req.new_alloc, s) - d.start, 0)]
+    failures, copies, *rest = sums(*counted)
     if split:
-        narrow = cdiv(end, s) - floor_div(seqs.num_allocated, s) <= split_window
         blocks1, table1, old_n, dst_n = one_pass((entry, seqs.block_table), narrow, split_window)
         none = jnp.full(num_tokens.shape, n, i32)
         blocks, table, old_w, dst_w = vmap_flow.when_for(skip)(
-            jnp.any(granted & ~narrow), lambda x: one_pass(x[:2], ~narrow, m), (blocks1, table1, none, none),
+            rest.pop(0) > 0, lambda x: one_pass(x[:2], ~narrow, m), (blocks1, table1, none, none),
             identity_when_false=True)
         old_cow_blk, first_new = jnp.where(narrow, old_n, old_w), jnp.where(narrow, dst_n, dst_w)
     else:
         blocks, table, old_cow_blk, first_new = one_pass((entry, seqs.block_table), None, m)
 
     c, tops = st.counters, (after.free_top, after.pool_top)
-    if d is None:
-        failures, copies = sums(req.requested & ~ok, req.cow & granted)
-    else:
-        d_granted = d.ok & d.req.requested
-        taken_drafts, spec_new, failures, copies = sums(
-            jnp.where(d.ok, d.req.need, 0), jnp.where(d_granted, cdiv(d.req.new_alloc, s) - d.start, 0),
-            (req.requested & ~ok).astype(i32) + (d.req.requested & ~d.ok).astype(i32), req.cow & granted)
+    if d is not None:
+        taken_drafts, spec_new = rest
         *tops, pool_hits = _tops_after(after, taken_drafts, use_pool=use_pool, pool_first=True)
         c = c.replace(spec_blocks_allocated=c.spec_blocks_allocated + spec_new,
                       spec_pool_hits=c.spec_pool_hits + pool_hits)

@@ -5,6 +5,7 @@ Block states (int8) come from `pallas_kernels`, where the block-state kernels re
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -13,7 +14,7 @@ from flax import struct
 
 # One definition of the block states, shared with the block-state kernels.
 from pallas_kernels import FREE, RESERVED, SPECULATIVE, STALE, VALIDATED  # noqa: F401  (re-exported: the block states)
-from skvs_jax.arrays import i32, take_each
+from skvs_jax.arrays import SMALL_TRAILING, i32, take_each
 from skvs_jax.config import NULL_BLOCK, CacheConfig
 
 STATE_NAMES = ("FREE", "RESERVED", "SPECULATIVE", "VALIDATED", "STALE")
@@ -165,17 +166,17 @@ def with_budget(st: AllocatorState, kv_blocks: jax.Array) -> AllocatorState:
 def push(blocks: BlockPool, ids: jax.Array, to_free: jax.Array, free_rank: jax.Array,
          to_pool: jax.Array | None = None, pool_rank: jax.Array | None = None, *,
          totals: tuple[jax.Array, jax.Array] | None = None) -> BlockPool:
-    """Push ids[to_free] onto the free stack and ids[to_pool] onto the speculative pool (flat [X], disjoint
-    masks), each in the given order (rank: the inclusive count of its mask so far, in the order pushed), with one
-    scatter. totals: (free, pool) int32[] the blocks pushed onto each; None: the ranks' last entries (ranks in
-    the order of ids).
+    """Push ids[to_free] onto the free stack and ids[to_pool] onto the speculative pool (all one shape, [X] or
+    [R, W]; disjoint masks), each in the given order (rank: the inclusive count of its mask so far, in the order
+    pushed), with one scatter. totals: (free, pool) int32[] the blocks pushed onto each; None: the ranks' last
+    entries (ranks in the row-major order of ids).
 
     The caller computes the ranks, so that several pushes share one cumsum (on CPU each cumsum is several
     reduce-window ops, the single largest cost of a step).
     """
     n, size = blocks.state.shape[0], blocks.stacks.shape[0]
     if totals is None:
-        totals = (free_rank[-1], None if pool_rank is None else pool_rank[-1])
+        totals = (last(free_rank), None if pool_rank is None else last(pool_rank))
     dst = jnp.where(to_free, blocks.free_top + free_rank - 1, size)
     pool_top = blocks.pool_top
     if to_pool is not None:
@@ -186,8 +187,21 @@ def push(blocks: BlockPool, ids: jax.Array, to_free: jax.Array, free_rank: jax.A
 
 
 def prefix_counts(*masks: jax.Array) -> jax.Array:
-    """Inclusive running counts of several [X] masks with one cumsum: int32[len(masks), X]."""
-    return jnp.cumsum(jnp.stack(masks), axis=1, dtype=i32)
+    """Inclusive running counts of several masks, all [X] or all [R, W] (counted in row-major order), with one
+    cumsum: int32[len(masks), *shape]. Rows of W <= `arrays.SMALL_TRAILING` entries are counted within each row
+    column by column (elementwise) and across rows by one cumsum over R: on XLA:CPU a cumsum over R * W = 512
+    entries is seven kernels (two levels of its rewrite), over 256 three."""
+    stacked = jnp.stack(masks).astype(i32)
+    if stacked.ndim == 2 or stacked.shape[-1] > SMALL_TRAILING:
+        return jnp.cumsum(stacked.reshape(len(masks), -1), axis=1, dtype=i32).reshape(stacked.shape)
+    within = jnp.stack(list(itertools.accumulate(stacked[..., j] for j in range(stacked.shape[-1]))), axis=-1)
+    totals = within[..., -1]  # [k, R]
+    return within + (jnp.cumsum(totals, axis=-1, dtype=i32) - totals)[..., None]
+
+
+def last(counts: jax.Array) -> jax.Array:
+    """The last entry, in row-major order, of a running count of any shape (its total)."""
+    return counts.reshape(-1)[-1]
 
 
 def pop_position(n: int, free_top: jax.Array, pool_top: jax.Array, index: jax.Array, *,
@@ -216,9 +230,10 @@ def pop_two(blocks: BlockPool, index: jax.Array, *, pool_first: bool) -> tuple[j
 def release_blocks(
     blocks: BlockPool, ids: jax.Array, released: jax.Array, use_pool: bool, first: jax.Array | None = None,
     first_clock: jax.Array | None = None, routed_as: int | None = None,
-    also: tuple[jax.Array, jax.Array] | None = None,
+    also: tuple[jax.Array, jax.Array] | None = None, unpinned: bool = False,
 ) -> tuple[BlockPool, jax.Array]:
-    """Route blocks whose ref count just reached 0 (flat ids[X], distinct where `released`).
+    """Route blocks whose ref count just reached 0 (ids [X], or [R, W] rows taken in row-major order; distinct where
+    `released`).
 
     cached → evictable (stays VALIDATED); SPECULATIVE/STALE → speculative pool (if enabled and not full);
     everything else, and pool overflow → free stack. Returns the new pool and the number routed.
@@ -231,10 +246,16 @@ def release_blocks(
     routed_as (None: each block's state): the state every released block is routed by, for a caller that has just
     given them all that state and leaves the write to this scatter. also (mask bool[X], state int8[X]): the states
     of other entries (and of released cached ones, which keep theirs otherwise), written by the same scatter.
+    unpinned: the caller knows no released block is pinned by the prefix cache (a commit's rejected blocks, which
+    hold no committed token), so the pin flags are not read and no LRU clock is written: a gather and a scatter
+    less, each a kernel.
     """
     n = blocks.state.shape[0]
     safe = jnp.where(released, ids, NULL_BLOCK)
-    if use_pool and routed_as is None:
+    if unpinned:
+        was_cached = jnp.zeros_like(released)
+        state = routed_as if routed_as is not None else blocks.state[safe]
+    elif use_pool and routed_as is None:
         was_cached, state = take_each((blocks.cached, blocks.state), safe)
     else:
         was_cached, state = blocks.cached[safe], routed_as
@@ -244,8 +265,8 @@ def release_blocks(
     def group_major(rank_first: jax.Array, rank_rest: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Inclusive counts over ids in the first group, then the rest (each masked count in its own row)."""
         if first is None:
-            return rank_rest, rank_rest[-1]
-        return jnp.where(first, rank_first, rank_first[-1] + rank_rest), rank_first[-1] + rank_rest[-1]
+            return rank_rest, last(rank_rest)
+        return jnp.where(first, rank_first, last(rank_first) + rank_rest), last(rank_first) + last(rank_rest)
 
     def split(mask: jax.Array) -> tuple[jax.Array, ...]:
         return (mask & first, mask & ~first) if first is not None else (mask,)
@@ -280,6 +301,8 @@ def release_blocks(
     else:
         state_arr = blocks.state.at[jnp.where(uncached | also[0], ids, n)].set(
             jnp.where(uncached, new_state, also[1]).astype(jnp.int8), mode="drop")
+    if unpinned:
+        return blocks.replace(state=state_arr), jnp.sum(released, dtype=i32)
     clock = blocks.clock if first is None else jnp.where(first, first_clock, blocks.clock)
     last_used = blocks.last_used.at[jnp.where(cached, ids, n)].set(clock, mode="drop")
     return blocks.replace(state=state_arr, last_used=last_used), jnp.sum(released, dtype=i32)

@@ -82,12 +82,14 @@ def commit_unchecked(
     table = seqs.block_table
     if spec.release == "immediate":
         # Blocks past the committed prefix are never shared (fork shares committed blocks only): ref 1 -> 0. They
-        # are STALE now (the kernel's states), which routes them to the pool first.
+        # are STALE now (the kernel's states), which routes them to the pool first. Nor are they pinned: the
+        # prefix cache pins VALIDATED blocks, and these hold no committed token (a share adopts blocks as committed).
         ref_count = blocks.ref_count.at[jnp.where(rejected, ids, n)].add(-1, mode="drop")
         blocks = blocks.replace(ref_count=ref_count)
-        also = (settled.reshape(-1), kernel_states.reshape(-1)) if by_scatter else None
-        blocks, _ = release_blocks(blocks, ids.reshape(-1), rejected.reshape(-1), spec.use_spec_pool, routed_as=STALE,
-                                   also=also)
+        # The [B, W] entries as rows (`prefix_counts`: one running count over B, not over B * W).
+        also = (settled, kernel_states) if by_scatter else None
+        blocks, _ = release_blocks(blocks, ids, rejected, spec.use_spec_pool, routed_as=STALE, also=also,
+                                   unpinned=True)
         released = rejected_count
         table = table.at[b_idx, jnp.where(rejected, col, m)].set(NULL_BLOCK, mode="drop")
         num_blocks = jnp.where(fits, jnp.minimum(seqs.num_blocks, keep), seqs.num_blocks)
