@@ -37,6 +37,9 @@ def test_micro_allocator_small_run_prints_its_ratios(capsys):
     # ... and the scheduler's one-pass form against the two calls, timed beside them
     assert re.search(r"allocate_step: slots \+ drafts one pass +median +[0-9.]+ us/step .* [0-9.]+x the two calls",
                      "\n".join(lines))
+    # ... and the scan's own per-step cost, timed in the same rounds, with both figures net of it
+    assert re.search(r"the scan's floor: a step that allocates nothing +[0-9.]+ us/step .*net of it: two calls "
+                     r"-?[0-9.]+, allocate_step -?[0-9.]+\)", "\n".join(lines))
     assert re.fullmatch(r"allocator speedup vs sequential jax search: [0-9.]+x", lines[-2])
     assert re.fullmatch(r"allocator speedup vs python oracle: [0-9.]+x", lines[-1])
 
