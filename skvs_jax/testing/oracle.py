@@ -199,6 +199,7 @@ class OracleAllocator:
                 for blk in table[keep:]:
                     self.ref[blk] -= 1
                     assert self.ref[blk] == 0, "a block past the committed prefix is never shared"
+                    assert not self.cached[blk], "nor pinned: it holds no committed token (commit_unchecked: unpinned)"
                     self._release(blk)
                     released += 1
                 del table[keep:]
