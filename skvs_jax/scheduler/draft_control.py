@@ -131,10 +131,14 @@ def step_time_us(cost: StepCost, tokens: jax.Array, rows: jax.Array, ctx: jax.Ar
     table's last entry for a step with prompt work: pass its length or more)."""
     t = jnp.clip(tokens, 0, cost.token_us.shape[0] - 1)
     time = cost.token_us[t] + cost.row_us * rows + jnp.where(drafts > 0, cost.head_us, 0)
+    # ctx_ns and ctx are non-negative (`scheduler.api` checks the one, a context length is the other): the context
+    # term's floor is a truncating division, one op where jnp's `//` adds a remainder and sign fix-ups (a kernel
+    # more each on XLA:CPU, priced for every candidate cap of every row).
+    ctx_us = div_nonneg(cost.ctx_ns * ctx, 1000)
     if cost.compute_us is None:
-        time = time + cost.ctx_ns * ctx // 1000
+        time = time + ctx_us
     else:  # a roofline: compute hides under memory traffic (the context's KV read among it)
-        c, m = cost.compute_us[t], cost.mem_us + cost.ctx_ns * ctx // 1000
+        c, m = cost.compute_us[t], cost.mem_us + ctx_us
         time = time + c + m - floor_div(cost.overlap * jnp.minimum(c, m), 1024)
     if cost.width_us is None:
         return time
@@ -175,7 +179,7 @@ def over_target(target: jax.Array, elapsed: jax.Array, decoded: jax.Array) -> ja
     """bool[B] rows with a TPOT target (target int32[B] microseconds per token, 0 = none) whose decode steps took
     longer per token than it: elapsed // decoded > target, elapsed int32[B] their priced time and decoded int32[B]
     the tokens they gave (floored at 1). A quotient, so no product overflows int32."""
-    return (target > 0) & (elapsed // jnp.maximum(decoded, 1) > target)
+    return (target > 0) & (div_nonneg(elapsed, jnp.maximum(decoded, 1)) > target)  # elapsed >= 0: the floor
 
 
 def over_peers(elapsed: jax.Array, decoded: jax.Array, decoding: jax.Array, slack: int) -> jax.Array:
@@ -185,9 +189,9 @@ def over_peers(elapsed: jax.Array, decoded: jax.Array, decoding: jax.Array, slac
     floor(mean * slack / 1024) computed without a product past int32."""
     b = elapsed.shape[0]
     on = decoding & (decoded > 0)
-    tpot = jnp.minimum(elapsed // jnp.maximum(decoded, 1), (2**31 - 1) // b)
+    tpot = jnp.minimum(div_nonneg(elapsed, jnp.maximum(decoded, 1)), (2**31 - 1) // b)  # elapsed >= 0: the floor
     total, count = sums(jnp.where(on, tpot, 0), on)
-    mean = total // jnp.maximum(count, 1)
+    mean = div_nonneg(total, jnp.maximum(count, 1))
     margin = floor_div(mean, 1024) * slack + floor_div(floor_mod(mean, 1024) * slack, 1024)
     return on & (tpot > mean + margin)
 
