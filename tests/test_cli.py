@@ -10,7 +10,9 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -332,11 +334,23 @@ def _stub_serve(differ: str | None = None, stall: dict[str, set[int]] | None = N
     return serve
 
 
+_STUB_STEP_US = {"naive_spec": {"5": 1000.0, "32": 2000.0}, "skvs": {"5": 1050.0, "32": 2200.0}}
+
+
 def _patch_serve(monkeypatch, serve):
     """`serve` stands in for `bench_serving.serve`, and for each run of `bench_serving.serve_together` (lockstep
-    rounds, the default), called in the order the round gives."""
+    rounds, the default), called in the order the round gives; a round asked for equal-width step times gets
+    `_STUB_STEP_US`'s (1000 us a step where a policy has none)."""
     monkeypatch.setattr(bench_serving, "serve", serve)
-    monkeypatch.setattr(bench_serving, "serve_together", lambda calls: [serve(**call) for call in calls])
+
+    def together(calls, equal_widths=False):
+        results = [serve(**call) for call in calls]
+        if equal_widths:
+            for call, result in zip(calls, results, strict=True):
+                result["equal_width_us"] = _STUB_STEP_US.get(call["policy"].name, {"5": 1000.0, "32": 1000.0})
+        return results
+
+    monkeypatch.setattr(bench_serving, "serve_together", together)
 
 
 def _keep_ablations(monkeypatch, *names):
@@ -422,6 +436,33 @@ def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_eac
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert doc["runs"]["paired_to_naive_spec"] == {"skvs": pytest.approx([99 / 119, 100 / 120])}
     assert doc["runs"]["paired_to_naive_spec_ci95"] == {"skvs": pytest.approx([lo, hi])}
+    # ... and each policy's step at the widths both compile, timed in the first round, beside the first policy's
+    assert ("one step at each width every policy compiles (empty slots, engines alternated, median us): width 5: "
+            "naive_spec 1000, skvs 1050 (1.05x); width 32: naive_spec 2000, skvs 2200 (1.10x)") in out
+    assert doc["equal_width_us"] == _STUB_STEP_US
+
+
+def test_equal_width_steps_times_every_engine_at_the_widths_all_compile(monkeypatch):
+    """`bench_serving.equal_width_steps`: the widths every engine compiles, one untimed step each, then each
+    engine's median over the rounds of one step at each width on a fresh copy of its empty state."""
+    class Fake:
+        def __init__(self, name, widths, us):
+            self.name, self.picker, self.us, self.calls = name, types.SimpleNamespace(widths=widths), us, []
+
+        def _empty_state(self):
+            return {"x": jnp.zeros(())}
+
+        def _idle_step(self, state, width, branch, copy=True):
+            self.calls.append((width, copy))
+            clock[0] += self.us[width]  # the step's time, on the clock the function reads
+            return state
+
+    clock = [0.0]
+    monkeypatch.setattr(bench_serving.time, "perf_counter", lambda: clock[0] * 1e-6)
+    a, b = Fake("a", (1, 5, 32), {1: 7.0, 5: 10.0, 32: 30.0}), Fake("b", (5, 32), {5: 12.0, 32: 33.0})
+    got = bench_serving.equal_width_steps([a, b], rounds=3)
+    assert got == [{"5": 10.0, "32": 30.0}, {"5": 12.0, "32": 33.0}]
+    assert a.calls == [(5, True), (32, True)] + [(5, False), (32, False)] * 3  # untimed once, then timed per round
 
 
 def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):

@@ -83,6 +83,8 @@ fractions and counts have none. Version 2 had unitless keys ("throughput" tok/s,
     priced_schedules          `bench_report.priced_schedules`, when a policy fitted its step cost.
     phases                    a phased trace's: by_policy (policy -> per phase, `metrics.summarize_groups` with
                               units) and hindsight (`group_report.hindsight`'s rows, null without fixed K policies).
+    equal_width_us            in lockstep with two or more policies: policy -> width -> the median us of one
+                              step on empty slots, the engines alternated (`bench_serving.equal_width_steps`).
 
 The command is three modules: this one (the flags, `setup`, and `run`: `serve_all` -> `print_report` ->
 `write_outputs`), `bench_serving` (the engines, lockstep, the rounds and groups) and `bench_report` (what a
@@ -501,6 +503,7 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
     _print_stalls(stalls)
     _print_dispatches(results, names, args)
     priced = _print_fits(results, names)
+    equal = _print_equal_widths(runs, names)
     if same is not None:
         print(f"greedy outputs identical across policies: {same} ({len(names)} policies"
               + (f" x {args.repeats} repeats" if args.repeats > 1 else "") + " checked)")
@@ -514,7 +517,7 @@ def print_report(runs: dict, paired_with: dict, specs: dict, budget, trace, cach
         print()
         print(report.format_ablation(ablation))
     return dict(results=results, throughputs=throughputs, stalled=stalled, paired=paired, paired_ci=paired_ci,
-                same=same, ablation=ablation, priced=priced, headline=head, phases=phases)
+                same=same, ablation=ablation, priced=priced, headline=head, phases=phases, equal_widths=equal)
 
 
 def _print_phases(results: dict, names: list[str], trace, args) -> dict | None:
@@ -622,6 +625,21 @@ def _print_fits(results: dict, names: list[str]) -> dict | None:
     return priced
 
 
+def _print_equal_widths(runs: dict, names: list[str]) -> dict | None:
+    """Each policy's step at the widths every policy compiles, timed in the first round with the engines
+    alternated (`bench_serving.equal_width_steps`), with its ratio to the first policy's; None when not timed."""
+    timed = {n: runs[n][0].get("equal_width_us") for n in names if runs[n]}
+    if not timed or any(t is None for t in timed.values()):
+        return None
+    base = names[0]
+    def entry(n, w):
+        return f"{n} {timed[n][w]:.0f}" + ("" if n == base else f" ({timed[n][w] / timed[base][w]:.2f}x)")
+
+    print("one step at each width every policy compiles (empty slots, engines alternated, median us): "
+          + "; ".join(f"width {w}: " + ", ".join(entry(n, w) for n in names) for w in timed[base]))
+    return timed
+
+
 def _rate_json(rate: float | None) -> float | str:
     return "inf" if rate is None else rate
 
@@ -654,6 +672,8 @@ def section(reported: dict, names: list[str], trace, args) -> dict:
         doc["priced_schedules"] = reported["priced"]
     if reported.get("phases") is not None:
         doc["phases"] = reported["phases"]
+    if reported.get("equal_widths") is not None:
+        doc["equal_width_us"] = reported["equal_widths"]
     return doc
 
 

@@ -278,22 +278,55 @@ def serve(model, heads, policy, cache, trace, args, progress=None, knobs=None, b
     return run.result()
 
 
-def serve_together(calls: list[dict]) -> list[dict]:
+def serve_together(calls: list[dict], equal_widths: bool = False) -> list[dict]:
     """Serve several policies in lockstep: one step of each in the order given, round after round, each engine on
     a `TurnClock` that runs only during its own steps. calls: `serve`'s keyword arguments, one dict per policy;
     returns `serve`'s results in the same order. Every engine is warmed up (and fits its step cost) before the
     first step. Why: this CPU's speed drifts by 8% or more between runs of a second (docs/benchmarks.md), so
     policies served one after another see different machines; stepped in turn, each policy's steps are spread
     over the same seconds as the others', and the drift cancels out of their ratios. Each step runs right after
-    another policy's program, not its own (cold caches for all alike)."""
+    another policy's program, not its own (cold caches for all alike). equal_widths: first time every engine's
+    step at the widths all of them compile (`equal_width_steps`), into each result's "equal_width_us"."""
     runs = [Serving(**call, clock=TurnClock()) for call in calls]
+    timed = equal_width_steps([r.e for r in runs]) if equal_widths and len(runs) > 1 else None
     while any(r.busy() for r in runs):
         for r in runs:
             if r.busy():
                 r.clock.start()
                 r.turn()
                 r.clock.stop()
-    return [r.result() for r in runs]
+    results = [r.result() for r in runs]
+    if timed is not None:
+        for result, by_width in zip(results, timed, strict=True):
+            result["equal_width_us"] = by_width
+    return results
+
+
+EQUAL_WIDTH_ROUNDS = 10  # `equal_width_steps`: rounds, one step of each engine at each width per round
+
+
+def equal_width_steps(engines: list, rounds: int = EQUAL_WIDTH_ROUNDS) -> list[dict[str, float]]:
+    """Per engine, the median microseconds of one step at each query width every engine compiles (its WIDE
+    branch, on empty slots: `Engine._idle_step`, which computes every slot of the width), the engines taken in a
+    shuffled order each round so that the machine's drift lands on all alike. What each policy's program costs at
+    one width, beside the others': the bench prices every policy's steps with one policy's fit
+    (`bench_report.priced_schedules`), which cannot show that one program is dearer than another at the same width
+    (docs/benchmarks.md, "Twenty rounds, and where the last percent goes")."""
+    widths = sorted(set.intersection(*(set(e.picker.widths) for e in engines)))
+    samples = [{w: [] for w in widths} for _ in engines]
+    empties = [e._empty_state() for e in engines]
+    order = np.random.default_rng(0)
+    for e, empty in zip(engines, empties, strict=True):  # untimed: each program's first run
+        for w in widths:
+            jax.block_until_ready(e._idle_step(empty, w, eng.engine_step.WIDE))
+    for _ in range(rounds):
+        for i in order.permutation(len(engines)):
+            for w in widths:
+                state = jax.tree.map(lambda x: x.copy(), empties[i])  # untimed: the step donates its state
+                t0 = time.perf_counter()
+                jax.block_until_ready(engines[i]._idle_step(state, w, eng.engine_step.WIDE, copy=False))
+                samples[i][w].append((time.perf_counter() - t0) * 1e6)
+    return [{str(w): round(statistics.median(v), 1) for w, v in by_width.items()} for by_width in samples]
 
 
 SCHED_LOOP = 21  # `_scheduler_time`: schedules per timed call (one call of 1 is subtracted)
@@ -401,7 +434,7 @@ def serve_group(group: list[str], out: dict, history: dict, model, heads, chosen
         if getattr(args, "lockstep", False):
             if bar is not None:
                 bar.note(f"lockstep{rnd}")
-            for name, result in zip(order, serve_together(calls), strict=True):
+            for name, result in zip(order, serve_together(calls, equal_widths=repeat == 0), strict=True):
                 out[name].append(result)
             continue
         for name, call in zip(order, calls, strict=True):
