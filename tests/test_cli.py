@@ -444,7 +444,8 @@ def test_bench_repeats_report_each_policys_throughput_over_naive_spec_within_eac
 
 def test_equal_width_steps_times_every_engine_at_the_widths_all_compile(monkeypatch):
     """`bench_serving.equal_width_steps`: the widths every engine compiles, one untimed step each, then each
-    engine's median over the rounds of one step at each width on a fresh copy of its empty state."""
+    engine's median over the rounds of one step at each width on a fresh copy of its empty state
+    (`serve.step_cost.measure`)."""
     class Fake:
         def __init__(self, name, widths, us):
             self.name, self.picker, self.us, self.calls = name, types.SimpleNamespace(widths=widths), us, []
@@ -458,11 +459,11 @@ def test_equal_width_steps_times_every_engine_at_the_widths_all_compile(monkeypa
             return state
 
     clock = [0.0]
-    monkeypatch.setattr(bench_serving.time, "perf_counter", lambda: clock[0] * 1e-6)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0] * 1e-6)
     a, b = Fake("a", (1, 5, 32), {1: 7.0, 5: 10.0, 32: 30.0}), Fake("b", (5, 32), {5: 12.0, 32: 33.0})
     got = bench_serving.equal_width_steps([a, b], rounds=3)
     assert got == [{"5": 10.0, "32": 30.0}, {"5": 12.0, "32": 33.0}]
-    assert a.calls == [(5, True), (32, True)] + [(5, False), (32, False)] * 3  # untimed once, then timed per round
+    assert a.calls == [(5, False), (32, False)] * 4  # one untimed run each, then one timed a round
 
 
 def test_bench_rounds_rotate_the_policies_order(tmp_path, monkeypatch):

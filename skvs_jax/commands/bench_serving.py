@@ -26,7 +26,7 @@ import numpy as np
 from skvs_jax import metrics
 from skvs_jax.commands import policy_flags
 from skvs_jax.serve import engine as eng
-from skvs_jax.serve import speculation
+from skvs_jax.serve import speculation, step_cost
 
 # Compiled engine programs one process keeps at once. XLA:CPU maps ~2,500 memory regions per engine step of the
 # shipped model, and Linux's default limit is 65,530 maps a process: the ablation's ~40 programs together abort in
@@ -307,26 +307,22 @@ EQUAL_WIDTH_ROUNDS = 10  # `equal_width_steps`: rounds, one step of each engine 
 
 def equal_width_steps(engines: list, rounds: int = EQUAL_WIDTH_ROUNDS) -> list[dict[str, float]]:
     """Per engine, the median microseconds of one step at each query width every engine compiles (its WIDE
-    branch, on empty slots: `Engine._idle_step`, which computes every slot of the width), the engines taken in a
-    shuffled order each round so that the machine's drift lands on all alike. What each policy's program costs at
-    one width, beside the others': the bench prices every policy's steps with one policy's fit
+    branch, on empty slots: `Engine._idle_step`, which computes every slot of the width), timed as the step-cost
+    fit times one engine's widths (`serve.step_cost.measure`: one untimed run each, then rounds interleaved across
+    every engine's widths, so the machine's drift lands on all alike). What each policy's program costs at one
+    width, beside the others': the bench prices every policy's steps with one policy's fit
     (`bench_report.priced_schedules`), which cannot show that one program is dearer than another at the same width
     (docs/benchmarks.md, "Twenty rounds, and where the last percent goes")."""
     widths = sorted(set.intersection(*(set(e.picker.widths) for e in engines)))
-    samples = [{w: [] for w in widths} for _ in engines]
     empties = [e._empty_state() for e in engines]
-    order = np.random.default_rng(0)
-    for e, empty in zip(engines, empties, strict=True):  # untimed: each program's first run
-        for w in widths:
-            jax.block_until_ready(e._idle_step(empty, w, eng.engine_step.WIDE))
-    for _ in range(rounds):
-        for i in order.permutation(len(engines)):
-            for w in widths:
-                state = jax.tree.map(lambda x: x.copy(), empties[i])  # untimed: the step donates its state
-                t0 = time.perf_counter()
-                jax.block_until_ready(engines[i]._idle_step(state, w, eng.engine_step.WIDE, copy=False))
-                samples[i][w].append((time.perf_counter() - t0) * 1e6)
-    return [{str(w): round(statistics.median(v), 1) for w, v in by_width.items()} for by_width in samples]
+
+    def prepare(key):
+        i, w = key
+        state = jax.tree.map(lambda x: x.copy(), empties[i])  # untimed: the step donates its state
+        return lambda: engines[i]._idle_step(state, w, eng.engine_step.WIDE, copy=False)
+
+    timed = step_cost.measure(prepare, [(i, w) for i in range(len(engines)) for w in widths], rounds)
+    return [{str(w): round(timed[i, w], 1) for w in widths} for i in range(len(engines))]
 
 
 SCHED_LOOP = 21  # `_scheduler_time`: schedules per timed call (one call of 1 is subtracted)

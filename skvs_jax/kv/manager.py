@@ -247,7 +247,7 @@ def allocate(kv: KVState, num_tokens: jax.Array, order: jax.Array | None, cfg: K
 def allocate_step(kv: KVState, num_tokens: jax.Array, num_drafts: jax.Array, generation: jax.Array,
                   order: jax.Array | None, cfg: KVConfig, *,
                   ahead: jax.Array | None = None) -> tuple[KVState, AllocResult, AllocResult]:
-    """`allocate(num_tokens)` then `allocate(num_drafts, speculative=True)` in one pass
+    """A step's slots (num_tokens, as `allocate`) and its draft slots (num_drafts) in one pass
     (`allocator.allocate_step_unchecked`: one scatter per table for both; a row's drafts ride on its granted
     slots, and the blocks the slots copied away are released after the drafts popped). With the costly passes'
     skips (a CPU's program) the rows whose slots and drafts span <= W columns (every decode row) take a [B, W]

@@ -429,13 +429,13 @@ def _grow_step(
         return out, table, old_cow_blk, jnp.where(old_cow_blk < n, win.new_id[:, 0], n)
 
     end = jnp.where(granted, req.new_alloc, seqs.num_allocated)
+    d_granted = None if d is None else d.ok & d.req.requested
     if d is not None:
-        end = jnp.where(d.ok & d.req.requested, d.req.new_alloc, end)
+        end = jnp.where(d_granted, d.req.new_alloc, end)
     narrow = cdiv(end, s) - floor_div(seqs.num_allocated, s) <= split_window if split else None
     # The counters and the split's "any wide row" in one reduction (`arrays.sums`): each is two kernels on XLA:CPU.
     counted = [req.requested & ~ok, req.cow & granted] + ([granted & ~narrow] if split else [])
     if d is not None:
-        d_granted = d.ok & d.req.requested
         counted[0] = counted[0].astype(i32) + (d.req.requested & ~d.ok).astype(i32)
         counted += [jnp.where(d.ok, d.req.need, 0), jnp.where(d_granted, cdiv(d.req.new_alloc, s) - d.start, 0)]
     failures, copies, *rest = sums(*counted)
@@ -463,7 +463,7 @@ def _grow_step(
         block_table=table,
         num_blocks=jnp.where(granted, jnp.maximum(held, cdiv(end, s)), held),
         num_allocated=end,
-        num_drafts=seqs.num_drafts if d is None else jnp.where(d.ok & d.req.requested, seqs.num_drafts + num_drafts,
+        num_drafts=seqs.num_drafts if d is None else jnp.where(d_granted, seqs.num_drafts + num_drafts,
                                                                 seqs.num_drafts),
     )
     counters = c.replace(alloc_failures=c.alloc_failures + failures, cow_copies=c.cow_copies + copies)
